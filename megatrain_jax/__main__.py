@@ -1,0 +1,5 @@
+import sys
+
+from megatrain_jax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,65 @@
+"""``megatrain-jax`` command line: train, prepare, convert, export.
+
+Every user mistake surfaces as a ``UserError`` and becomes one line on stderr with exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatrain_jax.errors import UserError
+
+
+def _train(args: argparse.Namespace) -> int:
+    from megatrain_jax.config import load_config
+    from megatrain_jax.train import train
+
+    cfg = load_config(args.config, args.set or [])
+    train(cfg, resume=args.resume)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatrain-jax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model from a YAML config")
+    p.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.set_defaults(func=_train)
+
+    # these parse their own arguments (see main); listed here for --help
+    sub.add_parser("prepare", help="tokenize text / JSONL into a packed token file", add_help=False)
+    sub.add_parser("convert", help="hf-to-mt / mt-to-hf checkpoint conversion", add_help=False)
+    sub.add_parser("export", help="weights-only export of a training checkpoint", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "prepare":
+            from megatrain_jax.data import prepare_main
+
+            return prepare_main(argv[1:])
+        if argv and argv[0] == "convert":  # hf-to-mt / mt-to-hf
+            from megatrain_jax.hf import convert_main
+
+            return convert_main(argv[1:])
+        if argv and argv[0] == "export":  # weights-only export of a training checkpoint
+            from megatrain_jax.checkpoint import export_main
+
+            return export_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Configuration as data: dataclasses, YAML loading, ``key=value`` overrides and validation.
+
+One base YAML per run, overrides on the command line (MaxText style). Validation happens before
+anything is allocated or written, and every failure is a ``UserError`` naming the field and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from megatrain_jax.errors import UserError
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-family decoder: Llama 2/3, Qwen2/2.5 (qkv_bias), Mistral."""
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: same as num_heads (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    intermediate_size: int = 344
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    init_std: float = 0.02
+    from_hf: str | None = None  # directory of a Hugging Face checkpoint to load instead of random init
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def block_params(self) -> int:
+        """Parameters of one transformer block."""
+        h, d = self.hidden_size, self.dim_per_head
+        q, kv = self.num_heads * d, self.kv_heads * d
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    def non_embedding_params(self) -> int:
+        """Parameters that the 6·N·T model-FLOPs convention counts (blocks and final norm)."""
+        return self.num_layers * self.block_params() + self.hidden_size
+
+    def total_params(self) -> int:
+        emb = self.vocab_size * self.hidden_size
+        return self.non_embedding_params() + emb * (1 if self.tie_embeddings else 2)
+
+
+@dataclass
+class ScheduleConfig:
+    kind: str = "constant"  # constant | cosine | warmup_cosine | linear
+    warmup_steps: int = 0
+    decay_steps: int = 0  # 0: train.steps
+    end_lr_ratio: float = 0.1
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd | optax (any optax optimizer by name in `optax_name`)
+    kernel: str = "fused"  # fused (numba, in place) | optax (any optax transformation on the CPU device)
+    lr: float = 1e-3
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_norm: float | None = 1.0  # global-norm clipping; None disables it
+    optax_name: str | None = None  # with name=optax: e.g. "lion", "adafactor" (called with learning_rate)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/tinyshakespeare.txt"  # a .txt file, or a prepared token file prefix
+    tokenizer: str = "byte"  # byte | path to a tokenizer.json
+    seq_len: int = 128
+    seed: int = 0
+    doc_masking: bool = False  # attention does not cross document boundaries in packed sequences
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16  # sequences per optimizer step
+    micro_batches: int = 1  # the batch is split into this many micro-batches (layer-major accumulation)
+    compute_dtype: str = "bfloat16"  # bfloat16 | float32
+    seed: int = 0
+    log_every: int = 10
+    out_dir: str = "runs/default"
+    engine: str = "streamed"  # streamed | reference (the plain in-memory trainer)
+    loss_chunk: int = 1024  # tokens per cross-entropy chunk (logits never exist all at once)
+    ckpt_every: int = 0  # 0: only at the end / on signal
+    keep_last: int = 2
+    keep_every: int = 0
+    max_bad_steps: int = 5
+    export: str | None = None  # directory for a Hugging Face export at the end of training
+    export_dtype: str = "bfloat16"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def _coerce(value: Any, typ: Any, name: str) -> Any:
+    """Turn a YAML / command-line value into the dataclass field's type."""
+    tname = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    optional = "None" in tname
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise UserError(name, "must not be empty", f"give a value of type {tname}")
+    base = tname.replace("| None", "").replace("None |", "").strip()
+    try:
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes"):
+                return True
+            if str(value).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if base == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            f = float(value)
+            if f != int(f):
+                raise ValueError
+            return int(f)
+        if base == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if base == "str":
+            return str(value)
+    except (TypeError, ValueError):
+        raise UserError(name, f"{value!r} is not a valid {base}", f"give a {base}") from None
+    return value
+
+
+def _fill(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(values, dict):
+        raise UserError(prefix.rstrip("."), "must be a mapping", "write it as `key: value` lines")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = ", ".join(sorted(fields))
+            raise UserError(name, "unknown config key", f"use one of: {close}")
+        f = fields[key]
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            kwargs[key] = _fill(f.default_factory, value or {}, name + ".")
+        else:
+            kwargs[key] = _coerce(value, f.type, name)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise UserError(dotted, "is not a section", "override a leaf key such as train.steps=10")
+    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config, apply ``key=value`` overrides, validate, and return a ``Config``."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise UserError("CONFIG", f"file {path!r} does not exist", "pass a YAML file such as configs/tiny.yaml")
+        with open(path) as f:
+            try:
+                tree = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise UserError("CONFIG", f"{path} is not valid YAML ({e.__class__.__name__})", "fix the YAML syntax") from None
+        base = tree.pop("base", None)
+        if base is not None:
+            parent = os.path.join(os.path.dirname(path), base)
+            merged = load_config(parent).to_dict()
+            _deep_update(merged, tree)
+            tree = merged
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(item, "override is not key=value", "write e.g. --set train.steps=10")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), raw.strip())
+    cfg = _fill(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def _deep_update(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_update(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def validate(cfg: Config) -> None:
+    """Check cross-field constraints; raise ``UserError`` naming the field and the fix."""
+    m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
+    for name, v in [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
+                    ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
+                    ("model.intermediate_size", m.intermediate_size), ("train.steps", t.steps),
+                    ("train.batch_size", t.batch_size), ("train.micro_batches", t.micro_batches),
+                    ("data.seq_len", d.seq_len), ("train.loss_chunk", t.loss_chunk)]:
+        if v <= 0:
+            raise UserError(name, f"must be positive, got {v}", "set it to a positive integer")
+    if m.head_dim is None and m.hidden_size % m.num_heads:
+        raise UserError("model.num_heads", f"{m.num_heads} heads do not divide hidden_size {m.hidden_size}",
+                        "choose num_heads that divides model.hidden_size (or set model.head_dim)")
+    if m.kv_heads <= 0 or m.num_heads % m.kv_heads:
+        raise UserError("model.num_kv_heads", f"{m.kv_heads} kv heads do not divide num_heads {m.num_heads}",
+                        "choose num_kv_heads that divides model.num_heads")
+    if m.dim_per_head % 2:
+        raise UserError("model.head_dim", f"head dim {m.dim_per_head} is odd", "RoPE needs an even head dimension")
+    if t.batch_size % t.micro_batches:
+        raise UserError("train.micro_batches", f"batch_size {t.batch_size} does not divide into {t.micro_batches} micro-batches",
+                        "make train.batch_size a multiple of train.micro_batches")
+    if t.compute_dtype not in ("bfloat16", "float32"):
+        raise UserError("train.compute_dtype", f"{t.compute_dtype!r} is not supported", "use bfloat16 or float32")
+    if t.engine not in ("streamed", "reference"):
+        raise UserError("train.engine", f"{t.engine!r} is not an engine", "use streamed or reference")
+    if o.kernel not in ("fused", "optax"):
+        raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use fused or optax")
+    if o.name not in ("adamw", "sgd", "optax"):
+        raise UserError("optim.name", f"{o.name!r} is not an optimizer", "use adamw, sgd or optax (with optim.optax_name)")
+    if o.kernel == "fused" and o.name != "adamw":
+        raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}", "set optim.kernel=optax")
+    if o.clip_norm is not None and o.clip_norm <= 0:
+        raise UserError("optim.clip_norm", "must be positive", "set a positive norm, or null to disable clipping")
+    if o.schedule.kind not in ("constant", "cosine", "warmup_cosine", "linear"):
+        raise UserError("optim.schedule.kind", f"{o.schedule.kind!r} is not a schedule",
+                        "use constant, cosine, warmup_cosine or linear")
+    if m.from_hf is None and d.tokenizer == "byte" and m.vocab_size < 256:
+        raise UserError("model.vocab_size", f"{m.vocab_size} is smaller than the byte tokenizer's 256 ids",
+                        "set model.vocab_size >= 256")

@@ -1,0 +1,286 @@
+"""The streamed training step.
+
+Read ``StreamedTrainer.step`` top to bottom: forward sweep, loss, backward sweep, updates. The
+model's state lives in the host store; the accelerator sees, at any moment, the embedding and head
+(resident for the step: small, needed at both ends), the block being computed and the next block
+already in flight.
+
+- **Forward**: layer by layer; every micro-batch passes a block while its weights are resident
+  (layer-major), and each block's input activation is kept (the boundary checkpoints).
+- **Loss**: final norm + LM head + cross-entropy in chunks of ``train.loss_chunk`` tokens under
+  ``jax.checkpoint``, so the (tokens x vocab) logits never exist at once, forward or backward.
+- **Backward**: blocks in reverse; each recomputes its forward from the saved input inside a
+  per-layer VJP, accumulates its weight gradient over micro-batches in fp32, and hands it to the
+  host, where that block is updated while the accelerator moves on.
+- **Updates**: without clipping, a block is updated as soon as its gradient lands. With global-norm
+  clipping every update must wait for the norm; they are then queued in forward order, and the next
+  step's forward waits for each block's update only when it needs that block.
+
+Issue order decides overlap (DESIGN.md §2): a block's transfer is issued *before* the compute it
+should hide behind is dispatched.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from megatrain_jax.hoststore import HostStore
+from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
+from megatrain_jax.templates import StreamedModel
+
+F32 = jnp.float32
+
+
+class Batch(NamedTuple):
+    """One optimizer step's data, all (B, S) numpy arrays."""
+
+    tokens: np.ndarray
+    labels: np.ndarray
+    loss_mask: np.ndarray | None = None
+    segment_ids: np.ndarray | None = None
+    positions: np.ndarray | None = None
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens: int  # tokens that count in the loss
+    skipped: bool = False
+
+
+def chunked_cross_entropy(normed: jax.Array, out_matrix: jax.Array, labels: jax.Array,
+                          mask: jax.Array, chunk: int) -> jax.Array:
+    """sum(mask * CE(normed @ out_matrix, labels)), computed ``chunk`` tokens at a time.
+
+    normed: (B, S, H); out_matrix: (H, V); labels, mask: (B, S). Each chunk's logits are
+    recomputed in the backward (``jax.checkpoint``), so peak memory is one chunk of logits.
+    """
+    h = normed.shape[-1]
+    x, y, m = normed.reshape(-1, h), labels.reshape(-1), mask.reshape(-1).astype(F32)
+    n = x.shape[0]
+    c = min(chunk, n)
+    pad = (-n) % c
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        y, m = jnp.pad(y, (0, pad)), jnp.pad(m, (0, pad))
+    xs = (x.reshape(-1, c, h), y.reshape(-1, c), m.reshape(-1, c))
+
+    @jax.checkpoint
+    def body(total, inp):
+        xc, yc, mc = inp
+        logits = jnp.dot(xc, out_matrix, preferred_element_type=F32)  # (c, V)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
+        return total + jnp.sum((lse - picked) * mc), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), F32), xs)
+    return total
+
+
+class StreamedTrainer:
+    """Trains a ``StreamedModel`` whose state lives in a ``HostStore``."""
+
+    def __init__(self, parts: StreamedModel, host_opt: HostOptimizer, *, compute_dtype: str = "bfloat16",
+                 micro_batches: int = 1, clip_norm: float | None = None, loss_chunk: int = 1024,
+                 device: jax.Device | None = None, store: HostStore | None = None):
+        self.parts, self.opt = parts, host_opt
+        self.dtype = jnp.dtype(compute_dtype)
+        self.micro_batches, self.clip_norm, self.loss_chunk = micro_batches, clip_norm, loss_chunk
+        self.device = device or jax.devices()[0]
+        bf16 = self.dtype == jnp.bfloat16
+        self.store = store or HostStore.from_trees(parts.host_trees(), bf16_stream=bf16)
+        for g in self.store:
+            if g.opt_state is None:
+                g.opt_state = host_opt.init_state(g.master)
+        self.num_layers = self.store.num_blocks
+        self.count = 0  # optimizer steps taken
+        self._pending: dict[str, Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")
+        self._build_kernels()
+
+    # ------------------------------------------------------------------------------ the step
+
+    def step(self, batch: Batch) -> StepResult:
+        L, M = self.num_layers, self.micro_batches
+        mbs = self._micro_batches(batch)
+        n_tokens = int(sum(float(mb["mask_sum"]) for mb in mbs))
+        inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)
+
+        # ---- forward sweep: block i+1's weights are in flight before block i is dispatched
+        emb_w, head_w = self._fetch("embed"), self._fetch("head")
+        nxt = self._fetch("block_0")
+        hs = [self._embed_fwd(emb_w, mb["tokens"]) for mb in mbs]
+        saved: list[list[jax.Array] | None] = []
+        for i in range(L):
+            w, nxt = nxt, self._fetch(f"block_{i + 1}") if i + 1 < L else None
+            saved.append(hs)
+            hs = [self._block_fwd(w, h, mb["aux"]) for h, mb in zip(hs, mbs)]
+        del w
+
+        # ---- loss and head backward (the last block is already in flight for the backward)
+        nxt = self._fetch(f"block_{L - 1}")
+        g_head, g_emb = self._zeros("head"), self._zeros("embed")
+        losses, dhs = [], []
+        for h, mb in zip(hs, mbs):
+            loss, dh, g_head, g_emb = self._head_loss(head_w, emb_w, h, mb["labels"], mb["mask"], inv,
+                                                      g_head, g_emb)
+            losses.append(loss)
+            dhs.append(dh)
+        sq = {"head": self._sqnorm(g_head)}
+        grads = {"head": g_head}
+        self._grad_ready("head", g_head, grads)
+
+        # ---- backward sweep: recompute each block from its saved input, VJP, gradient out
+        for i in reversed(range(L)):
+            w, nxt = nxt, self._fetch(f"block_{i - 1}") if i > 0 else None
+            g = self._zeros(f"block_{i}")
+            for m in range(M):
+                dhs[m], g = self._block_bwd(w, saved[i][m], mbs[m]["aux"], dhs[m], g)
+            saved[i] = None  # free the boundary activations of this block
+            sq[f"block_{i}"] = self._sqnorm(g)
+            self._grad_ready(f"block_{i}", g, grads)
+        for m in range(M):
+            g_emb = self._embed_bwd(emb_w, mbs[m]["tokens"], dhs[m], g_emb)
+        sq["embed"] = self._sqnorm(g_emb)
+        self._grad_ready("embed", g_emb, grads)
+
+        # ---- norm, clipping and the deferred updates
+        loss = float(sum(np.asarray(x) for x in losses))
+        grad_norm = float(np.sqrt(sum(float(v) for v in sq.values())))
+        if self._deferred:
+            if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+                return StepResult(loss, grad_norm, n_tokens, skipped=True)
+            scale = global_norm_scale(grad_norm ** 2, self.clip_norm)
+            self.count += 1
+            for name in self._forward_order():
+                self._submit_update(name, grads[name], scale)
+        return StepResult(loss, grad_norm, n_tokens)
+
+    # ------------------------------------------------------------------------------ machinery
+
+    @property
+    def _deferred(self) -> bool:
+        """Updates wait for the whole gradient when it must be clipped (or checked) first."""
+        return self.clip_norm is not None
+
+    def _forward_order(self) -> list[str]:
+        return ["embed", "head"] + [f"block_{i}" for i in range(self.num_layers)]
+
+    def _fetch(self, name: str) -> jax.Array:
+        """Start the transfer of a group's streaming copy, once its pending update is done.
+
+        The host buffer must not be written while a transfer reads it, and must not be read
+        before its update has written it: the wait here is the only synchronisation needed.
+        """
+        fut = self._pending.pop(name, None)
+        if fut is not None:
+            fut.result()
+        return jax.device_put(self.store[name].stream_view(), self.device)
+
+    def _grad_ready(self, name: str, grad: jax.Array, grads: dict) -> None:
+        grads[name] = grad
+        if not self._deferred:
+            if name == "head":  # first gradient of the step: the step counts from here
+                self.count += 1
+            self._submit_update(name, grad, 1.0)
+
+    def _submit_update(self, name: str, grad: jax.Array, scale: float) -> None:
+        self._pending[name] = self._pool.submit(self._update, name, grad, scale, self.count)
+
+    def _update(self, name: str, grad: jax.Array, scale: float, count: int) -> None:
+        """Runs on the host optimizer thread: waits for the gradient, updates the group in place."""
+        g = self.store[name]
+        host_grad = np.asarray(grad)  # blocks until the gradient has landed in host memory
+        self.opt.update(g.master, host_grad, g.opt_state, count, scale, g.stream_bits, g.layout.unflatten)
+
+    def finish(self) -> None:
+        """Wait for every queued update (before reading, saving or exporting the weights)."""
+        for name in list(self._pending):
+            self._pending.pop(name).result()
+
+    def close(self) -> None:
+        self.finish()
+        self._pool.shutdown()
+
+    def _zeros(self, name: str) -> jax.Array:
+        return self._zeros_fn(self.store[name].size)
+
+    def _micro_batches(self, batch: Batch) -> list[dict[str, Any]]:
+        b, s = batch.tokens.shape
+        m = self.micro_batches
+        if b % m:
+            raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
+        mask = batch.loss_mask if batch.loss_mask is not None else np.ones((b, s), np.float32)
+        pos = batch.positions if batch.positions is not None else np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+        out = []
+        for part in range(m):
+            sl = slice(part * b // m, (part + 1) * b // m)
+            seg = None if batch.segment_ids is None else jax.device_put(batch.segment_ids[sl], self.device)
+            out.append({
+                "tokens": jax.device_put(np.asarray(batch.tokens[sl], np.int32), self.device),
+                "labels": jax.device_put(np.asarray(batch.labels[sl], np.int32), self.device),
+                "mask": jax.device_put(np.asarray(mask[sl], np.float32), self.device),
+                "mask_sum": float(np.asarray(mask[sl], np.float64).sum()),
+                "aux": self._aux(jax.device_put(np.asarray(pos[sl], np.int32), self.device), seg),
+            })
+        return out
+
+    def _build_kernels(self) -> None:
+        """Jit the step's pieces. Every block shares ``_block_fwd`` / ``_block_bwd``: one executable."""
+        p, dt, chunk = self.parts, self.dtype, self.loss_chunk
+        lay_e, lay_h = self.store["embed"].layout, self.store["head"].layout
+        lay_b = self.store["block_0"].layout
+        tied = p.tied
+
+        def embed_fwd(w, tokens):
+            return p.embed_fn(lay_e.unflatten(w), tokens).astype(dt)
+
+        def block_fwd(w, h, aux):
+            return p.blocks.template(lay_b.unflatten(w), h, aux)
+
+        def block_bwd(w, h, aux, dh, g):
+            _, vjp = jax.vjp(lambda w_, h_: block_fwd(w_, h_, aux), w, h)
+            dw, dh_in = vjp(dh)
+            return dh_in, g + dw.astype(F32)
+
+        def head_loss(wh, we, h, labels, mask, inv, gh, ge):
+            def f(wh, we, h):
+                normed, out = p.head_fn(lay_h.unflatten(wh), h, lay_e.unflatten(we) if tied else None)
+                return chunked_cross_entropy(normed, out, labels, mask, chunk) * inv
+
+            loss, (dwh, dwe, dh) = jax.value_and_grad(f, argnums=(0, 1, 2))(wh, we, h)
+            if tied:
+                ge = ge + dwe.astype(F32)
+            return loss, dh, gh + dwh.astype(F32), ge
+
+        def embed_bwd(we, tokens, dh, ge):
+            _, vjp = jax.vjp(lambda w: embed_fwd(w, tokens), we)
+            (dw,) = vjp(dh)
+            return ge + dw.astype(F32)
+
+        self._embed_fwd = jax.jit(embed_fwd)
+        self._block_fwd = jax.jit(block_fwd)
+        self._block_bwd = jax.jit(block_bwd, donate_argnums=(3, 4))
+        self._head_loss = jax.jit(head_loss, donate_argnums=(6, 7))
+        self._embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
+        self._sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)))
+        self._zeros_fn = jax.jit(lambda n: jnp.zeros((n,), F32), static_argnums=0)
+        self._aux = jax.jit(p.aux_fn)
+
+    # ------------------------------------------------------------------------------ views
+
+    def params_tree(self) -> dict[str, Any]:
+        """fp32 master weights as the full model's pure-dict tree (views into the host store)."""
+        self.finish()
+        return {
+            "embed": self.store["embed"].tree(),
+            "layers": {i: self.store[f"block_{i}"].tree() for i in range(self.num_layers)},
+            "head": self.store["head"].tree(),
+        }

@@ -1,0 +1,61 @@
+"""The plain in-memory trainer: whole-model ``jax.grad`` and optax, all on one device.
+
+It is the yardstick the streamed engine is tested against (same model, same optimizer, none of
+the streaming machinery) and the baseline the 1B benchmark compares with. It keeps the batch whole
+(no micro-batches): the loss is normalised by the step's token count either way, so gradient
+accumulation in the streamed engine must reproduce this exactly.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from megatrain_jax.engine import Batch, StepResult
+from megatrain_jax.models.llama import Llama
+
+
+def _cast(tree: Any, dtype) -> Any:
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype), tree)
+
+
+class ReferenceTrainer:
+    def __init__(self, model: Llama, tx: optax.GradientTransformation, compute_dtype: str = "float32",
+                 remat: bool = False, device: jax.Device | None = None):
+        self.graphdef, state = nnx.split(model)
+        self.device = device or jax.devices()[0]
+        self.params = jax.device_put(nnx.to_pure_dict(state), self.device)
+        self.tx = tx
+        self.opt_state = tx.init(self.params)
+        dtype = jnp.dtype(compute_dtype)
+        graphdef = self.graphdef
+
+        def loss_fn(params, tokens, labels, mask, positions, segment_ids):
+            model = nnx.merge(graphdef, _cast(params, dtype))
+            logits = model(tokens, positions, segment_ids, dtype=dtype, remat=remat)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+            return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+        def step(params, opt_state, tokens, labels, mask, positions, segment_ids):
+            loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels, mask, positions, segment_ids)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+
+        self._step = jax.jit(step, donate_argnums=(0, 1))
+
+    def step(self, batch: Batch) -> StepResult:
+        b, s = batch.tokens.shape
+        mask = batch.loss_mask if batch.loss_mask is not None else np.ones((b, s), np.float32)
+        pos = batch.positions if batch.positions is not None else np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+        self.params, self.opt_state, loss, norm = self._step(
+            self.params, self.opt_state, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.labels, jnp.int32),
+            jnp.asarray(mask, jnp.float32), jnp.asarray(pos, jnp.int32),
+            None if batch.segment_ids is None else jnp.asarray(batch.segment_ids, jnp.int32))
+        return StepResult(float(loss), float(norm), int(np.sum(mask)))
+
+    def params_tree(self) -> Any:
+        return jax.tree_util.tree_map(np.asarray, self.params)

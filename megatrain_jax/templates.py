@@ -1,0 +1,144 @@
+"""Stateless layer templates: a stack of identical blocks as ``(template, per-layer weights)``.
+
+A template is a pure function ``(weights, hidden, aux) -> hidden``. Because the weights are an
+argument rather than captured state, one compiled executable serves every layer of the stack: the
+engine only swaps which weights it passes. Three doors lead here, and the built-in models use the
+first one exactly as a user's model would:
+
+- ``from_nnx(blocks)``: NNX modules; ``nnx.split`` gives the graphdef (the template) and the state.
+- ``from_linen(module, params_per_layer)``: a Linen module's ``apply``.
+- ``from_fn(fn, weights_per_layer)``: any pure function.
+
+``Layout`` maps a weights pytree to one flat buffer and back. The host store keeps each layer as one
+flat buffer so that a layer crosses PCIe as a single transfer; inside the jitted step the flat
+buffer is sliced back into the pytree (free in XLA).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+Template = Callable[[Any, jax.Array, dict], jax.Array]
+
+
+@dataclass(frozen=True)
+class Leaf:
+    path: str
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+
+
+class Layout:
+    """Where each leaf of a weights pytree lives inside one flat 1-D buffer."""
+
+    def __init__(self, tree: Any):
+        leaves_with_path, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
+        self.leaves: list[Leaf] = []
+        offset = 0
+        for path, leaf in leaves_with_path:
+            shape = tuple(int(d) for d in (leaf.shape if hasattr(leaf, "shape") else np.shape(leaf)))
+            size = int(np.prod(shape, dtype=np.int64))
+            self.leaves.append(Leaf(jax.tree_util.keystr(path, simple=True, separator="/"), shape, offset, size))
+            offset += size
+        self.size = offset
+
+    def flatten_into(self, tree: Any, out: np.ndarray) -> None:
+        """Copy a pytree's leaves into ``out`` (host numpy), leaf by leaf (no full temporary)."""
+        leaves = jax.tree_util.tree_leaves(tree)
+        if len(leaves) != len(self.leaves):
+            raise ValueError(f"tree has {len(leaves)} leaves, layout expects {len(self.leaves)}")
+        for spec, leaf in zip(self.leaves, leaves):
+            arr = np.asarray(leaf)
+            if arr.shape != spec.shape:
+                raise ValueError(f"{spec.path}: shape {arr.shape}, layout expects {spec.shape}")
+            out[spec.offset:spec.offset + spec.size] = arr.reshape(-1)
+
+    def unflatten(self, flat: Any) -> Any:
+        """Flat buffer (numpy view or traced jax array) -> pytree of views/slices."""
+        leaves = [flat[s.offset:s.offset + s.size].reshape(s.shape) for s in self.leaves]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def signature(self) -> tuple:
+        return (self.treedef, tuple((s.path, s.shape) for s in self.leaves))
+
+
+@dataclass
+class LayerStack:
+    """What the engine streams: one template and each layer's weights (host pytrees)."""
+
+    template: Template
+    weights: list[Any]
+
+    def __post_init__(self):
+        if not self.weights:
+            raise ValueError("a layer stack needs at least one layer")
+        sig = Layout(self.weights[0]).signature()
+        for i, w in enumerate(self.weights[1:], 1):
+            if Layout(w).signature() != sig:
+                raise ValueError(f"layer {i} has a different weight structure from layer 0; "
+                                 "a stack must be made of identical blocks")
+
+
+def from_nnx(blocks: Sequence[nnx.Module]) -> LayerStack:
+    """NNX blocks -> (graphdef as template, per-layer pure-dict states)."""
+    graphdef, _ = nnx.split(blocks[0])
+    weights = []
+    for i, block in enumerate(blocks):
+        g, state = nnx.split(block)
+        if g != graphdef:
+            raise ValueError(f"block {i} has a different graph from block 0")
+        weights.append(nnx.to_pure_dict(state))
+
+    def template(w, hidden, aux):
+        return nnx.merge(graphdef, w)(hidden, aux)
+
+    return LayerStack(template, weights)
+
+
+def from_linen(module: Any, params_per_layer: Sequence[Any], takes_aux: bool = True) -> LayerStack:
+    """A Linen module and per-layer ``params`` -> template over ``module.apply``."""
+
+    def template(w, hidden, aux):
+        if takes_aux:
+            return module.apply({"params": w}, hidden, aux)
+        return module.apply({"params": w}, hidden)
+
+    return LayerStack(template, list(params_per_layer))
+
+
+def from_fn(fn: Template, weights_per_layer: Sequence[Any]) -> LayerStack:
+    """A plain pure function ``fn(weights, hidden, aux) -> hidden``."""
+    return LayerStack(fn, list(weights_per_layer))
+
+
+@dataclass
+class StreamedModel:
+    """A decoder as the engine sees it: embedding, a stack of identical blocks, and a head.
+
+    - ``embed_fn(weights, tokens) -> hidden``
+    - ``blocks``: the ``LayerStack`` (template + per-layer weights)
+    - ``head_fn(weights, hidden, embed_weights) -> (normed_hidden, out_matrix (H, V))``: the loss
+      is computed by the engine in chunks from these two, so logits never exist all at once.
+      ``embed_weights`` is the embedding group's pytree when ``tied``, else ``None``.
+    - ``aux_fn(positions, segment_ids) -> aux``: per-sequence inputs shared by every block.
+    """
+
+    embed_fn: Callable
+    blocks: LayerStack
+    head_fn: Callable
+    aux_fn: Callable
+    embed_weights: Any
+    head_weights: Any
+    tied: bool
+
+    def host_trees(self) -> dict[str, Any]:
+        """The group name -> host pytree mapping that the host store is built from."""
+        trees = {"embed": self.embed_weights}
+        trees.update({f"block_{i}": w for i, w in enumerate(self.blocks.weights)})
+        trees["head"] = self.head_weights
+        return trees
