@@ -27,6 +27,8 @@ class ModelConfig:
     head_dim: int | None = None  # None: hidden_size // num_heads
     intermediate_size: int = 344
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3.1 frequency scaling: {rope_type: llama3, factor, low_freq_factor,
+    #                                  high_freq_factor, original_max_position_embeddings}; None: plain RoPE
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -238,6 +240,11 @@ def validate(cfg: Config) -> None:
                         "choose num_kv_heads that divides model.num_heads")
     if m.dim_per_head % 2:
         raise UserError("model.head_dim", f"head dim {m.dim_per_head} is odd", "RoPE needs an even head dimension")
+    if m.rope_scaling is not None and (not isinstance(m.rope_scaling, dict)
+                                       or m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) != "llama3"):
+        raise UserError("model.rope_scaling", f"{m.rope_scaling!r} is not supported",
+                        "use null or {rope_type: llama3, factor, low_freq_factor, high_freq_factor, "
+                        "original_max_position_embeddings}")
     if t.batch_size % t.micro_batches:
         raise UserError("train.micro_batches", f"batch_size {t.batch_size} does not divide into {t.micro_batches} micro-batches",
                         "make train.batch_size a multiple of train.micro_batches")

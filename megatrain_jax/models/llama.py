@@ -23,16 +23,34 @@ from megatrain_jax.config import ModelConfig
 Aux = dict[str, Any]
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions: jax.Array, head_dim: int, theta: float,
+                scaling: dict | None = None) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape (B, S, head_dim // 2) in fp32 for integer positions (B, S)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_scale_frequencies(inv_freq, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, S, D/2)
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def llama3_scale_frequencies(inv_freq: jax.Array, scaling: dict) -> jax.Array:
+    """Llama 3.1 RoPE scaling (as ``transformers``' ``_compute_llama3_parameters``): long
+    wavelengths are divided by ``factor``, short ones kept, the band between interpolated."""
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise ValueError(f"unsupported rope_scaling {scaling!r}; only rope_type llama3 is implemented")
+    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
 def make_aux(positions: jax.Array, cfg: ModelConfig, segment_ids: jax.Array | None = None) -> Aux:
     """Per-sequence inputs every block shares: RoPE tables and (optionally) document segment ids."""
-    cos, sin = rope_tables(positions, cfg.dim_per_head, cfg.rope_theta)
+    cos, sin = rope_tables(positions, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
     aux = {"cos": cos, "sin": sin}
     if segment_ids is not None:
         aux["segment_ids"] = segment_ids
