@@ -1,0 +1,117 @@
+"""Host optimizers (fused numba kernels and any optax transformation on the CPU device), learning-rate
+schedules and clipping, built from ``OptimConfig``.
+
+Every host optimizer has an exactly equivalent optax transformation (``as_optax``); the reference
+trainer uses ``build_reference_tx``, which adds the global-norm clipping that the streamed engine applies
+through ``grad_scale`` (``global_norm_scale``).
+"""
+from __future__ import annotations
+
+import inspect
+
+import optax
+
+from megatrain_jax.config import OptimConfig
+from megatrain_jax.errors import UserError
+from megatrain_jax.optim.fused_adamw import set_num_threads
+from megatrain_jax.optim.host import (FusedAdamW, HostOptimizer, OptaxHostOptimizer, OptaxState,
+                                      alloc_aligned, global_norm_scale)
+
+__all__ = ["FusedAdamW", "HostOptimizer", "OptaxHostOptimizer", "OptaxState", "alloc_aligned",
+           "build_host_optimizer", "build_reference_tx", "build_schedule", "global_norm_scale",
+           "set_num_threads"]
+
+
+def build_schedule(optim_cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """The learning rate per step (the schedule sees 0 at the first update, as in optax).
+
+    - ``constant``: ``lr``.
+    - ``cosine``: cosine decay from ``lr`` to ``lr * end_lr_ratio`` over ``decay_steps``.
+    - ``warmup_cosine``: linear warmup from 0 to ``lr`` over ``warmup_steps``, then cosine decay to
+      ``lr * end_lr_ratio``; ``decay_steps`` counts the warmup too (optax's convention).
+    - ``linear``: linear decay from ``lr`` to ``lr * end_lr_ratio`` over ``decay_steps``.
+    For ``constant``, ``cosine`` and ``linear``, ``warmup_steps > 0`` prepends a linear warmup from 0 and
+    the decay then takes the remaining ``decay_steps - warmup_steps`` steps.
+    ``decay_steps = 0`` means ``total_steps``.
+    """
+    s = optim_cfg.schedule
+    lr, end = float(optim_cfg.lr), float(optim_cfg.lr) * float(s.end_lr_ratio)
+    decay = s.decay_steps or total_steps
+    warm = s.warmup_steps
+    if warm < 0 or decay <= 0:
+        raise UserError("optim.schedule", f"warmup_steps={warm}, decay_steps={decay}",
+                        "use warmup_steps >= 0 and decay_steps > 0 (or train.steps > 0)")
+    if s.kind != "constant" and warm >= decay:
+        raise UserError("optim.schedule.warmup_steps",
+                        f"warmup ({warm} steps) leaves no room to decay within {decay} steps",
+                        "make optim.schedule.decay_steps (or train.steps) larger than warmup_steps")
+    if s.kind == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warm, decay, end_value=end)
+    if s.kind == "constant":
+        main = optax.constant_schedule(lr)
+    elif s.kind == "cosine":
+        main = optax.cosine_decay_schedule(lr, decay - warm, alpha=float(s.end_lr_ratio))
+    elif s.kind == "linear":
+        main = optax.linear_schedule(lr, end, decay - warm)
+    else:
+        raise UserError("optim.schedule.kind", f"{s.kind!r} is not a schedule",
+                        "use constant, cosine, warmup_cosine or linear")
+    if warm == 0:
+        return main
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), main], [warm])
+
+
+def _learning_rate(optim_cfg: OptimConfig, total_steps: int) -> float | optax.Schedule:
+    s = optim_cfg.schedule
+    if s.kind == "constant" and s.warmup_steps == 0:
+        return float(optim_cfg.lr)  # optax then scales by a constant, no schedule state
+    return build_schedule(optim_cfg, total_steps)
+
+
+def _optax_tx(optim_cfg: OptimConfig, lr) -> optax.GradientTransformation:
+    o = optim_cfg
+    if o.name == "adamw":
+        return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "sgd":
+        sgd = optax.sgd(lr)
+        return optax.chain(optax.add_decayed_weights(o.weight_decay), sgd) if o.weight_decay else sgd
+    if o.name == "optax":
+        if not o.optax_name or not callable(getattr(optax, o.optax_name, None)):
+            raise UserError("optim.optax_name", f"{o.optax_name!r} is not an optax optimizer",
+                            "name an optax optimizer function, e.g. lion, adafactor, adam")
+        fn = getattr(optax, o.optax_name)
+        params = inspect.signature(fn).parameters
+        if "learning_rate" not in params:
+            raise UserError("optim.optax_name", f"optax.{o.optax_name} takes no learning_rate",
+                            "name an optax optimizer function, e.g. lion, adafactor, adam")
+        kwargs = {"weight_decay": o.weight_decay} if "weight_decay" in params else {}
+        tx = fn(learning_rate=lr, **kwargs)
+        if not isinstance(tx, optax.GradientTransformation):
+            raise UserError("optim.optax_name", f"optax.{o.optax_name} is not an optimizer",
+                            "name an optax optimizer function, e.g. lion, adafactor, adam")
+        return tx
+    raise UserError("optim.name", f"{o.name!r} is not an optimizer", "use adamw, sgd or optax")
+
+
+def build_host_optimizer(optim_cfg: OptimConfig, total_steps: int) -> HostOptimizer:
+    """``kernel: fused`` -> ``FusedAdamW`` (adamw only); ``kernel: optax`` -> ``OptaxHostOptimizer``
+    over ``optax.adamw`` / ``optax.sgd`` (with ``add_decayed_weights`` before it when weight_decay > 0)
+    / ``optax.<optax_name>(learning_rate=schedule)`` (plus ``weight_decay`` where the function takes
+    one; other hyperparameters keep optax's defaults)."""
+    o = optim_cfg
+    lr = _learning_rate(o, total_steps)
+    if o.kernel == "fused":
+        if o.name != "adamw":
+            raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}",
+                            "set optim.kernel=optax")
+        return FusedAdamW(lr, b1=o.b1, b2=o.b2, eps=o.eps, eps_root=0.0, weight_decay=o.weight_decay)
+    if o.kernel == "optax":
+        return OptaxHostOptimizer(_optax_tx(o, lr))
+    raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use fused or optax")
+
+
+def build_reference_tx(optim_cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """The whole-model optax transformation the host optimizer is equivalent to, clipping included."""
+    c = optim_cfg.clip_norm
+    clip = optax.clip_by_global_norm(c) if c else optax.identity()
+    return optax.chain(clip, build_host_optimizer(optim_cfg, total_steps).as_optax())

@@ -1,0 +1,285 @@
+"""Host optimizers: the per-group (per-layer) update the streaming engine runs on fp32 host buffers.
+
+A *group* is one streamed unit (a transformer block, the embedding, the head). Its parameters live in
+one flat, page-aligned fp32 buffer (the master copy); its gradient arrives as a flat fp32 buffer of
+the same length; the engine hands both to ``update`` as soon as the gradient has landed, possibly from
+a worker thread while the GPU works on other layers.
+
+Every host optimizer is the exact equivalent of an optax transformation (``as_optax``), so the
+in-memory reference trainer runs the same optimizer and the two trainers can be compared.
+
+Optimizer state is opaque to the caller except through ``state_to_arrays`` / ``state_from_arrays``,
+which turn it into a flat ``dict[str, np.ndarray]`` and back: that is what a checkpoint stores.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+import optax
+
+from megatrain_jax.optim.fused_adamw import fused_adamw_step, to_bf16_bits_
+
+Unflatten = Callable[[np.ndarray], Any]  # flat 1-D array of a group -> pytree of views into it
+
+
+def alloc_aligned(n: int, dtype=np.float32, hugepages: bool = True) -> np.ndarray:
+    """A 1-D zero-filled array of ``n`` elements on its own page-aligned anonymous mmap.
+
+    Page alignment is what ``client.dma_map`` needs for full-speed transfers. The mapping lives as long
+    as the array (``arr.base`` is a memoryview that holds the mmap). With ``hugepages``, buffers of 4 MiB
+    or more are advised to use transparent huge pages, as numpy does for its own large arrays: the
+    optimizer kernels stream through gigabytes and 4 KiB pages cost them TLB misses."""
+    dtype = np.dtype(dtype)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    nbytes = max(n * dtype.itemsize, 1)
+    nbytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if hugepages and nbytes >= 4 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP disabled in this kernel: 4 KiB pages it is
+            pass
+    return np.frombuffer(buf, dtype=dtype, count=n)
+
+
+def global_norm_scale(sq_norm_sum: float, clip_norm: float | None) -> float:
+    """The gradient factor that ``optax.clip_by_global_norm(clip_norm)`` applies.
+
+    ``sq_norm_sum`` is the sum of squares of every gradient element of the step (all groups). optax
+    computes ``norm = sqrt(sum)`` in float32 and keeps the gradient when ``norm < clip_norm``, else uses
+    ``(g / norm) * clip_norm``; one factor ``clip_norm / norm`` (rounded once) reproduces that to within
+    1 ulp per element. A NaN/inf sum gives NaN/0, as optax would: skip such steps before updating."""
+    if clip_norm is None:
+        return 1.0
+    norm = np.sqrt(np.float32(sq_norm_sum))
+    if norm < np.float32(clip_norm):
+        return 1.0
+    return float(np.float32(np.float64(np.float32(clip_norm)) / np.float64(norm)))
+
+
+class HostOptimizer(Protocol):
+    """What the streaming engine calls, per group.
+
+    Contract:
+    - ``params`` and ``grad`` are 1-D contiguous float32; ``bf16_out`` (optional) is 1-D uint16 of the
+      same length and receives the bfloat16 bits (round to nearest even) of the updated params.
+    - ``count`` is the 1-based optimizer step; ``grad_scale`` multiplies the gradient first (global-norm
+      clipping: ``global_norm_scale``). Call ``update`` exactly once per group per applied step.
+    - ``unflatten`` maps a flat fp32 array of the group to its pytree of views (what optax sees); the
+      fused kernels ignore it, ``OptaxHostOptimizer`` needs it when masks or per-leaf shapes matter.
+    - ``update`` is safe to call concurrently for different groups (never for the same group).
+    - ``state_to_arrays`` returns a flat ``dict[str, np.ndarray]`` to checkpoint; read it before the
+      next ``update`` of that group (it may be views). ``state_from_arrays`` rebuilds a state from it.
+    """
+
+    def init_state(self, params: np.ndarray, unflatten: Unflatten | None = None) -> Any: ...
+
+    def update(self, params: np.ndarray, grad: np.ndarray, state: Any, count: int,
+               grad_scale: float = 1.0, bf16_out: np.ndarray | None = None,
+               unflatten: Unflatten | None = None) -> None: ...
+
+    def state_to_arrays(self, state: Any) -> dict[str, np.ndarray]: ...
+
+    def state_from_arrays(self, arrays: dict[str, np.ndarray], params: np.ndarray,
+                          unflatten: Unflatten | None = None) -> Any: ...
+
+    def as_optax(self) -> optax.GradientTransformation: ...
+
+
+def _cpu(device=None):
+    return device if device is not None else jax.devices("cpu")[0]
+
+
+class _ScheduleOnCpu:
+    """A schedule's float32 value per step, computed once, op by op, on the CPU device: never on the
+    GPU (reading a GPU scalar back would wait behind the queued layer computations), and not jitted,
+    so it is bit-identical to optax's eager evaluation (a jitted schedule may differ by an ulp where
+    XLA fuses into FMAs)."""
+
+    def __init__(self, schedule: optax.Schedule, device=None):
+        self._schedule = schedule
+        self._device = device
+        self._cache: dict[int, np.float32] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, step: int) -> np.float32:
+        value = self._cache.get(step)
+        if value is None:
+            with self._lock:
+                dev = _cpu(self._device)
+                with jax.default_device(dev):
+                    value = np.float32(self._schedule(jax.device_put(np.int32(step), dev)))
+                if len(self._cache) > 4096:
+                    self._cache.clear()
+                self._cache[step] = value
+        return value
+
+
+# -------------------------------------------------------------------------------------- fused AdamW
+
+
+class FusedAdamW:
+    """``optax.adamw`` as one in-place numba pass per group (``fused_adamw.py``); bit-identical to
+    optax run op by op, within 1 ulp of a jitted optax step.
+
+    State: ``{'mu', 'nu'}``, float32 page-aligned arrays (``state_to_arrays`` returns them as views).
+    The learning rate of step ``count`` is ``schedule(count - 1)``, as in optax (its schedule sees the
+    count before the increment: 0 at the first update). Weight decay applies to every element of the
+    group (optax's ``mask`` is not supported: use ``OptaxHostOptimizer`` for masks)."""
+
+    def __init__(self, learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999,
+                 eps: float = 1e-8, eps_root: float = 0.0, weight_decay: float = 1e-4,
+                 cpu_device=None):
+        if callable(weight_decay):
+            raise TypeError("FusedAdamW takes a constant weight_decay; use OptaxHostOptimizer for a "
+                            "scheduled one")
+        self.learning_rate = learning_rate
+        self.b1, self.b2, self.eps, self.eps_root = float(b1), float(b2), float(eps), float(eps_root)
+        self.weight_decay = float(weight_decay)
+        self._lr = _ScheduleOnCpu(learning_rate, cpu_device) if callable(learning_rate) else None
+
+    def lr_at(self, count: int) -> float | np.float32:
+        """The learning rate that update ``count`` (1-based) uses."""
+        return self._lr(count - 1) if self._lr is not None else self.learning_rate
+
+    def init_state(self, params: np.ndarray, unflatten: Unflatten | None = None) -> dict[str, np.ndarray]:
+        n = params.shape[0]
+        return {"mu": alloc_aligned(n, np.float32), "nu": alloc_aligned(n, np.float32)}
+
+    def update(self, params, grad, state, count, grad_scale=1.0, bf16_out=None, unflatten=None) -> None:
+        fused_adamw_step(params, grad, state["mu"], state["nu"], bf16_out, lr=self.lr_at(count),
+                         b1=self.b1, b2=self.b2, eps=self.eps, eps_root=self.eps_root,
+                         weight_decay=self.weight_decay, count=count, grad_scale=grad_scale)
+
+    def state_to_arrays(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"mu": state["mu"], "nu": state["nu"]}
+
+    def state_from_arrays(self, arrays, params, unflatten=None) -> dict[str, np.ndarray]:
+        _check_keys(arrays, {"mu", "nu"})
+        n = params.shape[0]
+        state = self.init_state(params)
+        for k in ("mu", "nu"):
+            a = np.asarray(arrays[k])
+            if a.shape != (n,) or a.dtype != np.float32:
+                raise ValueError(f"optimizer state {k!r}: expected float32 ({n},), got {a.dtype} {a.shape}")
+            state[k][:] = a
+        return state
+
+    def as_optax(self) -> optax.GradientTransformation:
+        return optax.adamw(learning_rate=self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
+                           eps_root=self.eps_root, weight_decay=self.weight_decay)
+
+
+def _check_keys(arrays: dict, expected: set[str]) -> None:
+    missing, extra = expected - set(arrays), set(arrays) - expected
+    if missing or extra:
+        raise ValueError(f"optimizer state keys do not match: missing {sorted(missing)}, "
+                         f"unexpected {sorted(extra)}")
+
+
+# ---------------------------------------------------------------------------- any optax on the CPU
+
+
+def _key_str(path) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+class OptaxState:
+    """One group's optax state (a pytree of jax CPU arrays) in a mutable holder: ``update`` donates
+    the old buffers and puts the new tree in ``.tree``, so the caller's reference stays valid."""
+
+    __slots__ = ("tree",)
+
+    def __init__(self, tree: Any):
+        self.tree = tree
+
+
+class OptaxHostOptimizer:
+    """Any ``optax.GradientTransformation``, run per group by XLA on the jax CPU device.
+
+    optax sees the group's pytree (``unflatten(params)``), so structure-aware masks work; without
+    ``unflatten`` it sees the flat array as a single leaf. The update is jitted with the state donated
+    (one compile per distinct group layout), the new params are copied back into the flat fp32
+    buffer, and the bf16 copy is written by the numba converter.
+
+    State: an ``OptaxState`` holding the optax state pytree of jax CPU arrays. It carries its own step
+    counts, so ``count`` is not used: call ``update`` once per applied step. ``state_to_arrays`` gives
+    copies keyed by the state's tree path, e.g. ``'0.mu.attn.wq'`` for ``optax.adamw`` on
+    ``{'attn': {'wq': ...}}`` (0-d arrays for the counts)."""
+
+    def __init__(self, tx: optax.GradientTransformation, cpu_device=None):
+        self.tx = tx
+        self.device = _cpu(cpu_device)
+        self._init = jax.jit(tx.init)
+        self._step = jax.jit(self._step_fn, donate_argnums=(2,))
+
+    def _step_fn(self, params, grads, state, grad_scale):
+        grads = jax.tree.map(lambda g: g * grad_scale, grads)
+        updates, state = self.tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    @staticmethod
+    def _tree(flat: np.ndarray, unflatten: Unflatten | None):
+        return flat if unflatten is None else unflatten(flat)
+
+    def init_state(self, params: np.ndarray, unflatten: Unflatten | None = None) -> OptaxState:
+        tree = jax.device_put(self._tree(params, unflatten), self.device)
+        return OptaxState(self._init(tree))
+
+    def update(self, params, grad, state, count, grad_scale=1.0, bf16_out=None, unflatten=None) -> None:
+        if params.dtype != np.float32 or grad.dtype != np.float32 or params.shape != grad.shape:
+            raise TypeError(f"params and grad must be float32 of one shape, got {params.dtype} "
+                            f"{params.shape} and {grad.dtype} {grad.shape}")
+        p_views = self._tree(params, unflatten)
+        dsts = jax.tree.leaves(p_views)
+        if not all(isinstance(d, np.ndarray) and (d.size == 0 or np.may_share_memory(d, params))
+                   for d in dsts):
+            raise ValueError("unflatten must return views into the flat array it is given")
+        p_in = jax.device_put(p_views, self.device)
+        g_in = jax.device_put(self._tree(grad, unflatten), self.device)
+        scale = jax.device_put(np.float32(grad_scale), self.device)
+        new_p, state.tree = self._step(p_in, g_in, state.tree, scale)  # old state buffers donated
+        for dst, src in zip(dsts, jax.tree.leaves(new_p), strict=True):
+            np.copyto(dst, np.asarray(src))  # np.asarray waits for the step
+        if bf16_out is not None and bf16_out.shape[0]:
+            to_bf16_bits_(params, bf16_out)
+
+    def state_to_arrays(self, state) -> dict[str, np.ndarray]:
+        leaves = jax.tree_util.tree_flatten_with_path(state.tree)[0]
+        out = {_key_str(path): np.array(leaf, copy=True) for path, leaf in leaves}
+        if len(out) != len(leaves):
+            raise ValueError("optimizer state paths are not unique")
+        return out
+
+    def state_from_arrays(self, arrays, params, unflatten=None) -> OptaxState:
+        tree = self._tree(params, unflatten)
+        shapes = jax.eval_shape(self.tx.init, tree)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+        _check_keys(arrays, {_key_str(p) for p, _ in leaves})
+        restored = []
+        for path, sd in leaves:
+            k = _key_str(path)
+            a = np.asarray(arrays[k])
+            if a.shape != sd.shape or a.dtype != sd.dtype:
+                raise ValueError(f"optimizer state {k!r}: expected {sd.dtype} {sd.shape}, "
+                                 f"got {a.dtype} {a.shape}")
+            restored.append(jax.device_put(np.array(a, copy=True), self.device))
+        return OptaxState(jax.tree.unflatten(treedef, restored))
+
+    def as_optax(self) -> optax.GradientTransformation:
+        return self.tx
