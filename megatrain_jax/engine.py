@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,8 +89,13 @@ class StreamedTrainer:
 
     def __init__(self, parts: StreamedModel, host_opt: HostOptimizer, *, compute_dtype: str = "bfloat16",
                  micro_batches: int = 1, clip_norm: float | None = None, loss_chunk: int = 1024,
-                 device: jax.Device | None = None, store: HostStore | None = None):
+                 device: jax.Device | None = None, store: HostStore | None = None,
+                 skip_nonfinite: bool = False):
         self.parts, self.opt = parts, host_opt
+        self.skip_nonfinite = skip_nonfinite  # defer every update until the step's loss and norm are known finite
+        # called on the host-optimizer thread as ``before_update(name, count)`` just before update ``count``
+        # writes group ``name`` in place (a background checkpoint uses it to hold back writes it has not saved)
+        self.before_update: Callable[[str, int], None] | None = None
         self.dtype = jnp.dtype(compute_dtype)
         self.micro_batches, self.clip_norm, self.loss_chunk = micro_batches, clip_norm, loss_chunk
         self.device = device or jax.devices()[0]
@@ -98,7 +103,7 @@ class StreamedTrainer:
         self.store = store or HostStore.from_trees(parts.host_trees(), bf16_stream=bf16)
         for g in self.store:
             if g.opt_state is None:
-                g.opt_state = host_opt.init_state(g.master)
+                g.opt_state = host_opt.init_state(g.master, g.layout.unflatten)
         self.num_layers = self.store.num_blocks
         self.count = 0  # optimizer steps taken
         self._pending: dict[str, Future] = {}
@@ -168,7 +173,7 @@ class StreamedTrainer:
     @property
     def _deferred(self) -> bool:
         """Updates wait for the whole gradient when it must be clipped (or checked) first."""
-        return self.clip_norm is not None
+        return self.clip_norm is not None or self.skip_nonfinite
 
     def _forward_order(self) -> list[str]:
         return ["embed", "head"] + [f"block_{i}" for i in range(self.num_layers)]
@@ -198,6 +203,8 @@ class StreamedTrainer:
         """Runs on the host optimizer thread: waits for the gradient, updates the group in place."""
         g = self.store[name]
         host_grad = np.asarray(grad)  # blocks until the gradient has landed in host memory
+        if self.before_update is not None:
+            self.before_update(name, count)
         self.opt.update(g.master, host_grad, g.opt_state, count, scale, g.stream_bits, g.layout.unflatten)
 
     def finish(self) -> None:
@@ -271,7 +278,10 @@ class StreamedTrainer:
         self._head_loss = jax.jit(head_loss, donate_argnums=(6, 7))
         self._embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
         self._sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)))
-        self._zeros_fn = jax.jit(lambda n: jnp.zeros((n,), F32), static_argnums=0)
+        # committed to the device like every other operand, so the first micro-batch's call
+        # (fresh zeros) and later ones (accumulated outputs) share one executable
+        on_device = jax.sharding.SingleDeviceSharding(self.device)
+        self._zeros_fn = jax.jit(lambda n: jnp.zeros((n,), F32), static_argnums=0, out_shardings=on_device)
         self._aux = jax.jit(p.aux_fn)
 
     # ------------------------------------------------------------------------------ views

@@ -13,30 +13,16 @@ head (see ``engine.py``).
 """
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import ml_dtypes
 import numpy as np
 
+from megatrain_jax.optim.fused_adamw import to_bf16_bits_
+from megatrain_jax.optim.host import alloc_aligned
+
 from megatrain_jax.templates import Layout
-
-PAGE = mmap.PAGESIZE
-
-
-def alloc_aligned(n: int, dtype: Any) -> np.ndarray:
-    """A zero-filled 1-D array on its own page-aligned anonymous mapping (DMA-registrable)."""
-    dtype = np.dtype(dtype)
-    nbytes = max(int(n) * dtype.itemsize, 1)
-    buf = mmap.mmap(-1, (nbytes + PAGE - 1) // PAGE * PAGE)
-    return np.frombuffer(buf, dtype=dtype, count=int(n))  # the array's base keeps the mapping alive
-
-
-def to_bf16_bits(src: np.ndarray, out: np.ndarray) -> None:
-    """Round fp32 -> bf16 (nearest even) into a uint16 buffer."""
-    out[:] = src.astype(ml_dtypes.bfloat16).view(np.uint16)
-
 
 @dataclass
 class Group:
@@ -65,7 +51,7 @@ class Group:
 
     def sync_stream(self) -> None:
         if self.stream_bits is not None:
-            to_bf16_bits(self.master, self.stream_bits)
+            to_bf16_bits_(self.master, self.stream_bits)
 
 
 class HostStore:
