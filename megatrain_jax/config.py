@@ -33,7 +33,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     init_std: float = 0.02
-    from_hf: str | None = None  # directory of a Hugging Face checkpoint to load instead of random init
+    from_hf: str | None = None  # Hugging Face checkpoint directory to load instead of random init; its
+    #                            config.json overrides the architecture fields above (see hf.py)
 
     @property
     def kv_heads(self) -> int:

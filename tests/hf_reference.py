@@ -1,0 +1,103 @@
+"""Reference numbers from ``transformers`` for the Hugging Face parity tests (runs in .venv-torch).
+
+Not a test module: ``tests/test_hf.py`` runs it in the Python 3.11 + CPU torch environment built by
+``scripts/setup_torch_ref.sh`` (megatrain-jax itself needs Python 3.12, where no cheap CPU torch
+exists), and compares with what megatrain-jax computes.
+
+    python tests/hf_reference.py make OUT_DIR
+        For every variant: a tiny random fp32 model saved with save_pretrained(safe_serialization=True)
+        in OUT_DIR/<variant>/hf, and OUT_DIR/<variant>/ref.npz with the input tokens, the logits,
+        the loss (labels = the tokens, shifted inside transformers) and every parameter's gradient
+        (``grad:<name>``) after ``loss.backward()``.
+    python tests/hf_reference.py logits TOKENS.npy OUT.npz DIR [DIR ...]
+        Loads each checkpoint directory with AutoModelForCausalLM.from_pretrained(DIR) (no
+        arguments: config.json must be enough), records the loaded class and dtype, and writes the
+        fp32 logits on TOKENS as ``logits:<i>``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=256)
+
+VARIANTS = {
+    # name: (config class, model class, config overrides)
+    "llama_untied_gqa_llama3rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=50000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    "llama_tied_mqa_headdim32": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=1, head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "qwen2_tied_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    "mistral_untied_window": ("MistralConfig", "MistralForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=False, sliding_window=4096, rms_norm_eps=1e-5)),
+}
+BATCH, SEQ = 2, 24
+
+
+def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Non-trivial values everywhere (norm scales != 1, biases != 0) so any mix-up shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def make(out_dir: str) -> None:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, SMALL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(99))
+    for k, (name, (cfg_cls, model_cls, over)) in enumerate(VARIANTS.items()):
+        cfg = getattr(transformers, cfg_cls)(**SMALL, **over)
+        cfg._attn_implementation = "eager"
+        model = getattr(transformers, model_cls)(cfg).float().eval()
+        gen = torch.Generator().manual_seed(1234 + k)
+        _randomize(model, gen)
+        d = os.path.join(out_dir, name)
+        model.save_pretrained(os.path.join(d, "hf"), safe_serialization=True)
+        out = model(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+        arrays = {"tokens": tokens.numpy().astype(np.int32), "logits": out.logits.detach().float().numpy(),
+                  "loss": np.asarray(out.loss.item(), np.float64)}
+        for pname, p in model.named_parameters():
+            arrays[f"grad:{pname}"] = p.grad.detach().float().numpy()
+        np.savez(os.path.join(d, "ref.npz"), **arrays)
+    with open(os.path.join(out_dir, "versions.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f)
+
+
+def logits(tokens_path: str, out_path: str, dirs: list[str]) -> None:
+    tokens = torch.from_numpy(np.load(tokens_path).astype(np.int64))
+    arrays, info = {}, []
+    for i, d in enumerate(dirs):
+        model = transformers.AutoModelForCausalLM.from_pretrained(d)
+        info.append({"dir": d, "class": type(model).__name__, "dtype": str(next(model.parameters()).dtype)})
+        model = model.float().eval()
+        with torch.no_grad():
+            arrays[f"logits:{i}"] = model(input_ids=tokens).logits.float().numpy()
+    arrays["info"] = np.asarray(json.dumps(info))
+    np.savez(out_path, **arrays)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if sys.argv[1] == "make":
+        make(sys.argv[2])
+    elif sys.argv[1] == "logits":
+        logits(sys.argv[2], sys.argv[3], sys.argv[4:])
+    else:
+        raise SystemExit(f"unknown mode {sys.argv[1]!r}")
