@@ -33,6 +33,7 @@ import numpy as np
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
 from megatrain_jax.templates import StreamedModel
+from megatrain_jax.transfer import Transfers
 
 F32 = jnp.float32
 
@@ -90,8 +91,11 @@ class StreamedTrainer:
     def __init__(self, parts: StreamedModel, host_opt: HostOptimizer, *, compute_dtype: str = "bfloat16",
                  micro_batches: int = 1, clip_norm: float | None = None, loss_chunk: int = 1024,
                  device: jax.Device | None = None, store: HostStore | None = None,
-                 skip_nonfinite: bool = False):
+                 skip_nonfinite: bool = False, offload_activations: bool | None = None,
+                 transfer_mode: str = "auto", tracer: Any = None):
         self.parts, self.opt = parts, host_opt
+        self.offload_activations = offload_activations  # None: decided per step from free memory
+        self.tracer = tracer  # optional timeline recorder (experiments/trace.py)
         self.skip_nonfinite = skip_nonfinite  # defer every update until the step's loss and norm are known finite
         # called on the host-optimizer thread as ``before_update(name, count)`` just before update ``count``
         # writes group ``name`` in place (a background checkpoint uses it to hold back writes it has not saved)
@@ -101,12 +105,16 @@ class StreamedTrainer:
         self.device = device or jax.devices()[0]
         bf16 = self.dtype == jnp.bfloat16
         self.store = store or HostStore.from_trees(parts.host_trees(), bf16_stream=bf16)
+        self.xfer = Transfers(self.device, transfer_mode)
         for g in self.store:
             if g.opt_state is None:
                 g.opt_state = host_opt.init_state(g.master, g.layout.unflatten)
+            self.xfer.register(g.name, g.stream_view())
+        self.last_step_info: dict[str, Any] = {}
         self.num_layers = self.store.num_blocks
         self.count = 0  # optimizer steps taken
         self._pending: dict[str, Future] = {}
+        self._wait_s = 0.0  # time the dispatching thread spent waiting for host updates
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")
         self._build_kernels()
 
@@ -115,22 +123,26 @@ class StreamedTrainer:
     def step(self, batch: Batch) -> StepResult:
         L, M = self.num_layers, self.micro_batches
         mbs = self._micro_batches(batch)
-        n_tokens = int(sum(float(mb["mask_sum"]) for mb in mbs))
+        n_tokens = int(sum(mb["mask_sum"] for mb in mbs))
         inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)
 
         # ---- forward sweep: block i+1's weights are in flight before block i is dispatched
         emb_w, head_w = self._fetch("embed"), self._fetch("head")
         nxt = self._fetch("block_0")
         hs = [self._embed_fwd(emb_w, mb["tokens"]) for mb in mbs]
+        offload = self._decide_offload(sum(h.nbytes for h in hs) * L)
+        keep = (lambda hs: [self.xfer.offload(h) for h in hs]) if offload else (lambda hs: hs)
+        bring = (lambda hs: [self.xfer.reload(h) for h in hs]) if offload else (lambda hs: hs)
         saved: list[list[jax.Array] | None] = []
         for i in range(L):
             w, nxt = nxt, self._fetch(f"block_{i + 1}") if i + 1 < L else None
-            saved.append(hs)
+            saved.append(keep(hs))  # block i's input: the boundary checkpoint
             hs = [self._block_fwd(w, h, mb["aux"]) for h, mb in zip(hs, mbs)]
+            self._trace("compute", f"fwd {i}", hs[-1])
         del w
 
-        # ---- loss and head backward (the last block is already in flight for the backward)
-        nxt = self._fetch(f"block_{L - 1}")
+        # ---- loss and head backward (the last block and its inputs are already in flight)
+        nxt, acts_nxt = self._fetch(f"block_{L - 1}"), bring(saved[L - 1])
         g_head, g_emb = self._zeros("head"), self._zeros("embed")
         losses, dhs = [], []
         for h, mb in zip(hs, mbs):
@@ -138,41 +150,46 @@ class StreamedTrainer:
                                                       g_head, g_emb)
             losses.append(loss)
             dhs.append(dh)
-        sq = {"head": self._sqnorm(g_head)}
-        grads = {"head": g_head}
-        self._grad_ready("head", g_head, grads)
+        self._trace("compute", "loss", losses[-1])
+        grads, sq = {}, {}
+        self._grad_ready("head", g_head, grads, sq)
 
         # ---- backward sweep: recompute each block from its saved input, VJP, gradient out
         for i in reversed(range(L)):
             w, nxt = nxt, self._fetch(f"block_{i - 1}") if i > 0 else None
+            acts, acts_nxt = acts_nxt, bring(saved[i - 1]) if i > 0 else None
             g = self._zeros(f"block_{i}")
             for m in range(M):
-                dhs[m], g = self._block_bwd(w, saved[i][m], mbs[m]["aux"], dhs[m], g)
-            saved[i] = None  # free the boundary activations of this block
-            sq[f"block_{i}"] = self._sqnorm(g)
-            self._grad_ready(f"block_{i}", g, grads)
+                dhs[m], g = self._block_bwd(w, acts[m], mbs[m]["aux"], dhs[m], g)
+            saved[i] = acts = None  # free this block's boundary activations
+            self._grad_ready(f"block_{i}", g, grads, sq)
+            self._trace("compute", f"bwd {i}", sq[f"block_{i}"])  # (g itself may be donated later)
         for m in range(M):
             g_emb = self._embed_bwd(emb_w, mbs[m]["tokens"], dhs[m], g_emb)
-        sq["embed"] = self._sqnorm(g_emb)
-        self._grad_ready("embed", g_emb, grads)
+        self._grad_ready("embed", g_emb, grads, sq)
 
-        # ---- norm, clipping and the deferred updates
+        # ---- norm, clipping and the deferred updates (queued in the order the forward needs them)
         loss = float(sum(np.asarray(x) for x in losses))
         grad_norm = float(np.sqrt(sum(float(v) for v in sq.values())))
+        self.last_step_info = {"offload_activations": offload, "transfer_mode": self.xfer.mode}
         if self._deferred:
             if not (np.isfinite(loss) and np.isfinite(grad_norm)):
                 return StepResult(loss, grad_norm, n_tokens, skipped=True)
             scale = global_norm_scale(grad_norm ** 2, self.clip_norm)
             self.count += 1
             for name in self._forward_order():
-                self._submit_update(name, grads[name], scale)
+                self._submit_update(name, self.xfer.to_host(grads.pop(name)), scale)
         return StepResult(loss, grad_norm, n_tokens)
 
     # ------------------------------------------------------------------------------ machinery
 
     @property
     def _deferred(self) -> bool:
-        """Updates wait for the whole gradient when it must be clipped (or checked) first."""
+        """Updates wait for the whole gradient when it must be clipped or checked for NaN first.
+
+        Deferred gradients stay in device memory until the norm is known, then go to the host in
+        forward order, so their transfers and updates overlap the next step's forward.
+        """
         return self.clip_norm is not None or self.skip_nonfinite
 
     def _forward_order(self) -> list[str]:
@@ -186,26 +203,52 @@ class StreamedTrainer:
         """
         fut = self._pending.pop(name, None)
         if fut is not None:
+            t0 = time.perf_counter()
             fut.result()
-        return jax.device_put(self.store[name].stream_view(), self.device)
+            self._wait_s += time.perf_counter() - t0
+        w = self.xfer.to_device(name, self.store[name].stream_view())
+        self._trace("h2d", name, w)
+        return w
 
-    def _grad_ready(self, name: str, grad: jax.Array, grads: dict) -> None:
-        grads[name] = grad
-        if not self._deferred:
-            if name == "head":  # first gradient of the step: the step counts from here
-                self.count += 1
-            self._submit_update(name, grad, 1.0)
+    def _grad_ready(self, name: str, grad: jax.Array, grads: dict, sq: dict) -> None:
+        """A group's gradient is complete on the device: keep it (deferred) or send it to be applied."""
+        sq[name] = self._sqnorm(grad)
+        if self._deferred:
+            grads[name] = grad
+            return
+        if name == "head":  # first gradient of the step: the step counts from here
+            self.count += 1
+        self._submit_update(name, self.xfer.to_host(grad), 1.0)
 
-    def _submit_update(self, name: str, grad: jax.Array, scale: float) -> None:
-        self._pending[name] = self._pool.submit(self._update, name, grad, scale, self.count)
+    def _submit_update(self, name: str, host_grad: jax.Array, scale: float) -> None:
+        self._trace("d2h", name, host_grad)
+        self._pending[name] = self._pool.submit(self._update, name, host_grad, scale, self.count)
 
     def _update(self, name: str, grad: jax.Array, scale: float, count: int) -> None:
         """Runs on the host optimizer thread: waits for the gradient, updates the group in place."""
         g = self.store[name]
-        host_grad = np.asarray(grad)  # blocks until the gradient has landed in host memory
+        host_grad = self.xfer.host_view(grad)  # zero-copy; blocks until the gradient has landed
         if self.before_update is not None:
             self.before_update(name, count)
+        t0 = time.perf_counter()
         self.opt.update(g.master, host_grad, g.opt_state, count, scale, g.stream_bits, g.layout.unflatten)
+        self.xfer.host_written(name, g.stream_view())
+        if self.tracer is not None:
+            self.tracer.interval("optimizer", name, t0, time.perf_counter())
+
+    def _trace(self, lane: str, label: str, arr: Any) -> None:
+        if self.tracer is not None:
+            self.tracer.watch(lane, label, arr)
+
+    def _decide_offload(self, activation_bytes: int) -> bool:
+        """Boundary activations stay on the device unless they would crowd the working set."""
+        if self.offload_activations is not None:
+            return bool(self.offload_activations and self.xfer.host_sharding is not None)
+        if not self.xfer.on_gpu:
+            return False
+        stats = self.device.memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        return activation_bytes > 0.5 * free  # the other half: recompute, VJP, logits chunks, grads
 
     def finish(self) -> None:
         """Wait for every queued update (before reading, saving or exporting the weights)."""

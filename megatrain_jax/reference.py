@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from megatrain_jax.engine import Batch, StepResult
+from megatrain_jax.engine import Batch, StepResult, chunked_cross_entropy
 from megatrain_jax.models.llama import Llama
 
 
@@ -25,7 +25,10 @@ def _cast(tree: Any, dtype) -> Any:
 
 class ReferenceTrainer:
     def __init__(self, model: Llama, tx: optax.GradientTransformation, compute_dtype: str = "float32",
-                 remat: bool = False, device: jax.Device | None = None):
+                 remat: bool = False, device: jax.Device | None = None, loss_chunk: int | None = None):
+        """``remat`` recomputes each block in the backward and ``loss_chunk`` computes the loss in
+        chunks, as the streamed engine does (the fair in-memory baseline for benchmarks); by default
+        the loss is the plain full-logits cross-entropy."""
         self.graphdef, state = nnx.split(model)
         self.device = device or jax.devices()[0]
         self.params = jax.device_put(nnx.to_pure_dict(state), self.device)
@@ -36,9 +39,15 @@ class ReferenceTrainer:
 
         def loss_fn(params, tokens, labels, mask, positions, segment_ids):
             model = nnx.merge(graphdef, _cast(params, dtype))
+            denom = jnp.maximum(jnp.sum(mask), 1.0)
+            if loss_chunk:
+                x = model.final_hidden(tokens, positions, segment_ids, dtype=dtype, remat=remat)
+                emb = model.embed.embedding[...] if model.cfg.tie_embeddings else None
+                normed, out = model.head.norm(x), model.head.output_matrix(emb).astype(dtype)
+                return chunked_cross_entropy(normed, out, labels, mask, loss_chunk) / denom
             logits = model(tokens, positions, segment_ids, dtype=dtype, remat=remat)
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-            return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+            return jnp.sum(ce * mask) / denom
 
         def step(params, opt_state, tokens, labels, mask, positions, segment_ids):
             loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels, mask, positions, segment_ids)

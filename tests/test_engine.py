@@ -47,7 +47,10 @@ CASES = {
     "qkv_bias_gqa": (dict(num_layers=3, num_kv_heads=1, qkv_bias=True), 1, None, "fused"),
     "accumulate_2_micro_batches": (dict(num_layers=3, num_kv_heads=2, tie_embeddings=True), 2, 1.0, "fused"),
     "optax_kernel_no_clip": (dict(num_layers=1), 1, None, "optax"),
+    # the dma_map fallback (pinned host copies) and activations parked in pinned host memory
+    "pinned_fallback_offloaded": (dict(num_layers=2, num_kv_heads=2), 2, 1.0, "fused"),
 }
+ENGINE_OPTIONS = {"pinned_fallback_offloaded": dict(transfer_mode="pinned", offload_activations=True)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -59,11 +62,16 @@ def test_streamed_equals_reference(case):
     ref = ReferenceTrainer(init_model(cfg, 0), build_reference_tx(ocfg, STEPS))
     parts, store = init_host_store(cfg, 0, bf16_stream=False)
     st = StreamedTrainer(parts, build_host_optimizer(ocfg, STEPS), compute_dtype="float32",
-                         micro_batches=micro, clip_norm=clip, loss_chunk=48, store=store)
+                         micro_batches=micro, clip_norm=clip, loss_chunk=48, store=store,
+                         **ENGINE_OPTIONS.get(case, {}))
+    if case in ENGINE_OPTIONS:
+        assert st.xfer.mode == "pinned"
     for batch in _batches(np.random.default_rng(1), STEPS, 4, 32, cfg.vocab_size):
         r, s = ref.step(batch), st.step(batch)
         assert abs(r.loss - s.loss) <= 1e-5 * abs(r.loss), (r.loss, s.loss)
         assert abs(r.grad_norm - s.grad_norm) <= 1e-4 * r.grad_norm
+        if case in ENGINE_OPTIONS:
+            assert st.last_step_info["offload_activations"]
     st.close()  # waits for the last updates
     errs = _group_rel_errors(ref.params_tree(), st)
     assert max(errs.values()) < 1e-5, errs

@@ -188,6 +188,13 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, dtype=jnp.float32, remat: bool = False) -> jax.Array:
         """Logits (B, S, V) in fp32. ``remat`` recomputes each block in the backward."""
+        x = self.final_hidden(tokens, positions, segment_ids, dtype, remat)
+        emb = self.embed.embedding[...].astype(dtype) if self.cfg.tie_embeddings else None
+        return self.head(x, emb)
+
+    def final_hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+                     segment_ids: jax.Array | None = None, dtype=jnp.float32, remat: bool = False) -> jax.Array:
+        """The last block's output (B, S, H), before the final norm."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         aux = make_aux(positions, self.cfg, segment_ids)
@@ -195,8 +202,7 @@ class Llama(nnx.Module):
         call = nnx.remat(_call_block) if remat else _call_block
         for layer in self.layers:
             x = call(layer, x, aux)
-        emb = self.embed.embedding[...].astype(dtype) if self.cfg.tie_embeddings else None
-        return self.head(x, emb)
+        return x
 
 
 def _call_block(layer: Block, x: jax.Array, aux: Aux) -> jax.Array:
