@@ -229,7 +229,7 @@ def bench_size(size: str, args, ceil: dict, rss: PeakRSS) -> dict:
     st.close()
     del st, store, parts
 
-    if args.reference and size in args.reference.split(","):
+    if args.reference and args.case in args.reference.split(","):
         res["reference"] = bench_reference(cfg, args, batches)
         res["streamed_over_reference"] = res["reference"]["step_s_median"] / step_s
         log(f"   reference: {res['reference']['step_s_median']:.3f}s/step -> streamed/reference throughput "
@@ -256,9 +256,26 @@ def bench_reference(cfg, args, batches) -> dict:
     return out
 
 
+def parse_case(case: str, args) -> argparse.Namespace:
+    """``7b``, ``7b:b32``, ``7b:b32:m8:noclip`` -> per-case settings (batch, micro-batches, clipping)."""
+    size, *opts = case.split(":")
+    a = argparse.Namespace(**vars(args))
+    a.size, a.case = size, case
+    for o in opts:
+        if o == "noclip":
+            a.no_clip = True
+        elif o.startswith("b"):
+            a.batch = int(o[1:])
+        elif o.startswith("m"):
+            a.micro = int(o[1:])
+        else:
+            raise SystemExit(f"unknown case option {o!r} in {case!r}")
+    return a
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="1b,3b,7b")
+    ap.add_argument("--sizes", default="1b,3b,7b", help="cases: SIZE[:bN][:mN][:noclip], comma-separated")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=16, help="sequences per optimizer step")
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per step")
@@ -269,34 +286,61 @@ def main() -> None:
     ap.add_argument("--reference", default="", help="sizes also run with the in-memory reference trainer, e.g. 1b")
     ap.add_argument("--trace", action="store_true", help="write a per-layer timeline PNG of one step")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    cases = args.sizes.split(",")
+    if not args.child:
+        # one process per case: every size starts from an empty host (a 7B store is 94 GB)
+        import subprocess
+
+        for case in cases:
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--sizes", case] + \
+                  [x for k, v in vars(args).items() if k not in ("sizes", "child", "no_clip", "trace")
+                   for x in (f"--{k.replace('_', '-')}", str(v))] + \
+                  (["--no-clip"] if args.no_clip else []) + (["--trace"] if args.trace else [])
+            rc = subprocess.call(cmd)
+            if rc:
+                log(f"   {case}: child exited with {rc}")
+        summarize(args.out, cases)
+        return
     dev = jax.devices()[0]
     log(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, host cores {os.cpu_count()}")
     rss = PeakRSS()
     ceil = measure_ceilings(dev)
     log(f"ceilings: {ceil}")
-    results = {"date": datetime.date.today().isoformat(), "device": dev.device_kind, "host": socket.gethostname(),
-               "jax": jax.__version__, "ceilings": ceil, "args": vars(args), "sizes": []}
-    path = os.path.join(args.out, f"bench_throughput_{results['date']}.json")
-    for size in args.sizes.split(","):
-        try:
-            results["sizes"].append(bench_size(size, args, ceil, rss))
-        except Exception as e:  # noqa: BLE001 - record the failure and go on with the next size
-            log(f"   {size} failed: {type(e).__name__}: {str(e)[:400]}")
-            results["sizes"].append({"size": size, "error": f"{type(e).__name__}: {str(e)[:1000]}"})
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+    case = parse_case(cases[0], args)
+    res = {"date": datetime.date.today().isoformat(), "device": dev.device_kind, "host": socket.gethostname(),
+           "jax": jax.__version__, "ceilings": ceil, "case": case.case}
+    try:
+        res.update(bench_size(case.size, case, ceil, rss))
+    except Exception as e:  # noqa: BLE001 - record the failure
+        log(f"   {case.case} failed: {type(e).__name__}: {str(e)[:400]}")
+        res["error"] = f"{type(e).__name__}: {str(e)[:1000]}"
     rss.stop()
-    log("\nsize  tokens/step  step_s  tok/s  model_TFLOPS  +attn  peakGPU_GB  step/floor  vs_reference")
-    for r in results["sizes"]:
+    with open(os.path.join(args.out, f"bench_{case.case.replace(':', '_')}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def summarize(out_dir: str, cases: list[str]) -> None:
+    rows = []
+    for case in cases:
+        path = os.path.join(out_dir, f"bench_{case.replace(':', '_')}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                rows.append(json.load(f))
+    log("\ncase  tokens/step  step_s  tok/s  model_TFLOPS  +attn  peakGPU_GB  hostRSS_GB  step/floor  vs_reference")
+    for r in rows:
         if "error" in r:
-            log(f"{r['size']:>4}  failed: {r['error'][:100]}")
+            log(f"{r['case']}  failed: {r['error'][:100]}")
             continue
-        log(f"{r['size']:>4}  {r['tokens_per_step']:>11}  {r['step_s_median']:.3f}  {r['tokens_per_s']:,.0f}  "
+        log(f"{r['case']}  {r['tokens_per_step']}  {r['step_s_median']:.3f}  {r['tokens_per_s']:,.0f}  "
             f"{r['model_tflops']:.0f}  {r['model_tflops_with_attention']:.0f}  {r['peak_gpu_gb']:.1f}  "
-            f"{r['step_over_largest_floor']:.2f}  {r.get('streamed_over_reference', float('nan')):.3f}")
-    log(f"results: {path}")
+            f"{r['peak_host_rss_gb']:.1f}  {r['step_over_largest_floor']:.2f}  "
+            f"{r.get('streamed_over_reference', float('nan')):.3f}")
+        if "exposed_s" in r:
+            log(f"      exposed: {({k: round(v, 3) for k, v in r['exposed_s'].items()})}  floors: "
+                f"{({k: round(v, 3) for k, v in r['floors'].items()})}")
 
 
 if __name__ == "__main__":

@@ -99,6 +99,16 @@ class Transfers:
     def reload(self, x: jax.Array) -> jax.Array:
         return jax.device_put(x, self.device_sharding)
 
+    def close(self) -> None:
+        """Unregister the host buffers: their memory may be unmapped and the range reused next."""
+        for ptr, _ in self._mapped:
+            try:
+                self.device.client.dma_unmap(ptr)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        self._mapped.clear()
+        self._pinned.clear()
+
     def describe(self) -> dict[str, Any]:
         return {"mode": self.mode, "registered_buffers": len(self._mapped),
                 "registered_bytes": sum(n for _, n in self._mapped), "fallback_reason": self.fallback_reason}
