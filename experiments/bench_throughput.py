@@ -118,6 +118,7 @@ def measure_ceilings(dev) -> dict:
         ts.append(time.perf_counter() - t)
     out["d2h_gbps"] = nbytes / statistics.median(ts) / 1e9
     del d
+    x.close()  # unregister before the buffer is freed: its address range may be reused
 
     n = 1 << 27 if dev.platform == "gpu" else 1 << 23
     opt = FusedAdamW(1e-4, weight_decay=0.01)

@@ -42,6 +42,7 @@ class Transfers:
         self.mode = mode
         self._mapped: list[tuple[int, int]] = []
         self._pinned: dict[str, jax.Array] = {}
+        self._fallback: set[str] = set()  # buffers served from a pinned copy
         self._lock = threading.Lock()
         self.fallback_reason: str | None = None
         self._to_host = jax.jit(lambda x: x, out_shardings=self.host_sharding) if self.host_sharding else None
@@ -49,21 +50,26 @@ class Transfers:
     # ------------------------------------------------------------------ host buffers -> device
 
     def register(self, name: str, buf: np.ndarray) -> None:
-        """Make a host buffer a fast transfer source (DMA registration, or a pinned copy)."""
+        """Make a host buffer a fast transfer source (DMA registration, or a pinned copy).
+
+        A buffer that cannot be registered falls back alone; the others keep their direct DMA.
+        """
         if self.mode == "dma_map":
             try:
                 self.device.client.dma_map(buf.ctypes.data, buf.nbytes)
                 self._mapped.append((buf.ctypes.data, buf.nbytes))
                 return
-            except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
-                self.fallback_reason = f"dma_map failed ({type(e).__name__}: {str(e)[:120]})"
-                self.mode = "pinned" if self.host_sharding is not None else "plain"
-        if self.mode == "pinned":
+            except Exception as e:  # noqa: BLE001 - any failure means: use the fallback for this buffer
+                self.fallback_reason = f"{name}: dma_map failed ({type(e).__name__}: {str(e)[:120]})"
+                if self.host_sharding is None:
+                    return
+        if self.mode in ("dma_map", "pinned"):
+            self._fallback.add(name)
             self.host_written(name, buf)
 
     def host_written(self, name: str, buf: np.ndarray) -> None:
-        """Called after the host rewrote ``buf`` (an optimizer update): refresh the pinned copy."""
-        if self.mode == "pinned":
+        """Called after the host rewrote ``buf`` (an optimizer update): refresh its pinned copy."""
+        if name in self._fallback:
             arr = jax.device_put(buf, self.host_sharding)
             arr.block_until_ready()
             with self._lock:
@@ -74,7 +80,7 @@ class Transfers:
 
         The caller must not write ``buf`` until the returned array is ready.
         """
-        if self.mode == "pinned":
+        if name in self._fallback:
             with self._lock:
                 src = self._pinned[name]
             return jax.device_put(src, self.device_sharding)
@@ -108,7 +114,8 @@ class Transfers:
                 pass
         self._mapped.clear()
         self._pinned.clear()
+        self._fallback.clear()
 
     def describe(self) -> dict[str, Any]:
-        return {"mode": self.mode, "registered_buffers": len(self._mapped),
+        return {"mode": self.mode, "registered_buffers": len(self._mapped), "fallback_buffers": len(self._fallback),
                 "registered_bytes": sum(n for _, n in self._mapped), "fallback_reason": self.fallback_reason}

@@ -65,7 +65,7 @@ def test_streamed_equals_reference(case):
                          micro_batches=micro, clip_norm=clip, loss_chunk=48, store=store,
                          **ENGINE_OPTIONS.get(case, {}))
     if case in ENGINE_OPTIONS:
-        assert st.xfer.mode == "pinned"
+        assert st.xfer.mode == "pinned" and len(st.xfer._fallback) == cfg.num_layers + 2
     for batch in _batches(np.random.default_rng(1), STEPS, 4, 32, cfg.vocab_size):
         r, s = ref.step(batch), st.step(batch)
         assert abs(r.loss - s.loss) <= 1e-5 * abs(r.loss), (r.loss, s.loss)
