@@ -1,21 +1,56 @@
-"""The training loop: config -> data -> model -> engine -> steps, with logging.
+"""The training loop: config -> data -> model -> engine -> steps, with logging, checkpoints and faults.
 
-Everything that can fail on user input (config, data, tokens) is checked before the output
-directory is created, so a bad run leaves nothing half-written.
+Everything that can fail on user input (config, data, tokens, the checkpoint to resume from) is
+checked before the output directory is written, so a bad run leaves nothing half-written.
+
+- **Checkpoints** (``checkpoint.py``): every ``train.ckpt_every`` steps in the background while
+  training continues, and always at the end; ``keep_last`` newest plus every ``keep_every``-th kept.
+- **Resume** (``--resume``): the newest checkpoint that passes its checksums (a corrupted one is
+  moved aside and the previous one used); weights, optimizer state and count (hence the LR
+  schedule) are restored, the data continues at the saved step (batches are a pure function of
+  the step), and ``metrics.jsonl`` is cut back to that step so that no step appears twice.
+  Resuming reproduces an uninterrupted run bit for bit.
+- **Signals**: SIGINT / SIGTERM finish the current step, save a checkpoint and return normally
+  (exit 0); a second signal aborts at once.
+- **Numerical faults**: a step whose loss or gradient norm is NaN/inf applies no update (weights and
+  optimizer moments untouched: the engine defers every update until the norm is known), is logged
+  and counted; ``train.max_bad_steps`` consecutive ones save a checkpoint and stop with a
+  ``UserError``.
+
+Test hooks (environment): ``MEGATRAIN_DEBUG_NAN_STEPS=3,4`` makes the forward of those (1-based)
+steps produce NaN; ``MEGATRAIN_DEBUG_KILL_AFTER_STEP=7`` SIGKILLs the process after step 7 once the
+saves in flight are committed; ``MEGATRAIN_DEBUG_KILL_IN_SAVE=10`` SIGKILLs it in the middle of
+the save of step 10 (see ``checkpoint.py``).
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 import yaml
 
+from megatrain_jax import checkpoint as ck
 from megatrain_jax.config import Config
 from megatrain_jax.engine import Batch, StreamedTrainer
+from megatrain_jax.errors import UserError
 from megatrain_jax.metrics import MetricsWriter, attention_flops_per_token, model_flops_per_token
+
+Log = Callable[[str], None]
+
+
+def _streamed_trainer(cfg: Config, parts, store, host_opt) -> StreamedTrainer:
+    t = cfg.train
+    # skip_nonfinite: every update waits for the step's norm, so a NaN/inf step touches nothing
+    return StreamedTrainer(parts, host_opt, compute_dtype=t.compute_dtype, micro_batches=t.micro_batches,
+                           clip_norm=cfg.optim.clip_norm, loss_chunk=t.loss_chunk, store=store,
+                           skip_nonfinite=True)
 
 
 def build_trainer(cfg: Config, model=None):
@@ -43,15 +78,145 @@ def build_trainer(cfg: Config, model=None):
         parts, store = load_hf_into_store(cfg.model, bf16_stream=bf16)
     else:
         parts, store = init_host_store(cfg.model, t.seed, bf16_stream=bf16)
-    return StreamedTrainer(parts, build_host_optimizer(cfg.optim, t.steps), compute_dtype=t.compute_dtype,
-                           micro_batches=t.micro_batches, clip_norm=cfg.optim.clip_norm,
-                           loss_chunk=t.loss_chunk, store=store)
+    return _streamed_trainer(cfg, parts, store, build_host_optimizer(cfg.optim, t.steps))
+
+
+def restore_trainer(cfg: Config, root: str, log: Log = print) -> tuple[StreamedTrainer, str, dict]:
+    """A streamed trainer whose host store is filled from the newest usable checkpoint in ``root``
+    (never initialised first: the store is allocated empty and restored group by group)."""
+    from megatrain_jax.hoststore import HostStore
+    from megatrain_jax.models.llama import abstract_model, streamed_parts
+    from megatrain_jax.optim import build_host_optimizer
+    from megatrain_jax.templates import Layout
+
+    t = cfg.train
+    parts = streamed_parts(abstract_model(cfg.model))
+    store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, t.compute_dtype == "bfloat16")
+    host_opt = build_host_optimizer(cfg.optim, t.steps)
+    path, state = ck.restore_latest(root, store, host_opt, log)
+    trainer = _streamed_trainer(cfg, parts, store, host_opt)
+    trainer.count = int(state["count"])
+    return trainer, path, state
 
 
 def to_engine_batch(b: Any, doc_masking: bool) -> Batch:
     """Data-loader batch -> engine batch; document structure is passed only when masking by it."""
     return Batch(b.tokens, b.labels, b.loss_mask,
                  b.segment_ids if doc_masking else None, b.positions if doc_masking else None)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _check_fields(cfg: Config) -> None:
+    t = cfg.train
+    for name, v, low in [("train.ckpt_every", t.ckpt_every, 0), ("train.keep_last", t.keep_last, 0),
+                         ("train.keep_every", t.keep_every, 0), ("train.max_bad_steps", t.max_bad_steps, 1)]:
+        if v < low:
+            raise UserError(name, f"must be >= {low}, got {v}", f"set {name} to an integer >= {low}")
+
+
+def _debug_steps(var: str) -> set[int]:
+    raw = os.environ.get(var, "").strip()
+    return {int(x) for x in raw.split(",") if x.strip()} if raw else set()
+
+
+@contextlib.contextmanager
+def _nan_forward(trainer):
+    """Test hook: the embedding's output (hence loss and every gradient) is NaN for one step."""
+    import jax.numpy as jnp
+
+    orig = trainer._embed_fwd
+    trainer._embed_fwd = lambda w, tokens: orig(w, tokens) * jnp.nan
+    try:
+        yield
+    finally:
+        trainer._embed_fwd = orig
+
+
+class _StopSignals:
+    """SIGINT / SIGTERM: remember it and let the loop finish the step; a second one aborts."""
+
+    def __init__(self, log: Log):
+        self.received: str | None = None
+        self._old: dict[int, Any] = {}
+        self._log = log
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            self.restore()
+            raise KeyboardInterrupt(f"second {name}: aborting without waiting for the checkpoint")
+        self.received = name
+        print(f"\n{name}: finishing the current step, then saving a checkpoint (send it again to abort)",
+              file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old.clear()
+
+
+def _truncate_metrics(path: str, step: int, log: Log) -> None:
+    """Keep the records of steps <= ``step`` (the resumed-from checkpoint) and drop the rest,
+    including a partial last line from a kill: the dropped steps are recomputed identically."""
+    if not os.path.isfile(path):
+        return
+    keep, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                dropped += 1
+                continue
+            if int(rec.get("step", 0)) <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+        log(f"metrics: dropped {dropped} record(s) after step {step} from {path} (those steps are recomputed)")
+
+
+def _resume_checks(cfg: Config, dataset, state: dict, log: Log) -> None:
+    """Warn about what differs from the checkpointed run (the model itself was checked on load)."""
+    saved_cfg = state.get("config", {})
+    saved_data = state.get("data", {})
+    desc, old = dataset.describe(), saved_data.get("describe", {})
+    diff = [k for k in ("n_tokens", "n_docs", "dtype", "has_mask", "tokenizer", "sha256") if old.get(k) != desc.get(k)]
+    if diff:
+        log(f"warning: the data differs from the checkpointed run's ({', '.join(diff)}: {old.get(diff[0])!r} -> "
+            f"{desc.get(diff[0])!r}); the run continues at step {state['step']} of the new data")
+    st = saved_cfg.get("train", {})
+    for key, now in (("batch_size", cfg.train.batch_size), ("steps", cfg.train.steps)):
+        if key in st and st[key] != now:
+            log(f"warning: train.{key} was {st[key]} in the checkpointed run, now {now}"
+                + (" (the LR schedule's horizon changes)" if key == "steps" else " (the data order changes)"))
+    if saved_cfg.get("data", {}).get("seq_len", cfg.data.seq_len) != cfg.data.seq_len:
+        log(f"warning: data.seq_len was {saved_cfg['data']['seq_len']} in the checkpointed run, now {cfg.data.seq_len}")
+    rng = state.get("rng", {}).get("numpy_global")
+    if rng is not None:
+        np.random.set_state((rng[0], np.asarray(rng[1], np.uint32), *rng[2:]))
+
+
+def _rng_state(cfg: Config) -> dict:
+    import jax
+
+    np_state = np.random.get_state()
+    return {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed,
+            "jax_key_data": np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed))).tolist(),
+            "numpy_global": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "note": "the loop is deterministic: batches from (data_seed, step), init from train_seed"}
+
+
+# ------------------------------------------------------------------------------------ the loop
 
 
 def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -62,13 +227,42 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
     from megatrain_jax.data import load_dataset
 
     t, d = cfg.train, cfg.data
+    _check_fields(cfg)
+    if cfg.model.from_hf:
+        from megatrain_jax.hf import resolve_hf_model_config
+
+        resolve_hf_model_config(cfg.model)  # architecture fields before anything uses the sizes
     dataset = load_dataset(d, cfg.model.vocab_size)  # validates the data before anything is written
-    trainer = build_trainer(cfg)
+    root = ck.checkpoint_root(t.out_dir)
+    streamed = t.engine == "streamed"
+    start_step, state = 0, {}
+    if resume:
+        if not streamed:
+            raise UserError("--resume", "checkpoints are written by the streamed engine only",
+                            "set train.engine=streamed (or train without --resume)")
+        trainer, path, state = restore_trainer(cfg, root, log)
+        start_step = int(state["step"])
+        _resume_checks(cfg, dataset, state, log)
+        log(f"resumed from {path}: step {start_step}, optimizer count {trainer.count}")
+    else:
+        existing = ck.list_checkpoints(root)
+        if existing:
+            raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
+                            "pass --resume to continue that run, or choose another train.out_dir "
+                            f"(or delete {root})")
+        trainer = build_trainer(cfg)
 
     os.makedirs(t.out_dir, exist_ok=True)
     with open(os.path.join(t.out_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-    metrics = MetricsWriter(os.path.join(t.out_dir, "metrics.jsonl"))
+    metrics_path = os.path.join(t.out_dir, "metrics.jsonl")
+    if resume:
+        _truncate_metrics(metrics_path, start_step, log)
+    elif os.path.isfile(metrics_path):
+        old = f"{metrics_path}.old-{int(time.time())}"
+        os.replace(metrics_path, old)
+        log(f"metrics: a fresh run; the previous {metrics_path} was moved to {old}")
+    metrics = MetricsWriter(metrics_path)
     tokens_per_step = t.batch_size * d.seq_len
     fpt = model_flops_per_token(cfg.model)
     fpt_attn = fpt + attention_flops_per_token(cfg.model, d.seq_len)
@@ -76,33 +270,126 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
         f"({cfg.model.non_embedding_params() / 1e6:.2f}M non-embedding), engine={t.engine}, "
         f"compute={t.compute_dtype}, {tokens_per_step} tokens/step")
 
+    saver = ck.CheckpointSaver(trainer, root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
+        if streamed else None
+    loop = state.get("loop", {})
+    skipped = int(loop.get("skipped_total", 0))
+    bad_streak = int(loop.get("bad_streak", 0))
+    if bad_streak >= t.max_bad_steps:
+        bad_streak = 0  # that run stopped on it; the user has had a chance to change something
+    last_good = int(loop.get("last_good_step", start_step))
+    rng = _rng_state(cfg)
+    nan_steps = _debug_steps("MEGATRAIN_DEBUG_NAN_STEPS")
+    kill_after = _debug_steps("MEGATRAIN_DEBUG_KILL_AFTER_STEP")
+
+    def save(step: int, wait: bool) -> str | None:
+        if saver is None:
+            return None
+        lr = trainer.opt.lr_at(trainer.count + 1) if hasattr(trainer.opt, "lr_at") else None
+        meta = {"loop": {"step": step, "skipped_total": skipped, "bad_streak": bad_streak, "last_good_step": last_good},
+                "lr_schedule": {"count": trainer.count, "next_lr": None if lr is None else float(lr),
+                                "schedule": cfg.optim.schedule.__dict__, "total_steps": t.steps},
+                "data": {"position": dataset.position(step, t.batch_size, d.seq_len), "describe": dataset.describe(),
+                         "batch_size": t.batch_size, "seq_len": d.seq_len},
+                "rng": rng, "config": cfg.to_dict()}
+        path = saver.save(step, meta, wait=wait)
+        if wait:
+            _report(saver.history[-1] if saver.history else None)
+        return path
+
+    def _report(st) -> None:
+        if st is not None:
+            log(f"checkpoint: step {st.step} saved to {st.path} ({st.nbytes / 1e9:.3f} GB in {st.write_s:.2f}s; "
+                f"training loop blocked {st.call_s:.3f}s, updates held {st.held_s:.3f}s)")
+
     losses: list[float] = []
     start = time.perf_counter()
     last = start
-    skipped = 0
-    for step in range(t.steps):
-        batch = to_engine_batch(dataset.batch(step, t.batch_size, d.seq_len), d.doc_masking)
-        res = trainer.step(batch)
-        now = time.perf_counter()
-        dt, last = now - last, now
-        losses.append(res.loss)
-        skipped += int(res.skipped)
-        rec = {"step": step + 1, "loss": res.loss, "grad_norm": res.grad_norm, "step_time_s": dt,
-               "tokens_per_s": tokens_per_step / dt, "model_tflops": fpt * tokens_per_step / dt / 1e12,
-               "model_tflops_with_attention": fpt_attn * tokens_per_step / dt / 1e12, "skipped": res.skipped}
-        metrics.write(rec)
-        if (step + 1) % t.log_every == 0 or step == 0 or step + 1 == t.steps:
-            elapsed = now - start
-            eta = elapsed / (step + 1) * (t.steps - step - 1)
-            log(f"step {step + 1:>6}/{t.steps}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  "
-                f"tokens/s {rec['tokens_per_s']:,.0f}  model TFLOPS {rec['model_tflops']:.3f}  "
-                f"elapsed {elapsed:.0f}s  eta {eta:.0f}s")
-    if hasattr(trainer, "close"):
-        trainer.close()
-    metrics.close()
-    summary = {"steps": t.steps, "first_loss": losses[0], "last_loss": losses[-1],
-               "mean_last10": float(np.mean(losses[-10:])), "wall_s": time.perf_counter() - start,
-               "skipped_steps": skipped}
-    log(f"done: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} in {summary['wall_s']:.0f}s; "
-        f"metrics in {os.path.join(t.out_dir, 'metrics.jsonl')}")
+    stop = _StopSignals(log)
+    stopped_by = None
+    final_path = None
+    aborted = False
+    step_done = start_step
+    try:
+        for step in range(start_step, t.steps):
+            s = step + 1
+            batch = to_engine_batch(dataset.batch(step, t.batch_size, d.seq_len), d.doc_masking)
+            with _nan_forward(trainer) if (s in nan_steps and streamed) else contextlib.nullcontext():
+                res = trainer.step(batch)
+            step_done = s
+            now = time.perf_counter()
+            dt, last = now - last, now
+            losses.append(res.loss)
+            if res.skipped:
+                skipped += 1
+                bad_streak += 1
+                log(f"step {s}: non-finite loss {res.loss} / grad_norm {res.grad_norm}: update skipped, weights and "
+                    f"optimizer state unchanged ({bad_streak} in a row, {skipped} in total, "
+                    f"limit train.max_bad_steps={t.max_bad_steps})")
+            else:
+                bad_streak, last_good = 0, s
+            rec = {"step": s, "loss": res.loss, "grad_norm": res.grad_norm, "step_time_s": dt,
+                   "tokens_per_s": tokens_per_step / dt, "model_tflops": fpt * tokens_per_step / dt / 1e12,
+                   "model_tflops_with_attention": fpt_attn * tokens_per_step / dt / 1e12, "skipped": res.skipped}
+            metrics.write(rec)
+            if s % t.log_every == 0 or s == start_step + 1 or s == t.steps:
+                elapsed = now - start
+                eta = elapsed / (s - start_step) * (t.steps - s)
+                log(f"step {s:>6}/{t.steps}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  "
+                    f"tokens/s {rec['tokens_per_s']:,.0f}  model TFLOPS {rec['model_tflops']:.3f}  "
+                    f"elapsed {elapsed:.0f}s  eta {eta:.0f}s")
+            if saver is not None:
+                _report(saver.poll())  # a background save that has committed since the last step
+            if bad_streak >= t.max_bad_steps:
+                path = save(s, wait=True)
+                raise UserError("train.max_bad_steps",
+                                f"{bad_streak} consecutive steps ({s - bad_streak + 1}..{s}) had a non-finite loss or "
+                                f"gradient norm; none of them changed the model, whose weights are those after step "
+                                f"{last_good}" + (f"; checkpoint saved to {path}" if path else ""),
+                                "lower optim.lr, set optim.clip_norm or check the data around these steps, then "
+                                "continue with --resume (or raise train.max_bad_steps)")
+            if stop.received:
+                stopped_by = stop.received
+                final_path = save(s, wait=True)
+                break
+            if t.ckpt_every and s % t.ckpt_every == 0:
+                save(s, wait=False)
+            if s in kill_after:  # test hook: a hard kill once the checkpoints so far are committed
+                if saver is not None:
+                    saver.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            if saver is not None:
+                final_path = save(step_done, wait=True)
+    except KeyboardInterrupt:
+        aborted = True  # a second signal: do not wait for a save in flight (its .tmp is ignored later)
+        raise
+    finally:
+        stop.restore()
+        try:
+            if saver is not None:
+                saver.abandon() if aborted else saver.close()
+        finally:
+            if hasattr(trainer, "close"):
+                trainer.close()
+            metrics.close()
+    if t.export and streamed and stopped_by is None:
+        from megatrain_jax.hf import export_hf
+
+        export_hf(trainer.store, cfg.model, t.export, t.export_dtype, overwrite=True, log=log)
+    wall = time.perf_counter() - start
+    summary = {"steps": step_done, "first_loss": losses[0] if losses else None,
+               "last_loss": losses[-1] if losses else None,
+               "mean_last10": float(np.mean(losses[-10:])) if losses else None, "wall_s": wall,
+               "skipped_steps": skipped, "resumed_from": start_step if resume else None,
+               "checkpoint": final_path, "stopped_by": stopped_by}
+    if stopped_by:
+        log(f"stopped by {stopped_by} after step {step_done}: " + (
+            f"checkpoint saved to {final_path}; continue with `megatrain-jax train ... --resume` "
+            f"(train.out_dir={t.out_dir})" if final_path else "no checkpoint (the reference engine writes none)"))
+    elif not losses:
+        log(f"nothing to do: the checkpoint is at step {start_step} and train.steps={t.steps}")
+    else:
+        log(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {wall:.0f}s; "
+            f"metrics in {metrics_path}" + (f"; checkpoint {final_path}" if final_path else ""))
     return summary

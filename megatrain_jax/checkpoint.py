@@ -1,0 +1,686 @@
+"""Training checkpoints: written by orbax group by group in the background, atomic, checked, retained.
+
+Layout of ``<train.out_dir>/checkpoints/``::
+
+    step_00000010/                  one complete checkpoint (the loop step it was taken after)
+        groups/<group>/             one orbax PyTree checkpoint per host-store group (embed, block_i, head):
+                                    {"master": fp32 weights, "opt_0".. : optimizer state arrays}
+        state.json                  step, optimizer count, data position, RNG seeds, config, layouts
+        manifest.json               written last: crc32 of every array and of state.json
+    step_00000015.tmp/              a save in progress (or killed): never read, removed by the next run
+    step_00000005.corrupt/          failed its checks at resume: moved aside, kept for inspection
+
+**Consistency while training continues.** A save of the state after optimizer update ``K`` starts
+between two steps. The writer thread walks the groups in the order the next step updates them; for
+each it waits for update ``K`` of that group (the engine's pending future), hands the live host
+buffers to orbax (no copy: orbax's numpy handler is built with ``deepcopy_host_arrays=False``,
+so nothing may write the buffers until its synchronous ``save`` returns) while a second thread
+computes their crc32, then *releases* the group. The engine calls ``before_update(name, count)`` on
+its host-optimizer thread just before it writes a group in place; for ``count > K`` it waits until
+that group is released. So every group is saved exactly as update ``K`` left it, the model is
+never copied, and the forward/backward of the next steps run while the save proceeds: the only
+stall is an update of a group that the writer has not reached yet (measured as ``held_s``; zero
+when a save finishes within one step's compute, since updates come at the end of a step).
+``save()`` itself blocks the loop only to wait for a previous save that is still running.
+
+**Atomic.** Everything is written under ``step_N.tmp``; ``manifest.json`` is written (and fsynced)
+last, then the directory is renamed to ``step_N`` (an atomic rename, then the parent is fsynced).
+A kill at any point leaves either the complete old set of checkpoints or a ``.tmp`` directory
+that is ignored. Retention (``keep_last`` newest, plus every step divisible by ``keep_every``)
+deletes only after a newer checkpoint is committed, renaming before removing.
+
+**Checked.** Resume restores array by array and compares each with its crc32 (and orbax/tensorstore
+reject truncated files); a checkpoint that fails is reported, moved aside to ``step_N.corrupt`` and
+the previous one is used. The crc32 is taken from the live buffer while the group is held, so it
+also proves that the bytes written are the bytes of update ``K``.
+
+``export_main`` (``megatrain-jax export CHECKPOINT OUT [--dtype bfloat16|float32]``) writes the
+weights alone for inference: ``model.yaml`` plus one ``<group>.safetensors`` per group keyed by leaf
+path (in fp32 this is the native ``mt`` layout of ``hf.py``) and ``config.json`` describing it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+from megatrain_jax.errors import UserError
+
+FORMAT = 1
+CKPT_SUBDIR = "checkpoints"
+MANIFEST = "manifest.json"
+STATE = "state.json"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+Log = Callable[[str], None]
+
+# test hook: SIGKILL this process after the first group of the save at this step is written
+_KILL_IN_SAVE = "MEGATRAIN_DEBUG_KILL_IN_SAVE"
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint that is incomplete, truncated or fails its checksums."""
+
+
+def checkpoint_root(out_dir: str) -> str:
+    return os.path.join(out_dir, CKPT_SUBDIR)
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    path: str
+    step: int
+
+
+def list_checkpoints(root: str) -> list[CheckpointInfo]:
+    """Committed checkpoints (``step_N`` with a manifest) under ``root``, oldest first."""
+    out = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            m = _STEP_RE.match(name)
+            path = os.path.join(root, name)
+            if m and os.path.isfile(os.path.join(path, MANIFEST)):
+                out.append(CheckpointInfo(path, int(m.group(1))))
+    return sorted(out, key=lambda c: c.step)
+
+
+def leftovers(root: str) -> list[str]:
+    """Directories left by interrupted saves or deletions (never complete checkpoints)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, n) for n in os.listdir(root)
+                  if n.startswith("step_") and (n.endswith(".tmp") or ".deleting" in n))
+
+
+# ------------------------------------------------------------------------------------ orbax glue
+
+
+def _checkpointer():
+    """A synchronous orbax PyTree checkpointer whose numpy handler does not copy its inputs.
+
+    orbax's default numpy handler deep-copies every array in ``save`` (so that the caller may
+    mutate it once an async save has returned): for a whole model that is the second full copy we
+    must avoid. Without the copy the arrays must stay untouched until ``save`` returns, which is
+    exactly what the per-group hold guarantees. Compression is off: weights barely compress and
+    zstd would compete with training for the CPU.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    th = ocp.type_handlers
+    registry = th.create_type_handler_registry(
+        (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, th.ArrayHandler()),
+    )
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
+                                          type_handler_registry=registry)
+    return ocp.Checkpointer(handler)
+
+
+def _restore_array(ckptr, path: str, key: str) -> np.ndarray:
+    """One array of a group's orbax item (partial restore: peak memory is one array)."""
+    import orbax.checkpoint as ocp
+
+    args = ocp.args.PyTreeRestore(item={key: 0}, restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray)},
+                                  partial_restore=True)
+    return np.asarray(ckptr.restore(path, args=args)[key])
+
+
+def _bytes_view(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def crc32(a: np.ndarray) -> int:
+    return zlib.crc32(_bytes_view(a))  # zlib releases the GIL on large buffers
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, obj: Any) -> bytes:
+    data = json.dumps(obj, indent=1, default=_json_default).encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return data
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+
+
+def _remove_dir(path: str) -> None:
+    """Rename first, so that a kill during the removal never leaves a half-deleted ``step_N``."""
+    doomed = f"{path}.deleting-{os.getpid()}"
+    try:
+        os.replace(path, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prune(root: str, keep_last: int, keep_every: int) -> list[str]:
+    """Delete committed checkpoints outside the retention policy; returns the removed paths.
+
+    Kept: the ``keep_last`` newest (all when 0) and every step divisible by ``keep_every`` (> 0).
+    """
+    cks = list_checkpoints(root)
+    if keep_last <= 0:
+        return []
+    keep = {c.step for c in cks[-keep_last:]}
+    if keep_every > 0:
+        keep |= {c.step for c in cks if c.step % keep_every == 0}
+    removed = []
+    for c in cks:
+        if c.step not in keep:
+            _remove_dir(c.path)
+            removed.append(c.path)
+    return removed
+
+
+# ------------------------------------------------------------------------------------- saving
+
+
+def store_layouts(store) -> dict[str, list]:
+    return {g.name: [[leaf.path, list(leaf.shape), leaf.offset, leaf.size] for leaf in g.layout.leaves]
+            for g in store}
+
+
+@dataclasses.dataclass
+class SaveStats:
+    step: int
+    path: str
+    call_s: float = 0.0  # time save() kept the training loop waiting (a previous save still running)
+    held_s: float = 0.0  # time the host-optimizer thread waited for this save before an update
+    write_s: float = 0.0  # start of the save to commit
+    nbytes: int = 0
+    group_s: dict = dataclasses.field(default_factory=dict)  # per group: wait for update + write + crc
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _Job:
+    def __init__(self, step: int, count: int, final: str, tmp: str, meta: dict, pending: dict, order: list[str]):
+        self.step, self.count, self.final, self.tmp, self.meta = step, count, final, tmp, meta
+        self.pending, self.order = pending, order
+        self.released = {name: threading.Event() for name in order}
+        self.error: BaseException | None = None
+        self.abandoned = False
+        self.stats = SaveStats(step, final)
+        self.thread: threading.Thread | None = None
+
+
+class CheckpointSaver:
+    """Background, group-by-group checkpoints of a ``StreamedTrainer``'s host store (see module doc)."""
+
+    def __init__(self, trainer, root: str, *, keep_last: int = 2, keep_every: int = 0, log: Log = print):
+        self.trainer, self.root, self.log = trainer, root, log
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self._job: _Job | None = None  # the save in flight (or finished but not yet waited for)
+        self._active: _Job | None = None  # the save whose groups are still held
+        self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
+        self._ckptr = None
+        self._ckptr_ready = threading.Thread(target=self._make_checkpointer, name="ckpt-init", daemon=True)
+        self._ckptr_ready.start()  # importing orbax takes a second: not while groups are held
+        self.history: list[SaveStats] = []
+        self.last_path: str | None = None
+        os.makedirs(root, exist_ok=True)
+        for path in leftovers(root):
+            log(f"checkpoint: removing {path} (left by an interrupted save)")
+            shutil.rmtree(path, ignore_errors=True)
+        trainer.before_update = self._before_update
+
+    def _make_checkpointer(self) -> None:
+        try:
+            self._ckptr = _checkpointer()
+        except Exception:  # noqa: BLE001 - retried (and reported) by the first save
+            self._ckptr = None
+
+    # -- the engine's hook (host-optimizer thread)
+    def _before_update(self, name: str, count: int) -> None:
+        job = self._active
+        if job is None or count <= job.count:
+            return  # no save in flight, or the very update the save is waiting for
+        ev = job.released.get(name)
+        if ev is not None and not ev.is_set():
+            t0 = time.perf_counter()
+            ev.wait()
+            job.stats.held_s += time.perf_counter() - t0
+
+    # -- the training loop's side
+    def save(self, step: int, meta: dict, *, wait: bool = False) -> str:
+        """Start saving the state after loop step ``step``; returns the final directory.
+
+        Call between steps. ``meta`` (JSON-able) goes to ``state.json``. With ``wait`` the call
+        returns once the checkpoint is committed.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        final = os.path.join(self.root, step_dirname(step))
+        if os.path.isdir(final):  # this state is already saved (e.g. a signal right after a resume)
+            self.last_path = final
+            return final
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tr = self.trainer
+        order = tr._forward_order() if hasattr(tr, "_forward_order") else [g.name for g in tr.store]
+        pending = dict(getattr(tr, "_pending", {}))  # update K of each group, maybe still running
+        job = _Job(step, tr.count, final, tmp, meta, pending, order)
+        self._job = self._active = job
+        job.thread = threading.Thread(target=self._write, args=(job,), name=f"ckpt-save-{step}", daemon=True)
+        job.thread.start()
+        job.stats.call_s = time.perf_counter() - t0
+        if wait:
+            self.wait()
+        return final
+
+    def wait(self) -> SaveStats | None:
+        """Wait for the save in flight; raise ``UserError`` if it failed."""
+        job, self._job = self._job, None
+        if job is None:
+            return None
+        t0 = time.perf_counter()
+        job.thread.join()
+        job.stats.call_s += time.perf_counter() - t0
+        if job.error is not None:
+            raise UserError("train.out_dir", f"saving checkpoint {job.final} failed: "
+                            f"{type(job.error).__name__}: {job.error}",
+                            "check free disk space and permissions of train.out_dir; the previous "
+                            "checkpoint is intact, resume from it with --resume") from job.error
+        self.history.append(job.stats)
+        self.last_path = job.final
+        return job.stats
+
+    @property
+    def busy(self) -> bool:
+        return self._job is not None and self._job.thread.is_alive()
+
+    def poll(self) -> SaveStats | None:
+        """The stats of a background save that has finished since the last call (else ``None``);
+        raises like ``wait`` if it failed."""
+        if self._job is not None and not self._job.thread.is_alive():
+            return self.wait()
+        return None
+
+    def abandon(self) -> None:
+        """Give up the save in flight (an abort): release every held group at once and make sure
+        that save never commits (its ``.tmp`` is removed, or ignored by the next run)."""
+        job = self._job
+        if job is not None:
+            job.abandoned = True
+            self._active = None
+            for ev in job.released.values():
+                ev.set()
+        if getattr(self.trainer, "before_update", None) == self._before_update:
+            self.trainer.before_update = None
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if getattr(self.trainer, "before_update", None) == self._before_update:
+                self.trainer.before_update = None
+            self._crc_pool.shutdown()
+
+    # -- the writer thread
+    def _write(self, job: _Job) -> None:
+        st = job.stats
+        t_start = time.perf_counter()
+        kill_step = os.environ.get(_KILL_IN_SAVE)
+        try:
+            self._ckptr_ready.join()
+            if self._ckptr is None:
+                self._ckptr = _checkpointer()
+            store, opt = self.trainer.store, self.trainer.opt
+            os.makedirs(os.path.join(job.tmp, "groups"))
+            groups: dict[str, Any] = {}
+            for name in job.order:
+                if job.abandoned:
+                    raise RuntimeError("abandoned")
+                t0 = time.perf_counter()
+                fut = job.pending.get(name)
+                if fut is not None:
+                    fut.result()  # update K of this group has been applied
+                g = store[name]
+                state_arrays = opt.state_to_arrays(g.opt_state) if g.opt_state is not None else {}
+                opt_names = sorted(state_arrays)
+                item = {"master": g.master}
+                item.update({f"opt_{i}": np.asarray(state_arrays[k]) for i, k in enumerate(opt_names)})
+                crcs = self._crc_pool.submit(lambda it=item: {k: crc32(a) for k, a in it.items()})
+                self._ckptr.save(os.path.join(job.tmp, "groups", name), item)
+                crc = crcs.result()
+                job.released[name].set()  # from here the next update may write this group
+                groups[name] = {"arrays": {k: {"dtype": a.dtype.name, "shape": list(a.shape), "crc32": crc[k],
+                                               **({"name": opt_names[int(k[4:])]} if k != "master" else {})}
+                                           for k, a in item.items()}}
+                st.nbytes += sum(a.nbytes for a in item.values())
+                st.group_s[name] = time.perf_counter() - t0
+                del item, state_arrays
+                if kill_step is not None and int(kill_step) == job.step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            meta = dict(job.meta)
+            meta.update(format=FORMAT, step=job.step, count=job.count, layouts=store_layouts(store),
+                        optimizer=type(opt).__name__, saved_at=time.time())
+            state_bytes = _write_json(os.path.join(job.tmp, STATE), meta)
+            _write_json(os.path.join(job.tmp, MANIFEST), {
+                "format": FORMAT, "step": job.step, "count": job.count, "groups": groups,
+                "order": job.order, "state_crc32": zlib.crc32(state_bytes), "nbytes": st.nbytes})
+            _fsync_dir(job.tmp)
+            if job.abandoned:  # groups were released early: what was written may be torn
+                raise RuntimeError("abandoned")
+            os.replace(job.tmp, job.final)  # the commit
+            _fsync_dir(self.root)
+            st.write_s = time.perf_counter() - t_start
+            for path in prune(self.root, self.keep_last, self.keep_every):
+                self.log(f"checkpoint: removed {path} (retention: keep_last={self.keep_last}, "
+                         f"keep_every={self.keep_every})")
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            job.error = e
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        finally:
+            for ev in job.released.values():
+                ev.set()  # never leave the training waiting on a failed save
+            self._active = None
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+def read_checkpoint_meta(path: str) -> tuple[dict, dict]:
+    """``(manifest, state)`` of a committed checkpoint; ``CorruptCheckpoint`` when unreadable."""
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            manifest = json.loads(f.read())
+        with open(os.path.join(path, STATE), "rb") as f:
+            state_bytes = f.read()
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"cannot read its metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CorruptCheckpoint(f"manifest format {manifest.get('format') if isinstance(manifest, dict) else '?'} "
+                                f"is not {FORMAT}")
+    if zlib.crc32(state_bytes) != manifest.get("state_crc32"):
+        raise CorruptCheckpoint(f"{STATE} fails its checksum")
+    try:
+        state = json.loads(state_bytes)
+    except ValueError as e:
+        raise CorruptCheckpoint(f"{STATE} is not valid JSON ({e})") from None
+    return manifest, state
+
+
+def _load_group_array(ckptr, path: str, name: str, key: str, info: dict) -> np.ndarray:
+    where = f"group {name} array {info.get('name', key)}"
+    try:
+        arr = _restore_array(ckptr, os.path.join(path, "groups", name), key)
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds on damaged files
+        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise CorruptCheckpoint(f"{where} cannot be read ({type(e).__name__}: {msg})") from None
+    if arr.dtype.name != info["dtype"] or list(arr.shape) != info["shape"]:
+        raise CorruptCheckpoint(f"{where} is {arr.dtype} {arr.shape}, the manifest says {info['dtype']} {info['shape']}")
+    if crc32(arr) != info["crc32"]:
+        raise CorruptCheckpoint(f"{where} fails its crc32 checksum")
+    return arr
+
+
+def check_compatible(state: dict, store, path: str) -> None:
+    """The checkpoint's groups and leaf shapes must be the store's (else: a different model)."""
+    saved = state.get("layouts", {})
+    have = store_layouts(store)
+    if set(saved) != set(have):
+        raise UserError("model", f"checkpoint {path} holds groups {list(saved)[:4]}... but the configured model has "
+                        f"{list(have)[:4]}... ({len(saved)} vs {len(have)} groups)",
+                        "resume with the model config the run was started with (see config.yaml in train.out_dir)")
+    for name in have:
+        if [x[:2] for x in saved[name]] != [x[:2] for x in have[name]]:
+            diff = next((a, b) for a, b in zip(saved[name] + [None] * 99, have[name] + [None] * 99)
+                        if a is None or b is None or a[:2] != b[:2])
+            raise UserError("model", f"checkpoint {path} group {name} has {diff[0] and diff[0][:2]}, the configured "
+                            f"model has {diff[1] and diff[1][:2]}",
+                            "resume with the model config the run was started with (see config.yaml in train.out_dir)")
+
+
+def restore_into(path: str, store, host_opt) -> dict:
+    """Load a checkpoint into ``store`` (master, bf16 copy, optimizer state); returns its state.json.
+
+    Array by array, each checked against its crc32 (peak extra memory: about two arrays). Raises
+    ``CorruptCheckpoint`` for damaged files (the store is then partly overwritten: restore another
+    checkpoint over it) and ``UserError`` for a checkpoint of another model or optimizer.
+    """
+    manifest, state = read_checkpoint_meta(path)
+    check_compatible(state, store, path)
+    ckptr = _checkpointer()
+
+    def incompatible(detail: str) -> UserError:
+        return UserError("optim", f"checkpoint {path} holds {state.get('optimizer')} state that the configured "
+                         f"{type(host_opt).__name__} cannot take ({detail})",
+                         "resume with the optim settings the run was started with (see config.yaml in train.out_dir)")
+
+    for g in store:
+        entry = manifest.get("groups", {}).get(g.name)
+        if entry is None:
+            raise CorruptCheckpoint(f"group {g.name} is missing from the manifest")
+        live = _live_state_arrays(host_opt, g)
+        saved_names = {info["name"] for key, info in entry["arrays"].items() if key != "master"}
+        if live is not None and set(live) != saved_names:
+            raise incompatible(f"state arrays {sorted(saved_names)}, expected {sorted(live)}")
+        opt_arrays = {}
+        for key, info in entry["arrays"].items():
+            arr = _load_group_array(ckptr, path, g.name, key, info)
+            if key == "master":
+                g.master[:] = arr
+            elif live is not None:  # straight into the optimizer's own buffers: no second state
+                dst = live[info["name"]]
+                if dst.shape != arr.shape or dst.dtype != arr.dtype:
+                    raise incompatible(f"{info['name']} is {arr.dtype} {arr.shape}, expected {dst.dtype} {dst.shape}")
+                dst[...] = arr
+            else:
+                opt_arrays[info["name"]] = arr
+            del arr
+        g.sync_stream()
+        if live is None:
+            try:
+                g.opt_state = host_opt.state_from_arrays(opt_arrays, g.master, g.layout.unflatten)
+            except (ValueError, KeyError, TypeError) as e:
+                raise incompatible(str(e)) from None
+        del opt_arrays
+    return state
+
+
+def _live_state_arrays(host_opt, g) -> dict[str, np.ndarray] | None:
+    """The group's optimizer-state arrays when ``state_to_arrays`` hands out the state's own
+    buffers (``FusedAdamW``): restoring writes into them, one array at a time. ``None`` when it
+    gives copies (then ``state_from_arrays`` builds a new state)."""
+    if g.opt_state is None:
+        g.opt_state = host_opt.init_state(g.master, g.layout.unflatten)  # zero pages, untouched until written
+    arrays = host_opt.state_to_arrays(g.opt_state)
+    state = g.opt_state
+    if isinstance(state, dict) and all(isinstance(a, np.ndarray) and a.flags.writeable and state.get(k) is a
+                                       for k, a in arrays.items()):
+        return arrays
+    return None
+
+
+def restore_latest(root: str, store, host_opt, log: Log = print) -> tuple[str, dict]:
+    """Restore the newest checkpoint that passes its checks; corrupted ones are moved aside.
+
+    Returns ``(path, state)``. ``UserError`` when there is none (or none usable).
+    """
+    cks = list_checkpoints(root)
+    for path in leftovers(root):
+        log(f"checkpoint: ignoring {path} (an interrupted save; the checkpoints before it are intact)")
+    if not cks:
+        raise UserError("--resume", f"no complete checkpoint in {root}",
+                        "train without --resume to start a new run, or set train.out_dir to the run to continue")
+    bad = []
+    for c in reversed(cks):
+        try:
+            state = restore_into(c.path, store, host_opt)
+        except CorruptCheckpoint as e:
+            aside = f"{c.path}.corrupt"
+            if os.path.exists(aside):
+                aside = f"{aside}-{int(time.time())}"
+            os.replace(c.path, aside)
+            bad.append(c.path)
+            log(f"checkpoint: {c.path} is corrupted: {e}; moved it to {aside} and "
+                f"{'falling back to the previous checkpoint' if c is not cks[0] else 'no older checkpoint is left'}")
+            continue
+        if bad:
+            log(f"checkpoint: resuming from {c.path} (step {c.step}) instead of the corrupted {', '.join(bad)}")
+        return c.path, state
+    raise UserError("--resume", f"every checkpoint in {root} is corrupted ({', '.join(bad)}; moved aside as .corrupt)",
+                    "start a new run without --resume (or in another train.out_dir), or restore the checkpoint "
+                    "files from a backup")
+
+
+def load_checkpoint_arrays(path: str) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
+    """Every array of a checkpoint, checked: ``({group: {"master": ..., <opt name>: ...}}, state)``.
+    Holds the whole model in memory: for tests and small models."""
+    manifest, state = read_checkpoint_meta(path)
+    ckptr = _checkpointer()
+    out = {}
+    for name, entry in manifest["groups"].items():
+        out[name] = {info.get("name", key): _load_group_array(ckptr, path, name, key, info)
+                     for key, info in entry["arrays"].items()}
+    return out, state
+
+
+# ------------------------------------------------------------------------------------- export
+
+
+def _group_prefix(name: str) -> str:
+    return f"layers.{name[6:]}" if name.startswith("block_") else name
+
+
+def resolve_checkpoint(spec: str, log: Log = print) -> tuple[str, dict, dict]:
+    """A checkpoint directory, a ``checkpoints/`` directory or a run's ``out_dir`` -> the newest usable
+    committed checkpoint: ``(path, manifest, state)``."""
+    if not os.path.isdir(spec):
+        raise UserError("CHECKPOINT", f"{spec!r} is not a directory",
+                        "give a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's train.out_dir")
+    if os.path.isfile(os.path.join(spec, MANIFEST)):
+        try:
+            manifest, state = read_checkpoint_meta(spec)
+        except CorruptCheckpoint as e:
+            raise UserError("CHECKPOINT", f"{spec} is corrupted: {e}", "export an earlier checkpoint") from None
+        return spec, manifest, state
+    if os.path.basename(spec.rstrip("/")).endswith(".tmp"):
+        raise UserError("CHECKPOINT", f"{spec} is an incomplete save", "export a committed step_N checkpoint")
+    root = spec if list_checkpoints(spec) else checkpoint_root(spec)
+    cks = list_checkpoints(root)
+    if not cks:
+        raise UserError("CHECKPOINT", f"no complete checkpoint in {spec}",
+                        "give a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's train.out_dir")
+    for c in reversed(cks):
+        try:
+            manifest, state = read_checkpoint_meta(c.path)
+        except CorruptCheckpoint as e:
+            log(f"export: skipping {c.path}: {e}")
+            continue
+        return c.path, manifest, state
+    raise UserError("CHECKPOINT", f"every checkpoint in {root} is corrupted", "restore the files from a backup")
+
+
+def export_weights(checkpoint: str, out: str, dtype: str = "bfloat16", *, overwrite: bool = False,
+                   log: Log = print) -> str:
+    """Weights only, for inference: ``out/model.yaml``, ``out/config.json`` and one
+    ``<group>.safetensors`` per group (tensors keyed by leaf path; names in ``config.json``'s
+    ``weight_map`` as ``embed.embedding``, ``layers.3.self_attn.q_proj.kernel``, ``head.norm.scale``).
+    Read and written one group at a time, checked against the checkpoint's crc32."""
+    import ml_dtypes
+    import yaml
+    from safetensors.numpy import save_file
+
+    if dtype not in ("bfloat16", "float32"):
+        raise UserError("--dtype", f"{dtype!r} is not an export dtype", "use bfloat16 or float32")
+    out_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not overwrite:
+        raise UserError("OUT", f"{out} already exists and is not empty", "choose a new directory or remove it")
+    path, manifest, state = resolve_checkpoint(checkpoint, log)
+    out = os.path.abspath(out)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    t0 = time.perf_counter()
+    ckptr = _checkpointer()
+    weight_map, total = {}, 0
+    try:
+        for name, leaves in state["layouts"].items():
+            info = manifest["groups"][name]["arrays"]["master"]
+            try:
+                flat = _load_group_array(ckptr, path, name, "master", info)
+            except CorruptCheckpoint as e:
+                raise UserError("CHECKPOINT", f"{path} is corrupted: {e}", "export an earlier checkpoint") from None
+            tensors = {}
+            for leaf_path, shape, offset, size in leaves:
+                tensors[leaf_path] = flat[offset:offset + size].reshape(shape).astype(out_dtype)
+                weight_map[f"{_group_prefix(name)}.{leaf_path.replace('/', '.')}"] = [f"{name}.safetensors", leaf_path]
+            save_file(tensors, os.path.join(tmp, f"{name}.safetensors"),
+                      metadata={"format": "megatrain-jax-mt", "group": name, "dtype": dtype})
+            total += sum(t.nbytes for t in tensors.values())
+            del flat, tensors
+        model_cfg = dict(state["config"]["model"])
+        model_cfg["from_hf"] = None
+        with open(os.path.join(tmp, "model.yaml"), "w") as f:
+            yaml.safe_dump(model_cfg, f, sort_keys=False)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({"format": "megatrain-jax-weights", "dtype": dtype, "model": model_cfg,
+                       "groups": list(state["layouts"]), "weight_map": weight_map, "total_bytes": total,
+                       "source": {"checkpoint": os.path.abspath(path), "step": state["step"],
+                                  "optimizer_count": state["count"]}}, f, indent=1)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"export: {path} (step {state['step']}) -> {out}: {len(state['layouts'])} groups, {dtype}, "
+        f"{total / 1e9:.3f} GB in {time.perf_counter() - t0:.1f}s")
+    return out
+
+
+def export_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="megatrain-jax export",
+                                description="Weights-only export of a training checkpoint (safetensors + model config).")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                   help="a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's out_dir (newest)")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        if e.code in (0, None):
+            return 0
+        raise UserError("export", "bad arguments (see the usage line above)",
+                        "run `megatrain-jax export CHECKPOINT_DIR OUT [--dtype bfloat16|float32]`") from None
+    export_weights(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite)
+    return 0

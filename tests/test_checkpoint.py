@@ -1,0 +1,400 @@
+"""Checkpoint saver and loader against a stand-in engine (fast; the real engine is in test_train.py).
+
+``FakeTrainer`` follows the engine's protocol exactly: a step waits for each group's pending update
+(``_fetch``), bumps ``count``, and queues one in-place update per group on a single host thread
+that calls ``before_update(name, count)`` first. Update ``k`` adds ``k`` to the weights and to every
+optimizer array, so the state after any number of steps is known exactly.
+"""
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from megatrain_jax import checkpoint as ck
+from megatrain_jax.cli import main as cli_main
+from megatrain_jax.errors import UserError
+from megatrain_jax.hoststore import HostStore
+from megatrain_jax.optim import FusedAdamW
+from megatrain_jax.templates import Layout
+
+H = 32  # large enough that orbax's OCDBT stores the arrays in data files (small values go inline)
+TREES = {"embed": {"embedding": np.zeros((64, H), np.float32)},
+         "block_0": {"attn": {"q": np.zeros((H, H), np.float32)}, "norm": np.zeros((H,), np.float32)},
+         "block_1": {"attn": {"q": np.zeros((H, H), np.float32)}, "norm": np.zeros((H,), np.float32)},
+         "head": {"lm_head": np.zeros((H, 64), np.float32)}}
+MODEL_META = {"config": {"model": {"vocab_size": 64, "hidden_size": H, "num_layers": 2}}}
+
+
+def make_store(seed=0, bf16=True, trees=TREES):
+    store = HostStore({n: Layout(t) for n, t in trees.items()}, bf16_stream=bf16)
+    rng = np.random.default_rng(seed)
+    opt = FusedAdamW(1e-3)
+    for g in store:
+        g.master[:] = rng.standard_normal(g.size, dtype=np.float32)
+        g.sync_stream()
+        g.opt_state = opt.init_state(g.master)
+        g.opt_state["mu"][:] = rng.standard_normal(g.size, dtype=np.float32)
+        g.opt_state["nu"][:] = rng.random(g.size, dtype=np.float32)
+    return store, opt
+
+
+def snapshot(store):
+    return {g.name: {"master": g.master.copy(), "mu": g.opt_state["mu"].copy(), "nu": g.opt_state["nu"].copy()}
+            for g in store}
+
+
+class FakeTrainer:
+    def __init__(self, store, opt, update_delay=0.0):
+        self.store, self.opt, self.count = store, opt, 0
+        self._pending, self.before_update, self.update_delay = {}, None, update_delay
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self.update_log = []  # (name, count, time)
+
+    def _forward_order(self):
+        return [g.name for g in self.store]
+
+    def step(self):
+        for name in self._forward_order():  # the forward fetches every group
+            fut = self._pending.pop(name, None)
+            if fut is not None:
+                fut.result()
+        self.count += 1
+        for name in self._forward_order():
+            self._pending[name] = self._pool.submit(self._update, name, self.count)
+
+    def _update(self, name, count):
+        time.sleep(self.update_delay)
+        if self.before_update is not None:
+            self.before_update(name, count)
+        g = self.store[name]
+        g.master += count
+        g.opt_state["mu"] += count
+        g.opt_state["nu"] += count
+        g.sync_stream()
+        self.update_log.append((name, count, time.perf_counter()))
+
+    def finish(self):
+        for name in list(self._pending):
+            self._pending.pop(name).result()
+
+    def close(self):
+        self.finish()
+        self._pool.shutdown()
+
+
+def expected(base, steps):
+    out = {g: {k: a.copy() for k, a in d.items()} for g, d in base.items()}
+    for count in range(1, steps + 1):  # the same fp32 additions, in the same order, as the updates
+        for d in out.values():
+            for a in d.values():
+                a += count
+    return out
+
+
+def assert_state(arrays, want):
+    assert arrays.keys() == want.keys()
+    for g in want:
+        for k in want[g]:
+            assert np.array_equal(arrays[g][k], want[g][k]), (g, k)
+
+
+_orbax_checkpointer = ck._checkpointer
+
+
+class SlowCheckpointer:
+    """Wraps orbax's checkpointer: each group's write takes ``delay`` seconds more."""
+
+    def __init__(self, delay, fail_on=None):
+        self.inner, self.delay, self.fail_on = _orbax_checkpointer(), delay, fail_on
+
+    def save(self, path, item):
+        if self.fail_on and os.path.basename(path) == self.fail_on:
+            raise OSError(28, "No space left on device")
+        time.sleep(self.delay)
+        return self.inner.save(path, item)
+
+    def restore(self, *a, **kw):
+        return self.inner.restore(*a, **kw)
+
+
+def _saver(trainer, root, monkeypatch=None, delay=0.0, fail_on=None, **kw):
+    if monkeypatch is not None:
+        monkeypatch.setattr(ck, "_checkpointer", lambda: SlowCheckpointer(delay, fail_on))
+    logs = []
+    saver = ck.CheckpointSaver(trainer, str(root), log=logs.append, **kw)
+    return saver, logs
+
+
+def test_background_save_is_consistent_while_training_continues(tmp_path, monkeypatch):
+    store, opt = make_store()
+    base = snapshot(store)
+    tr = FakeTrainer(store, opt, update_delay=0.02)
+    saver, _ = _saver(tr, tmp_path, monkeypatch, delay=0.1)
+    tr.step()
+    tr.step()  # update 2 of every group is still queued when the save starts
+    assert tr._pending and not all(f.done() for f in tr._pending.values())
+    path = saver.save(2, MODEL_META)
+    t0 = time.perf_counter()
+    tr.step()  # updates 3 are held back group by group until the writer has saved that group
+    tr.step()
+    loop_s = time.perf_counter() - t0
+    stats = saver.wait()
+    tr.finish()
+    arrays, state = ck.load_checkpoint_arrays(path)
+    assert_state(arrays, expected(base, 2))  # exactly update 2, although 3 and 4 ran meanwhile
+    assert state["count"] == 2 and state["step"] == 2
+    assert_state(snapshot(store), expected(base, 4))  # and no update was lost
+    assert stats.held_s > 0.1  # the writer (0.1 s per group) really held updates back
+    assert stats.call_s < 0.05  # save() itself did not block the loop
+    assert loop_s < 0.4 * len(store.groups)
+    saver.close()
+    tr.close()
+
+
+def test_restore_roundtrip_into_an_empty_store(tmp_path):
+    store, opt = make_store(bf16=True)
+    tr = FakeTrainer(store, opt)
+    saver, _ = _saver(tr, tmp_path)
+    tr.step()
+    tr.finish()
+    saver.save(1, MODEL_META, wait=True)
+    fresh = HostStore({n: Layout(t) for n, t in TREES.items()}, bf16_stream=True)
+    path, state = ck.restore_latest(str(tmp_path), fresh, opt)
+    assert path.endswith("step_00000001") and state["count"] == 1
+    for g, h in zip(store, fresh):
+        assert np.array_equal(g.master, h.master) and np.array_equal(g.stream_bits, h.stream_bits)
+        for k in ("mu", "nu"):
+            assert np.array_equal(g.opt_state[k], h.opt_state[k])
+    saver.close()
+
+
+def test_retention_keeps_last_k_and_every_nth(tmp_path):
+    store, opt = make_store()
+    tr = FakeTrainer(store, opt)
+    saver, logs = _saver(tr, tmp_path, keep_last=2, keep_every=3)
+    for step in range(1, 8):
+        tr.step()
+        saver.save(step, MODEL_META)
+    saver.close()
+    assert [c.step for c in ck.list_checkpoints(str(tmp_path))] == [3, 6, 7]
+    assert sum("retention" in x for x in logs) == 4
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000006", "step_00000007"]
+    assert ck.prune(str(tmp_path), 0, 0) == []  # keep_last=0 keeps everything
+
+
+def _flip(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def _damage(path, how):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(path, "groups", "block_0")) for f in fs]
+    big = max(files, key=os.path.getsize)  # the arrays' data
+    if how == "flip_all":  # every data file: whichever holds the weights
+        for p in files:
+            if os.path.getsize(p) > 1024:
+                _flip(p)
+    if how == "flip_byte":
+        _flip(big)
+    elif how == "truncate":
+        with open(big, "r+b") as f:
+            f.truncate(os.path.getsize(big) // 3)
+    elif how == "delete_file":
+        os.remove(big)
+    elif how == "state_json":
+        with open(os.path.join(path, "state.json"), "r+b") as f:
+            f.seek(10)
+            f.write(b"X")
+    elif how == "manifest":
+        with open(os.path.join(path, "manifest.json"), "w") as f:
+            f.write("{not json")
+
+
+@pytest.mark.parametrize("how", ["flip_byte", "truncate", "delete_file", "state_json", "manifest"])
+def test_damaged_newest_checkpoint_is_reported_and_skipped(tmp_path, how):
+    store, opt = make_store()
+    tr = FakeTrainer(store, opt)
+    saver, _ = _saver(tr, tmp_path)
+    base = snapshot(store)
+    for step in (1, 2):
+        tr.step()
+        saver.save(step, MODEL_META, wait=True)
+    saver.close()
+    newest = os.path.join(tmp_path, "step_00000002")
+    _damage(newest, how)
+    fresh, _ = make_store(seed=1)
+    logs = []
+    path, state = ck.restore_latest(str(tmp_path), fresh, opt, log=logs.append)
+    assert path.endswith("step_00000001") and state["step"] == 1
+    assert_state(snapshot(fresh), expected(base, 1))
+    assert any("step_00000002 is corrupted" in x and "falling back to the previous checkpoint" in x for x in logs)
+    assert any("resuming from" in x for x in logs)
+    assert os.path.isdir(newest + ".corrupt") and not os.path.exists(newest)
+
+
+def test_all_corrupted_or_none_is_a_user_error(tmp_path):
+    store, opt = make_store()
+    with pytest.raises(UserError) as e:
+        ck.restore_latest(str(tmp_path / "nothing"), store, opt)
+    assert e.value.field == "--resume" and "no complete checkpoint" in e.value.problem
+    tr = FakeTrainer(store, opt)
+    saver, _ = _saver(tr, tmp_path)
+    saver.save(1, MODEL_META, wait=True)
+    saver.close()
+    _damage(os.path.join(tmp_path, "step_00000001"), "flip_byte")
+    with pytest.raises(UserError) as e:
+        ck.restore_latest(str(tmp_path), store, opt, log=lambda s: None)
+    assert "every checkpoint" in e.value.problem and "corrupted" in e.value.problem and e.value.fix
+
+
+def test_checkpoint_of_another_model_is_a_user_error(tmp_path):
+    store, opt = make_store()
+    tr = FakeTrainer(store, opt)
+    saver, _ = _saver(tr, tmp_path)
+    saver.save(1, MODEL_META, wait=True)
+    saver.close()
+    other = {**TREES, "head": {"lm_head": np.zeros((H, 128), np.float32)}}
+    store2, _ = make_store(trees=other)
+    with pytest.raises(UserError) as e:
+        ck.restore_latest(str(tmp_path), store2, opt)
+    assert e.value.field == "model" and "head" in e.value.problem
+    assert ck.list_checkpoints(str(tmp_path))  # not moved aside: it is fine, the config is not
+
+
+def test_failed_save_never_blocks_training_and_is_reported(tmp_path, monkeypatch):
+    store, opt = make_store()
+    tr = FakeTrainer(store, opt)
+    saver, _ = _saver(tr, tmp_path, monkeypatch, delay=0.0)
+    tr.step()
+    saver.save(1, MODEL_META, wait=True)
+    monkeypatch.setattr(saver._ckptr, "fail_on", "block_1")  # disk full in the middle of the next save
+    tr.step()
+    saver.save(2, MODEL_META)
+    done = threading.Event()
+    threading.Thread(target=lambda: (tr.step(), tr.step(), tr.finish(), done.set()), daemon=True).start()
+    assert done.wait(10), "training deadlocked behind a failed save"
+    with pytest.raises(UserError) as e:
+        saver.wait()
+    assert e.value.field == "train.out_dir" and "No space left" in e.value.problem and "intact" in e.value.fix
+    assert [c.step for c in ck.list_checkpoints(str(tmp_path))] == [1] and ck.leftovers(str(tmp_path)) == []
+    saver.close()
+    tr.close()
+
+
+def test_leftovers_of_a_killed_save_are_removed_by_the_next_saver(tmp_path):
+    os.makedirs(tmp_path / "step_00000009.tmp" / "groups")
+    store, opt = make_store()
+    tr = FakeTrainer(store, opt)
+    saver, logs = _saver(tr, tmp_path)
+    assert not os.path.exists(tmp_path / "step_00000009.tmp") and any("interrupted save" in x for x in logs)
+    saver.close()
+
+
+# ------------------------------------------------------------------------------------- export
+
+
+@pytest.fixture
+def saved(tmp_path):
+    store, opt = make_store()
+    tr = FakeTrainer(store, opt)
+    saver, _ = _saver(tr, tmp_path / "run" / "checkpoints")
+    tr.step()
+    tr.finish()
+    saver.save(1, MODEL_META, wait=True)
+    saver.close()
+    return store, str(tmp_path / "run")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_weights(saved, tmp_path, dtype):
+    import json
+
+    import ml_dtypes
+    import yaml
+    from safetensors.numpy import load_file
+
+    store, run = saved
+    out = str(tmp_path / f"export_{dtype}")
+    assert cli_main(["export", run, out, "--dtype", dtype]) == 0  # a run's out_dir: its newest checkpoint
+    assert sorted(os.listdir(out)) == sorted([f"{g.name}.safetensors" for g in store] + ["config.json", "model.yaml"])
+    meta = json.load(open(os.path.join(out, "config.json")))
+    assert meta["dtype"] == dtype and meta["source"]["step"] == 1
+    assert yaml.safe_load(open(os.path.join(out, "model.yaml")))["hidden_size"] == H
+    assert meta["weight_map"]["layers.1.attn.q"] == ["block_1.safetensors", "attn/q"]
+    assert meta["weight_map"]["embed.embedding"] == ["embed.safetensors", "embedding"]
+    want_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    for g in store:
+        tensors = load_file(os.path.join(out, f"{g.name}.safetensors"))
+        for leaf in g.layout.leaves:
+            want = g.master[leaf.offset:leaf.offset + leaf.size].reshape(leaf.shape).astype(want_dtype)
+            assert tensors[leaf.path].dtype == want_dtype and np.array_equal(tensors[leaf.path], want)
+
+
+def test_export_errors_are_user_errors(saved, tmp_path, capsys):
+    _, run = saved
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "x").write_text("x")
+    assert cli_main(["export", run, str(out)]) == 2
+    assert "error: OUT:" in capsys.readouterr().err
+    assert cli_main(["export", run, str(tmp_path / "o"), "--dtype", "int8"]) == 2
+    assert "error: --dtype:" in capsys.readouterr().err
+    assert cli_main(["export", str(tmp_path / "missing"), str(tmp_path / "o")]) == 2
+    assert "error: CHECKPOINT:" in capsys.readouterr().err
+    assert cli_main(["export", run]) == 2  # OUT missing
+    assert "error: export: bad arguments" in capsys.readouterr().err
+    ckpt = os.path.join(run, "checkpoints", "step_00000001")
+    _damage(ckpt, "flip_all")
+    assert cli_main(["export", ckpt, str(tmp_path / "o")]) == 2
+    assert "is corrupted" in capsys.readouterr().err and not os.path.exists(tmp_path / "o")
+
+
+def test_optax_optimizer_state_roundtrip(tmp_path):
+    """A host optimizer whose ``state_to_arrays`` gives copies: restored through ``state_from_arrays``."""
+    import optax
+
+    from megatrain_jax.optim import OptaxHostOptimizer
+
+    opt = OptaxHostOptimizer(optax.adamw(1e-3))
+    store, _ = make_store()
+    for g in store:
+        g.opt_state = opt.init_state(g.master, g.layout.unflatten)
+        opt.update(g.master, np.ones(g.size, np.float32), g.opt_state, 1, 1.0, g.stream_bits, g.layout.unflatten)
+    tr = FakeTrainer(store, opt)
+    saver, _ = _saver(tr, tmp_path)
+    saver.save(1, MODEL_META, wait=True)
+    saver.close()
+    fresh = HostStore({n: Layout(t) for n, t in TREES.items()}, bf16_stream=True)
+    ck.restore_latest(str(tmp_path), fresh, opt)
+    for g, h in zip(store, fresh):
+        assert np.array_equal(g.master, h.master) and np.array_equal(g.stream_bits, h.stream_bits)
+        a, b = opt.state_to_arrays(g.opt_state), opt.state_to_arrays(h.opt_state)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    with pytest.raises(UserError) as e:  # FusedAdamW cannot take optax's state
+        ck.restore_latest(str(tmp_path), make_store()[0], FusedAdamW(1e-3))
+    assert e.value.field == "optim"
+
+
+def test_abandoned_save_releases_training_and_never_commits(tmp_path, monkeypatch):
+    """A second Ctrl-C: the save in flight is given up at once; it must not commit a torn state."""
+    store, opt = make_store()
+    tr = FakeTrainer(store, opt)
+    saver, _ = _saver(tr, tmp_path, monkeypatch, delay=0.3)
+    tr.step()
+    saver.save(1, MODEL_META)
+    tr.step()  # update 2 of the first groups now waits for the slow writer
+    t0 = time.perf_counter()
+    saver.abandon()
+    tr.finish()
+    assert time.perf_counter() - t0 < 0.3 * len(store.groups) - 0.3
+    job = saver._job
+    job.thread.join()
+    assert ck.list_checkpoints(str(tmp_path)) == [] and ck.leftovers(str(tmp_path)) == []
+    assert tr.before_update is None
+    tr.close()

@@ -1,0 +1,276 @@
+"""End to end: the CLI in a subprocess, killed, resumed, signalled, fed NaNs; runs of a tiny model.
+
+Every subprocess shares one persistent XLA compilation cache (in .pytest_cache, kept between
+sessions), and independent runs go side by side, so each wave takes seconds, mostly imports.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from megatrain_jax import checkpoint as ck
+from megatrain_jax.cli import main as cli_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128", "data.seq_len=32",
+         "train.batch_size=4", "optim.schedule.warmup_steps=2", "train.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def env(request):
+    cache = request.config.cache.mkdir("megatrain_xla_cache")  # kept between sessions (.pytest_cache)
+    e = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+             PYTHONUNBUFFERED="1")
+    for k in [k for k in e if k.startswith("MEGATRAIN_DEBUG")]:
+        del e[k]
+    return e
+
+
+def _args(out_dir, steps=10, ckpt_every=5, extra=()):
+    sets = SMALL + [f"train.out_dir={out_dir}", f"train.steps={steps}", f"train.ckpt_every={ckpt_every}", *extra]
+    return [sys.executable, "-m", "megatrain_jax", "train", "configs/tiny.yaml"] + [x for s in sets for x in ("--set", s)]
+
+
+class Run:
+    """One CLI run in a subprocess; ``stop_after`` sends a signal once that many steps are logged."""
+
+    def __init__(self, env, out_dir, *, resume=False, debug=None, steps=10, ckpt_every=5, extra=(),
+                 stop_after=None, sig=None):
+        self.out, self.sig, self.stop_after = out_dir, sig, stop_after
+        cmd = _args(out_dir, steps, ckpt_every, extra) + (["--resume"] if resume else [])
+        self.p = subprocess.Popen(cmd, cwd=REPO, env=dict(env, **(debug or {})), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        self.stdout = self.stderr = None
+        self.returncode = None
+
+    def poll_signal(self) -> bool:
+        """Send the signal when due; True once nothing is left to do here."""
+        if self.sig is None:
+            return True
+        metrics = os.path.join(self.out, "metrics.jsonl")
+        if self.p.poll() is None and os.path.isfile(metrics) and sum(1 for _ in open(metrics)) >= self.stop_after:
+            self.p.send_signal(self.sig)
+            self.sig = None
+        return self.sig is None or self.p.poll() is not None
+
+    def wait(self):
+        self.stdout, self.stderr = self.p.communicate(timeout=300)
+        self.returncode = self.p.returncode
+        return self
+
+
+def run_all(runs):
+    """Run subprocesses side by side (2 cores: imports and compiles overlap), signalling when due."""
+    t0 = deadline = time.time()
+    deadline += 300
+    while not all(r.poll_signal() for r in runs) and time.time() < deadline:
+        time.sleep(0.05)
+    out = [r.wait() for r in runs]
+    print(f"{len(runs)} run(s) in {time.time() - t0:.1f}s")
+    return out
+
+
+def _run(env, out_dir, **kw):
+    return run_all([Run(env, out_dir, **kw)])[0]
+
+
+def _metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _final_arrays(out_dir, step):
+    arrays, state = ck.load_checkpoint_arrays(os.path.join(ck.checkpoint_root(out_dir), ck.step_dirname(step)))
+    return arrays, state
+
+
+def _assert_same_arrays(a, b):
+    assert a.keys() == b.keys()
+    for g in a:
+        assert a[g].keys() == b[g].keys()
+        for k in a[g]:
+            assert a[g][k].dtype == b[g][k].dtype and np.array_equal(a[g][k].view(np.uint8), b[g][k].view(np.uint8)), (g, k)
+
+
+def _ok(r):
+    assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def straight(env, tmp_path_factory):
+    """10 steps without interruption, checkpoints at 5 and 10 (also fills the compilation cache)."""
+    out = str(tmp_path_factory.mktemp("straight") / "run")
+    _ok(_run(env, out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(env, straight, tmp_path_factory):
+    """Every other run, in two waves of parallel subprocesses (the second resumes the first's)."""
+    d = tmp_path_factory.mktemp("runs")
+    out = {k: str(d / k) for k in ("kill7", "killsave", "corrupt", "nan", "SIGTERM", "SIGINT")}
+    shutil.copytree(straight, out["corrupt"])
+    _flip_a_byte(os.path.join(ck.checkpoint_root(out["corrupt"]), ck.step_dirname(10)))
+    first = run_all([
+        Run(env, out["kill7"], debug={"MEGATRAIN_DEBUG_KILL_AFTER_STEP": "7"}),
+        Run(env, out["killsave"], debug={"MEGATRAIN_DEBUG_KILL_IN_SAVE": "10"}),
+        Run(env, out["nan"], steps=10, ckpt_every=1, extra=["train.keep_last=0", "train.max_bad_steps=3"],
+            debug={"MEGATRAIN_DEBUG_NAN_STEPS": "3,4,6,7,8"}),
+        Run(env, out["SIGTERM"], steps=100000, ckpt_every=0, stop_after=3, sig=signal.SIGTERM),
+        Run(env, out["SIGINT"], steps=100000, ckpt_every=0, stop_after=3, sig=signal.SIGINT),
+    ])
+    res = dict(zip(["kill7", "killsave", "nan", "SIGTERM", "SIGINT"], first))
+    before = {k: _snapshot(out[k]) for k in ("kill7", "killsave")}
+    second = run_all([Run(env, out[k], resume=True) for k in ("kill7", "killsave", "corrupt")])
+    res.update({f"{k}_resume": r for k, r in zip(("kill7", "killsave", "corrupt"), second)})
+    return out, res, before
+
+
+def _snapshot(out):
+    root = ck.checkpoint_root(out)
+    return {"checkpoints": [c.step for c in ck.list_checkpoints(root)], "leftovers": ck.leftovers(root),
+            "metrics": len(_metrics(out))}
+
+
+def _flip_a_byte(ckpt_dir):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ckpt_dir, "groups", "block_1")) for f in fs]
+    victim = max(files, key=os.path.getsize)  # the weights' data
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def _assert_matches_straight(straight, out):
+    ref, got = _metrics(straight), _metrics(out)
+    assert [r["step"] for r in got] == list(range(1, 11))  # appended, no step twice
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in ref]  # bit-identical
+    a, sa = _final_arrays(straight, 10)
+    b, sb = _final_arrays(out, 10)
+    _assert_same_arrays(a, b)  # weights and optimizer moments
+    assert sa["count"] == sb["count"] == 10 and sb["data"]["position"]["step"] == 10
+
+
+def test_sigkill_after_checkpoint_then_resume_is_bit_identical(straight, runs):
+    out, res, before = runs
+    assert res["kill7"].returncode == -signal.SIGKILL
+    assert before["kill7"]["checkpoints"] == [5]
+    assert before["kill7"]["metrics"] == 7  # steps 6 and 7 were logged, then lost with the kill
+    r = _ok(res["kill7_resume"])
+    assert "resumed from" in r.stdout and "step_00000005" in r.stdout
+    assert "dropped 2 record(s) after step 5" in r.stdout
+    _assert_matches_straight(straight, out["kill7"])
+
+
+def test_kill_during_save_keeps_previous_checkpoint(straight, runs):
+    out, res, before = runs
+    assert res["killsave"].returncode == -signal.SIGKILL
+    assert before["killsave"]["checkpoints"] == [5]
+    assert [os.path.basename(p) for p in before["killsave"]["leftovers"]] == ["step_00000010.tmp"]  # half written
+    r = _ok(res["killsave_resume"])
+    assert "interrupted save" in r.stdout and "resumed from" in r.stdout and "step_00000005" in r.stdout
+    assert ck.leftovers(ck.checkpoint_root(out["killsave"])) == []
+    _assert_matches_straight(straight, out["killsave"])
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_previous(straight, runs):
+    out, res, _ = runs
+    r = _ok(res["corrupt_resume"])
+    assert "step_00000010 is corrupted" in r.stdout and "fails its crc32" in r.stdout
+    assert "falling back to the previous checkpoint" in r.stdout
+    assert "resuming from" in r.stdout and "step_00000005" in r.stdout
+    assert os.path.isdir(os.path.join(ck.checkpoint_root(out["corrupt"]), "step_00000010.corrupt"))
+    _assert_matches_straight(straight, out["corrupt"])
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signal_finishes_step_saves_and_exits_0(runs, sig):
+    out, res, _ = runs
+    r = _ok(res[sig])
+    line = next(x for x in r.stdout.splitlines() if x.startswith(f"stopped by {sig} after step"))
+    step = int(line.split("after step ")[1].split(":")[0])
+    assert "checkpoint saved to" in line and "--resume" in line
+    assert 3 <= step < 100000
+    assert [c.step for c in ck.list_checkpoints(ck.checkpoint_root(out[sig]))] == [step]
+    assert [r["step"] for r in _metrics(out[sig])] == list(range(1, step + 1))
+    _, state = _final_arrays(out[sig], step)
+    assert state["loop"]["step"] == state["count"] == step
+
+
+def test_nan_steps_are_skipped_then_max_bad_steps_stops_with_a_good_checkpoint(runs):
+    """NaN at steps 3, 4 (skipped, run goes on), then 6, 7, 8: the third in a row stops the run."""
+    out, res, _ = runs
+    r, run = res["nan"], out["nan"]
+    rec = _metrics(run)
+    assert [x["skipped"] for x in rec] == [False, False, True, True, False, True, True, True]
+    assert not np.isfinite(rec[2]["loss"]) and not np.isfinite(rec[2]["grad_norm"]) and np.isfinite(rec[4]["loss"])
+    logs = r.stdout.splitlines()
+    assert any(x.startswith("step 3: non-finite loss nan") and "update skipped" in x and "1 in a row, 1 in total" in x
+               for x in logs)
+    assert any(x.startswith("step 4: non-finite") and "2 in a row, 2 in total" in x for x in logs)
+    assert any(x.startswith("step 8: non-finite") and "3 in a row, 5 in total" in x for x in logs)
+    a = {step: _final_arrays(run, step) for step in (2, 3, 4, 5, 8)}
+    for step in (3, 4):  # weights and moments bit-identical across the skipped steps
+        _assert_same_arrays(a[2][0], a[step][0])
+        assert a[step][1]["count"] == 2 and a[step][1]["loop"]["skipped_total"] == step - 2
+    assert a[5][1]["count"] == 3 and not np.array_equal(a[5][0]["block_0"]["master"], a[2][0]["block_0"]["master"])
+    # the stop: exit 2, a clear message, and a checkpoint at step 8 holding step 5's model
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("error: train.max_bad_steps: 3 consecutive steps (6..8)") and "after step 5" in err
+    assert "step_00000008" in err and "--resume" in err
+    _assert_same_arrays(a[5][0], a[8][0])
+    assert a[8][1]["count"] == 3 and a[8][1]["loop"]["step"] == 8
+    assert [c.step for c in ck.list_checkpoints(ck.checkpoint_root(run))] == list(range(1, 9))
+
+
+def test_resume_errors_are_user_errors(tmp_path, capsys, straight):
+    base = ["train", os.path.join(REPO, "configs/tiny.yaml")] + [x for s in SMALL for x in ("--set", s)]
+    assert cli_main(base + ["--set", f"train.out_dir={tmp_path / 'none'}", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume: no complete checkpoint" in err and "fix:" in err
+    assert not os.path.exists(tmp_path / "none")  # nothing written
+    assert cli_main(base + ["--set", f"train.out_dir={straight}"]) == 2  # a fresh run over an existing one
+    assert "already holds checkpoints" in capsys.readouterr().err
+    other = str(tmp_path / "other")
+    shutil.copytree(straight, other)
+    assert cli_main(base + ["--set", f"train.out_dir={other}", "--set", "model.num_layers=3", "--resume"]) == 2
+    assert "model: checkpoint" in capsys.readouterr().err
+
+
+def test_export_of_a_training_run_matches_the_model(straight, tmp_path):
+    """`megatrain-jax export RUN OUT`: every tensor of the inference model, named as in its state."""
+    import jax
+    import yaml
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from megatrain_jax.config import ModelConfig
+    from megatrain_jax.models.llama import abstract_model
+
+    out = str(tmp_path / "export")
+    assert cli_main(["export", straight, out, "--dtype", "float32"]) == 0
+    meta = json.load(open(os.path.join(out, "config.json")))
+    cfg = ModelConfig(**yaml.safe_load(open(os.path.join(out, "model.yaml"))))
+    state = nnx.to_pure_dict(nnx.state(abstract_model(cfg)))
+    want = {".".join(str(getattr(k, "key", k)) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+    assert set(meta["weight_map"]) == set(want) and meta["source"]["step"] == 10
+    arrays, ckpt_state = _final_arrays(straight, 10)
+    files = {}
+    for name, (fname, key) in meta["weight_map"].items():
+        t = files.setdefault(fname, load_file(os.path.join(out, fname)))[key]
+        assert t.shape == want[name].shape and t.dtype == np.float32
+    for g, leaves in ckpt_state["layouts"].items():  # fp32 export == the master weights, leaf by leaf
+        for path, shape, offset, size in leaves:
+            want_leaf = arrays[g]["master"][offset:offset + size].reshape(shape)
+            assert np.array_equal(files[f"{g}.safetensors"][path], want_leaf)
