@@ -339,8 +339,17 @@ class StreamedTrainer:
         return activation_bytes > 0.5 * free  # the other half: recompute, VJP, logits chunks, grads
 
     def finish(self) -> None:
-        """Wait for every queued update (before reading, saving or exporting the weights)."""
-        self._issue_grad_copies(through="")
+        """Wait for every queued update (before reading, saving or exporting the weights).
+
+        Deferred gradient copies are issued a few groups ahead of the update being waited for,
+        never all at once: pinned host memory for a whole model's gradients may not exist.
+        """
+        order = self._forward_order()
+        for i, name in enumerate(order):
+            self._issue_grad_copies(through=order[min(i + self.GRAD_LOOKAHEAD, len(order) - 1)])
+            fut = self._pending.pop(name, None)
+            if fut is not None:
+                fut.result()
         for name in list(self._pending):
             self._pending.pop(name).result()
 
