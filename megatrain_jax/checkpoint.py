@@ -126,13 +126,21 @@ def _checkpointer():
     import jax
     import orbax.checkpoint as ocp
 
+    import inspect
+
     th = ocp.type_handlers
+    # older orbax releases (the GPU image's, for one) have no such switch and copy the group being
+    # saved: one group at a time, so the extra memory is one group's, never the model's
+    numpy_kwargs = {"deepcopy_host_arrays": False} \
+        if "deepcopy_host_arrays" in inspect.signature(th.NumpyHandler.__init__).parameters else {}
     registry = th.create_type_handler_registry(
-        (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)),
+        (np.ndarray, th.NumpyHandler(**numpy_kwargs)),
         (jax.Array, th.ArrayHandler()),
     )
-    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False,
-                                          type_handler_registry=registry)
+    handler_kwargs = dict(use_ocdbt=True, use_zarr3=True, type_handler_registry=registry)
+    if "use_compression" in inspect.signature(ocp.PyTreeCheckpointHandler.__init__).parameters:
+        handler_kwargs["use_compression"] = False
+    handler = ocp.PyTreeCheckpointHandler(**handler_kwargs)
     return ocp.Checkpointer(handler)
 
 
