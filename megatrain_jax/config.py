@@ -185,7 +185,14 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise UserError(dotted, "is not a section", "override a leaf key such as train.steps=10")
-    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+    if raw == "":
+        value = None
+    else:
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw  # not YAML (e.g. "[1" or "a: b: c"): the literal text; _coerce checks its type
+    node[keys[-1]] = value
 
 
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -209,6 +216,8 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
         if "=" not in item:
             raise UserError(item, "override is not key=value", "write e.g. --set train.steps=10")
         key, raw = item.split("=", 1)
+        if not all(k.strip() for k in key.split(".")):
+            raise UserError(item, "override has an empty key", "write e.g. --set train.steps=10")
         _set_dotted(tree, key.strip(), raw.strip())
     cfg = _fill(Config, tree, "")
     validate(cfg)
@@ -236,7 +245,10 @@ def validate(cfg: Config) -> None:
     if m.head_dim is None and m.hidden_size % m.num_heads:
         raise UserError("model.num_heads", f"{m.num_heads} heads do not divide hidden_size {m.hidden_size}",
                         "choose num_heads that divides model.hidden_size (or set model.head_dim)")
-    if m.kv_heads <= 0 or m.num_heads % m.kv_heads:
+    if m.num_kv_heads is not None and m.num_kv_heads <= 0:  # 0 would silently mean "no GQA" (kv_heads uses `or`)
+        raise UserError("model.num_kv_heads", f"must be positive, got {m.num_kv_heads}",
+                        "choose num_kv_heads that divides model.num_heads (or null for num_kv_heads = num_heads)")
+    if m.num_heads % m.kv_heads:
         raise UserError("model.num_kv_heads", f"{m.kv_heads} kv heads do not divide num_heads {m.num_heads}",
                         "choose num_kv_heads that divides model.num_heads")
     if m.dim_per_head % 2:
