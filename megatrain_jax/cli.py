@@ -12,9 +12,10 @@ from megatrain_jax.errors import UserError
 
 def _train(args: argparse.Namespace) -> int:
     from megatrain_jax.config import load_config
+
+    cfg = load_config(args.config, args.set or [])  # before importing jax: config errors come fast
     from megatrain_jax.train import train
 
-    cfg = load_config(args.config, args.set or [])
     train(cfg, resume=args.resume)
     return 0
 
