@@ -78,7 +78,7 @@ class CorruptCheckpoint(Exception):
 
 
 def checkpoint_root(out_dir: str) -> str:
-    return os.path.join(out_dir, CKPT_SUBDIR)
+    return os.path.join(os.path.abspath(out_dir), CKPT_SUBDIR)  # orbax refuses relative paths
 
 
 def step_dirname(step: int) -> str:
@@ -150,7 +150,7 @@ def _restore_array(ckptr, path: str, key: str) -> np.ndarray:
 
     args = ocp.args.PyTreeRestore(item={key: 0}, restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray)},
                                   partial_restore=True)
-    return np.asarray(ckptr.restore(path, args=args)[key])
+    return np.asarray(ckptr.restore(os.path.abspath(path), args=args)[key])
 
 
 def _bytes_view(a: np.ndarray) -> np.ndarray:
@@ -257,7 +257,7 @@ class CheckpointSaver:
     """Background, group-by-group checkpoints of a ``StreamedTrainer``'s host store (see module doc)."""
 
     def __init__(self, trainer, root: str, *, keep_last: int = 2, keep_every: int = 0, log: Log = print):
-        self.trainer, self.root, self.log = trainer, root, log
+        self.trainer, self.root, self.log = trainer, os.path.abspath(root), log
         self.keep_last, self.keep_every = keep_last, keep_every
         self._job: _Job | None = None  # the save in flight (or finished but not yet waited for)
         self._active: _Job | None = None  # the save whose groups are still held

@@ -242,3 +242,19 @@ def test_happy_path_trains_and_logs(results):
         assert r["loss"] == r["loss"] and 0 < r["loss"] < 20  # finite, near ln(256) = 5.5
         assert r["tokens_per_s"] > 0 and r["model_tflops"] > 0 and r["skipped"] is False
     assert os.path.isfile(os.path.join(d, "run", "config.yaml"))
+
+
+def test_relative_out_dir_saves_resumes_and_exports(tmp_path):
+    """The README's own command uses a relative train.out_dir; orbax wants absolute paths."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tiny = ["--set", "model.num_layers=1", "--set", "data.seq_len=32", "--set", "train.batch_size=2",
+            "--set", "optim.schedule.warmup_steps=1", "--set", f"data.path={repo}/data/tinyshakespeare.txt",
+            "--set", "train.out_dir=rel_run", "--set", "train.ckpt_every=2"]
+    first = _run(["train", os.path.join(repo, "configs/tiny.yaml"), "--set", "train.steps=2", *tiny], str(tmp_path))
+    assert first.rc == 0, str(first)
+    resumed = _run(["train", os.path.join(repo, "configs/tiny.yaml"), "--set", "train.steps=3", "--resume", *tiny],
+                   str(tmp_path))
+    assert resumed.rc == 0, str(resumed)
+    exported = _run(["export", "rel_run", "rel_export"], str(tmp_path))
+    assert exported.rc == 0, str(exported)
+    assert os.path.isdir(tmp_path / "rel_export")
