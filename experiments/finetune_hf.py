@@ -28,12 +28,10 @@ What this adds to ``train()`` is measurement, taken by wrapping ``hf.load_hf_int
   whole process, and the lowest ``MemAvailable`` seen (the host's head room);
 - a check of the export: same tensor names and shapes as the source, and how far a few tensors moved.
 
-**No final training checkpoint by default.** ``train()`` always ends with an orbax checkpoint of the
-fp32 master and the Adam moments (12 bytes per parameter: ~81 GB for a 7B model), which does not fit
-next to the source and the export on a 64 GiB disk, and a one-off fine-tune that ends in an export
-does not need it. This script therefore stands in a saver that saves nothing (the engine's
-``close()`` still applies the last update before the export). ``--checkpoint`` keeps the library's
-behaviour (a resumable run in ``train.out_dir``, as the CLI does).
+**No final training checkpoint by default** (``train.final_checkpoint=false``): it holds the fp32
+master and the Adam moments (12 bytes per parameter: ~81 GB for a 7B model), which does not fit next
+to the source and the export on a 64 GiB disk, and a one-off fine-tune that ends in an export does
+not need it. ``--checkpoint`` keeps it (a resumable run in ``train.out_dir``, as the CLI does).
 
 Writes ``$OUT/finetune_hf.json`` when ``$OUT`` is set, else ``experiments/results/finetune_hf[_L<layers>].json``
 (or ``--json PATH``).
@@ -72,7 +70,6 @@ else:
 
 import numpy as np  # noqa: E402
 
-from megatrain_jax import checkpoint as ck  # noqa: E402
 from megatrain_jax import hf  # noqa: E402
 from megatrain_jax.config import Config, load_config  # noqa: E402
 from megatrain_jax.errors import UserError  # noqa: E402
@@ -187,30 +184,6 @@ class Phases:
                 "ru_maxrss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB, 3),
                 "host_mem_total_gb": round(self.mem_total / GB, 3),
                 "host_mem_available_min_gb": round(self.min_avail / GB, 3)}
-
-
-class _NoCheckpoint:
-    """Stands in for ``checkpoint.CheckpointSaver`` inside ``train()``: saves nothing. The engine's
-    ``close()`` (called by ``train()`` before the export) applies the queued updates itself."""
-
-    def __init__(self, trainer, root: str, **kw):
-        self.history: list = []
-        self.last_path = None
-
-    def save(self, step: int, meta: dict, *, wait: bool = False) -> None:
-        return None
-
-    def wait(self):
-        return None
-
-    def poll(self):
-        return None
-
-    def abandon(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 @contextlib.contextmanager
@@ -354,8 +327,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict:
         with patches:
             patches.enter_context(_patched(hf, "load_hf_into_store", _timed(ph, "import", hf.load_hf_into_store, "train", info)))
             patches.enter_context(_patched(hf, "export_hf", _timed(ph, "export", hf.export_hf, "finish", info)))
-            if not args.checkpoint:
-                patches.enter_context(_patched(ck, "CheckpointSaver", _NoCheckpoint))
+            cfg.train.final_checkpoint = bool(args.checkpoint)
             summary = train(cfg)
         ph.enter("verify")
         exported = os.path.isfile(os.path.join(cfg.train.export, "config.json"))

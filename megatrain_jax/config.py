@@ -106,6 +106,7 @@ class TrainConfig:
     keep_last: int = 2
     keep_every: int = 0
     max_bad_steps: int = 5
+    final_checkpoint: bool = True  # save a training checkpoint when the run ends (12 bytes/param on disk)
     export: str | None = None  # directory for a Hugging Face export at the end of training
     export_dtype: str = "bfloat16"
 

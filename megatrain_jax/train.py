@@ -359,7 +359,7 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
                     saver.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
         else:
-            if saver is not None:
+            if saver is not None and t.final_checkpoint:
                 final_path = save(step_done, wait=True)
     except KeyboardInterrupt:
         aborted = True  # a second signal: do not wait for a save in flight (its .tmp is ignored later)
