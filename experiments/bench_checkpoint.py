@@ -170,6 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="where to write checkpoints (default: runs/bench_checkpoint)")
     p.add_argument("--name", default=None, help="result name (default: config name, mode, dtype)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    p.add_argument("--quick", action="store_true",
+                   help="only the background save and the restore (no first / paused save): for big models")
     args = p.parse_args(argv)
 
     cfg = load_config(args.config, args.set)
@@ -211,13 +213,15 @@ def main(argv=None) -> int:
 
     # a first save, loop paused: on a fresh disk/VM the first writes are often much slower; it is
     # reported, but kept out of the comparison below
-    mon.reset()
-    t = time.perf_counter()
-    saver.save(trainer.count, {"config": cfg.to_dict(), "bench": "first"}, wait=True)
-    first_s = time.perf_counter() - t
-    print(f"first save (paused): {first_s:.1f}s", flush=True)
-    shutil.rmtree(saver.last_path)  # disk: at most two checkpoints at a time
-    trainer.step(batch)
+    first_s = None
+    if not args.quick:
+        mon.reset()
+        t = time.perf_counter()
+        saver.save(trainer.count, {"config": cfg.to_dict(), "bench": "first"}, wait=True)
+        first_s = time.perf_counter() - t
+        print(f"first save (paused): {first_s:.1f}s", flush=True)
+        shutil.rmtree(saver.last_path)  # disk: at most two checkpoints at a time
+        trainer.step(batch)
     trainer.finish()
 
     # background save while training continues
@@ -244,13 +248,15 @@ def main(argv=None) -> int:
           flush=True)
 
     # synchronous save, loop paused (end of run / signal)
-    before_sync = rss_gb()
-    mon.reset()
-    t = time.perf_counter()
-    saver.save(trainer.count, {"config": cfg.to_dict()}, wait=True)
-    sync_s = time.perf_counter() - t
-    sync_extra = mon.peak - before_sync
-    print(f"paused save: {sync_s:.1f}s, peak RSS +{sync_extra:.2f} GB", flush=True)
+    sync_s = sync_extra = None
+    if not args.quick:
+        before_sync = rss_gb()
+        mon.reset()
+        t = time.perf_counter()
+        saver.save(trainer.count, {"config": cfg.to_dict()}, wait=True)
+        sync_s = time.perf_counter() - t
+        sync_extra = mon.peak - before_sync
+        print(f"paused save: {sync_s:.1f}s, peak RSS +{sync_extra:.2f} GB", flush=True)
     saver.close()
 
     # restore (cold: files evicted from the page cache)
