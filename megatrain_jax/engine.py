@@ -237,8 +237,8 @@ class StreamedTrainer:
         self._grad_ready("embed", g_emb, grads, sq)
 
         # ---- norm, clipping and the deferred updates (queued in the order the forward needs them)
-        loss = float(sum(np.asarray(x) for x in losses))
-        grad_norm = float(np.sqrt(sum(float(v) for v in sq.values())))
+        loss, sq_total = (float(x) for x in jax.device_get(self._totals(losses, list(sq.values()))))
+        grad_norm = float(np.sqrt(sq_total))
         self.last_step_info = {"offload_activations": offload, "transfer_mode": self.xfer.mode}
         if self._deferred:
             if not (np.isfinite(loss) and np.isfinite(grad_norm)):
@@ -420,6 +420,7 @@ class StreamedTrainer:
         self._head_loss = jax.jit(head_loss, donate_argnums=(6, 7))
         self._embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
         self._sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)))
+        self._totals = jax.jit(lambda losses, sqs: (sum(losses), sum(sqs)))  # one fetch per step
         # committed to the device like every other operand, so the first micro-batch's call
         # (fresh zeros) and later ones (accumulated outputs) share one executable
         on_device = jax.sharding.SingleDeviceSharding(self.device)
