@@ -78,6 +78,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     clip_norm: float | None = 1.0  # global-norm clipping; None disables it
+    moments: str = "float32"  # Adam moments on the host: float32 (exact optax) | bfloat16 | int8 (blockwise 8-bit)
     optax_name: str | None = None  # with name=optax: e.g. "lion", "adafactor" (called with learning_rate)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
@@ -95,7 +96,8 @@ class DataConfig:
 class TrainConfig:
     steps: int = 200
     batch_size: int = 16  # sequences per optimizer step
-    micro_batches: int = 1  # the batch is split into this many micro-batches (layer-major accumulation)
+    micro_batches: int | str = 1  # micro-batches per step (layer-major accumulation), or "auto": the memory plan
+    #                              picks the fewest that fit the GPU
     compute_dtype: str = "bfloat16"  # bfloat16 | float32
     seed: int = 0
     log_every: int = 10
@@ -109,6 +111,14 @@ class TrainConfig:
     final_checkpoint: bool = True  # save a training checkpoint when the run ends (12 bytes/param on disk)
     export: str | None = None  # directory for a Hugging Face export at the end of training
     export_dtype: str = "bfloat16"
+    # ---- memory (see memory.py: the plan decides what "auto" means, and refuses what cannot fit)
+    host_memory_gb: float | None = None  # None: the machine's limit (cgroup memory.max, else MemTotal)
+    gpu_memory_gb: float | None = None  # None: the whole device; a smaller budget shapes the plan to it
+    stream_copy: str = "host"  # host: a bf16 copy on the host streams (2 B/param); device: the fp32 master
+    #                            streams and is cast on the GPU (no host copy, twice the PCIe bytes)
+    grad_hold: str = "auto"  # where gradients wait for the clipping norm: auto | gpu_fp32 | gpu_bf16 | pinned_host
+    activations: str = "auto"  # boundary activations: auto | device | pinned_host
+    devices: int | str = "all"  # GPUs of this host to use: all | N
 
 
 @dataclass
@@ -239,7 +249,7 @@ def validate(cfg: Config) -> None:
     for name, v in [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
                     ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
                     ("model.intermediate_size", m.intermediate_size), ("train.steps", t.steps),
-                    ("train.batch_size", t.batch_size), ("train.micro_batches", t.micro_batches),
+                    ("train.batch_size", t.batch_size),
                     ("data.seq_len", d.seq_len), ("train.loss_chunk", t.loss_chunk)]:
         if v <= 0:
             raise UserError(name, f"must be positive, got {v}", "set it to a positive integer")
@@ -259,7 +269,23 @@ def validate(cfg: Config) -> None:
         raise UserError("model.rope_scaling", f"{m.rope_scaling!r} is not supported",
                         "use null or {rope_type: llama3, factor, low_freq_factor, high_freq_factor, "
                         "original_max_position_embeddings}")
-    if t.batch_size % t.micro_batches:
+    if t.micro_batches != "auto" and (isinstance(t.micro_batches, bool) or not isinstance(t.micro_batches, int)
+                                      or t.micro_batches <= 0):
+        raise UserError("train.micro_batches", f"must be a positive integer or auto, got {t.micro_batches!r}",
+                        "set it to a positive integer that divides train.batch_size, or auto")
+    if t.devices != "all" and (isinstance(t.devices, bool) or not isinstance(t.devices, int) or t.devices <= 0):
+        raise UserError("train.devices", f"must be a positive integer or all, got {t.devices!r}",
+                        "set train.devices=all or a number of GPUs")
+    for name, value, allowed in [("optim.moments", o.moments, ("float32", "bfloat16", "int8")),
+                                 ("train.stream_copy", t.stream_copy, ("host", "device")),
+                                 ("train.grad_hold", t.grad_hold, ("auto", "gpu_fp32", "gpu_bf16", "pinned_host")),
+                                 ("train.activations", t.activations, ("auto", "device", "pinned_host"))]:
+        if value not in allowed:
+            raise UserError(name, f"{value!r} is not supported", f"use one of: {', '.join(allowed)}")
+    for name, value in [("train.host_memory_gb", t.host_memory_gb), ("train.gpu_memory_gb", t.gpu_memory_gb)]:
+        if value is not None and not value > 0:
+            raise UserError(name, f"must be positive, got {value}", f"set {name} to a size in GB, or null for the machine's")
+    if t.micro_batches != "auto" and t.batch_size % t.micro_batches:
         raise UserError("train.micro_batches", f"batch_size {t.batch_size} does not divide into {t.micro_batches} micro-batches",
                         "make train.batch_size a multiple of train.micro_batches")
     if t.compute_dtype not in ("bfloat16", "float32"):
