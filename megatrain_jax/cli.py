@@ -1,4 +1,4 @@
-"""``megatrain-jax`` command line: train, prepare, convert, export.
+"""``megatrain-jax`` command line: train, plan, prepare, convert, export.
 
 Every user mistake surfaces as a ``UserError`` and becomes one line on stderr with exit code 2.
 """
@@ -20,6 +20,26 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """Print the memory plan; exit 2 (after printing it) when it does not fit."""
+    from megatrain_jax.config import load_config
+
+    cfg = load_config(args.config, args.set or [])
+    if cfg.model.from_hf:
+        from megatrain_jax.hf import resolve_hf_model_config
+
+        resolve_hf_model_config(cfg.model)
+    from megatrain_jax.memory import make_plan, plan_json, plan_table
+
+    p = make_plan(cfg, devices=args.devices)
+    print(plan_json(p) if args.json else plan_table(p))
+    err = p.verdict()
+    if err is not None:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatrain-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("plan", help="print the memory plan (host, GPU, disk, predicted step) without training")
+    p.add_argument("config", help="YAML config, e.g. configs/7b.yaml")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--devices", type=int, default=None, help="plan for N GPUs (default: train.devices)")
+    p.set_defaults(func=_plan)
 
     # these parse their own arguments (see main); listed here for --help
     sub.add_parser("prepare", help="tokenize text / JSONL into a packed token file", add_help=False)

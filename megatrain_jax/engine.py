@@ -114,46 +114,87 @@ _ce_sum.defvjp(_ce_forward, _ce_backward)
 
 
 class _GradOut:
-    """A group's gradient on its way to host memory.
+    """A group's gradient on its way to host memory, in slabs.
+
+    The gradient leaves the device in chunks of at most ``slab`` values; each chunk lands in its own
+    pinned buffer, and at most ``GRAD_SLABS`` such buffers exist at once (a semaphore that the
+    optimizer releases as it finishes each chunk): the pinned pool stays at a fixed size however
+    large the model, and a chunk's transfer overlaps the update of the one before it (MegaTrain's
+    gradient slabs). XLA's pinned-host pool is a BFC allocator, so equal-sized chunks reuse the same
+    memory step after step.
 
     GPU->host copies overlap compute only when issued *before* the compute they should hide behind
     (measured on an H200: a ``device_put`` to pinned memory issued before 33 ms of matmuls costs
-    nothing extra; issued after them it waits; a jit with a pinned-host output never overlaps), so
-    the dispatching thread issues each copy at the right point of the step (``issue``). The
-    optimizer thread waits for that, and issues the copy itself if nobody has within a short time,
-    so a waiting reader can never deadlock.
+    nothing extra; issued after them it waits), so the dispatching thread issues each copy at the
+    right point of the step. The optimizer thread waits for that, and issues the copies itself if
+    nobody has within a short time, so a waiting reader can never deadlock (copies are issued and
+    updates applied in one FIFO order, so the slabs a copy waits for are always released next).
     """
 
-    def __init__(self, grad: jax.Array):
-        self.device_grad: jax.Array | None = grad
-        self.host_grad: jax.Array | None = None
-        self._issued = threading.Event()
-        self._lock = threading.Lock()
+    def __init__(self, grad: Any, chunks: list[tuple[int, int]], on_host: bool = False):
+        self.grad = grad  # device array (fp32/bf16), or a pinned-host fp32 array when on_host
+        self.chunks = chunks
+        self.on_host = on_host
+        self.host: list[Any] = [None] * len(chunks)
+        self.issued = len(chunks) if on_host else 0  # chunks issued so far
+        self._events = [threading.Event() for _ in chunks]
+        if on_host:  # already in host memory: nothing to issue
+            for e in self._events:
+                e.set()
 
-    def issue(self, xfer: Transfers) -> None:
-        with self._lock:
-            if self.host_grad is None:
-                self.host_grad, self.device_grad = xfer.to_host(self.device_grad), None
-                self._issued.set()
+    def issue_next(self, engine: "StreamedTrainer") -> None:
+        j = self.issued
+        lo, hi = self.chunks[j]
+        if self.on_host:
+            self.host[j] = None  # read from the held pinned array itself
+        else:
+            engine._slabs.acquire()
+            g = self.grad
+            piece = g if (len(self.chunks) == 1 and g.dtype == F32) else engine._chunk_fn(g, lo, hi - lo)
+            self.host[j] = engine.xfer.to_host(piece)
+        self.issued += 1
+        if self.issued == len(self.chunks) and not self.on_host:
+            self.grad = None  # the device copy is freed once its transfers are done
+        self._events[j].set()
 
-    def wait(self, xfer: Transfers) -> jax.Array:
-        if not self._issued.wait(timeout=0.5):
-            self.issue(xfer)
-        return self.host_grad
+    def chunk(self, j: int, engine: "StreamedTrainer") -> np.ndarray:
+        """Chunk ``j`` as a host numpy array; waits until it has landed."""
+        if not self._events[j].wait(timeout=0.5):
+            engine._issue_through(self, j)
+        if self.on_host:
+            lo, hi = self.chunks[j]
+            return engine.xfer.host_view(self.grad)[lo:hi]
+        return engine.xfer.host_view(self.host[j])
+
+    def release(self, j: int, engine: "StreamedTrainer") -> None:
+        if not self.on_host:
+            self.host[j] = None
+            engine._slabs.release()
 
 
 class StreamedTrainer:
     """Trains a ``StreamedModel`` whose state lives in a ``HostStore``."""
 
     GRAD_LOOKAHEAD = 3  # deferred gradient copies run this many blocks ahead of the forward
+    GRAD_SLABS = 8  # pinned gradient buffers in flight at once (see _GradOut)
 
     def __init__(self, parts: StreamedModel, host_opt: HostOptimizer, *, compute_dtype: str = "bfloat16",
                  micro_batches: int = 1, clip_norm: float | None = None, loss_chunk: int = 1024,
                  device: jax.Device | None = None, store: HostStore | None = None,
                  skip_nonfinite: bool = False, offload_activations: bool | None = None,
-                 transfer_mode: str = "auto", tracer: Any = None):
+                 transfer_mode: str = "auto", tracer: Any = None, grad_hold: str = "gpu_fp32",
+                 grad_slab_elems: int | None = 32 << 20, grad_slabs: int | None = None):
+        """``grad_hold``: where deferred gradients wait for the step's norm (``gpu_fp32``,
+        ``gpu_bf16``: rounded to bf16 after the norm is taken, or ``pinned_host``). The streamed
+        dtype follows the store: a store without a bf16 copy streams the fp32 master, which each
+        jitted piece casts to ``compute_dtype`` on the device (``train.stream_copy=device``).
+        ``offload_activations``: boundary activations in pinned host memory (None: decided per
+        step from free device memory; the memory plan always decides it)."""
+        if grad_hold not in ("gpu_fp32", "gpu_bf16", "pinned_host"):
+            raise ValueError(f"grad_hold must be gpu_fp32, gpu_bf16 or pinned_host, got {grad_hold!r}")
         self.parts, self.opt = parts, host_opt
-        self.offload_activations = offload_activations  # None: decided per step from free memory
+        self.offload_activations = offload_activations
+        self.grad_hold = grad_hold
         self.tracer = tracer  # optional timeline recorder (experiments/trace.py)
         self.skip_nonfinite = skip_nonfinite  # defer every update until the step's loss and norm are known finite
         # called on the host-optimizer thread as ``before_update(name, count)`` just before update ``count``
@@ -177,6 +218,11 @@ class StreamedTrainer:
         self._copy_queue: list[tuple[str, _GradOut]] = []  # deferred gradients not yet sent to the host
         self._order_index = {n: i for i, n in enumerate(self._forward_order())}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")
+        # gradient slabs: chunk size (aligned as the optimizer's state needs) and the pool's size
+        align = getattr(host_opt, "chunk_align", None)
+        self._slab = None if (grad_slab_elems is None or align is None) else max(align, grad_slab_elems // align * align)
+        self._slabs = threading.Semaphore(grad_slabs or self.GRAD_SLABS)
+        self._copy_lock = threading.RLock()
         self._build_kernels()
 
     # ------------------------------------------------------------------------------ the step
@@ -246,8 +292,9 @@ class StreamedTrainer:
             scale = global_norm_scale(grad_norm ** 2, self.clip_norm)
             self.count += 1
             for name in self._forward_order():  # queued now; copies issued during the next forward
-                out = _GradOut(grads.pop(name))
-                self._copy_queue.append((name, out))
+                out = self._grad_out(name, grads.pop(name))
+                if not out.on_host:
+                    self._copy_queue.append((name, out))
                 self._submit_update(name, out, scale)
             self._issue_grad_copies(through=f"block_{self.GRAD_LOOKAHEAD - 1}")
         return StepResult(loss, grad_norm, n_tokens)
@@ -290,38 +337,73 @@ class StreamedTrainer:
         """A group's gradient is complete on the device: keep it (deferred) or send it to be applied."""
         sq[name] = self._sqnorm(grad)
         if self._deferred:
+            if self.grad_hold == "gpu_bf16":
+                grad = self._to_bf16(grad)  # the norm above was taken in fp32
+            elif self.grad_hold == "pinned_host":
+                grad = self.xfer.to_host(grad)  # issued before the next block's backward: they overlap
+                self._trace("d2h", name, grad)
             grads[name] = grad
             return
         if name == "head":  # first gradient of the step: the step counts from here
             self.count += 1
-        out = _GradOut(grad)
-        self._issue(name, out)  # before the next block's backward is dispatched: they overlap
-        self._submit_update(name, out, 1.0)
+        out = self._grad_out(name, grad)
+        with self._copy_lock:
+            self._copy_queue.append((name, out))
+        self._submit_update(name, out, 1.0)  # first: its progress frees the slabs the copies below wait for
+        self._issue_grad_copies(through=name)  # before the next block's backward is dispatched: they overlap
 
-    def _issue(self, name: str, out: _GradOut) -> None:
-        out.issue(self.xfer)
-        self._trace("d2h", name, out.host_grad)
+    def _grad_out(self, name: str, grad: Any) -> _GradOut:
+        n = self.store[name].size
+        step = self._slab or n
+        chunks = [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
+        return _GradOut(grad, chunks, on_host=self._deferred and self.grad_hold == "pinned_host")
 
     def _issue_grad_copies(self, through: str) -> None:
-        """Issue the queued (deferred) gradient copies in forward order, up to group ``through``."""
+        """Issue the queued gradient copies, chunk by chunk in forward order, up to group ``through``."""
         order = self._order_index
         limit = order.get(through, len(order))
-        while self._copy_queue and order[self._copy_queue[0][0]] <= limit:
-            self._issue(*self._copy_queue.pop(0))
+        with self._copy_lock:
+            while self._copy_queue and order[self._copy_queue[0][0]] <= limit:
+                name, out = self._copy_queue[0]
+                while out.issued < len(out.chunks):
+                    out.issue_next(self)
+                    self._trace("d2h", name, out.host[out.issued - 1])
+                self._copy_queue.pop(0)
+
+    def _issue_through(self, out: _GradOut, j: int) -> None:
+        """The optimizer thread needs chunk ``j`` of ``out`` and nobody has issued it: issue the
+        queue in order up to it (FIFO order keeps the slab pool deadlock-free)."""
+        with self._copy_lock:
+            while out.issued <= j and self._copy_queue:
+                head = self._copy_queue[0][1]
+                head.issue_next(self)
+                if head.issued == len(head.chunks):
+                    self._copy_queue.pop(0)
 
     def _submit_update(self, name: str, out: _GradOut, scale: float) -> None:
         self._pending[name] = self._pool.submit(self._update, name, out, scale, self.count)
 
     def _update(self, name: str, out: _GradOut, scale: float, count: int) -> None:
-        """Runs on the host optimizer thread: waits for the gradient, updates the group in place."""
+        """Runs on the host optimizer thread: updates the group in place, slab by slab, each as
+        soon as it has landed (zero-copy views of the pinned buffers)."""
         g = self.store[name]
-        host_grad = self.xfer.host_view(out.wait(self.xfer))  # zero-copy; waits until it has landed
-        if self.before_update is not None:
-            self.before_update(name, count)
-        t0 = time.perf_counter()
-        self.opt.update(g.master, host_grad, g.opt_state, count, scale, g.stream_bits, g.layout.unflatten)
+        t0 = None
+        whole = len(out.chunks) == 1
+        for j, (lo, hi) in enumerate(out.chunks):
+            host_grad = out.chunk(j, self)  # waits until it has landed
+            if j == 0:
+                if self.before_update is not None:
+                    self.before_update(name, count)
+                t0 = time.perf_counter()
+            if whole:
+                self.opt.update(g.master, host_grad, g.opt_state, count, scale, g.stream_bits, g.layout.unflatten)
+            else:
+                bits = None if g.stream_bits is None else g.stream_bits[lo:hi]
+                self.opt.update(g.master[lo:hi], host_grad, self.opt.state_slice(g.opt_state, lo, hi), count, scale,
+                                bits)
+            out.release(j, self)
         self.xfer.host_written(name, g.stream_view())
-        if self.tracer is not None:
+        if self.tracer is not None and t0 is not None:
             self.tracer.interval("optimizer", name, t0, time.perf_counter())
 
     def _trace(self, lane: str, label: str, arr: Any) -> None:
@@ -388,11 +470,12 @@ class StreamedTrainer:
         lay_b = self.store["block_0"].layout
         tied = p.tied
 
+        # weights arrive as the host streams them: bf16, or the fp32 master cast here, on the device
         def embed_fwd(w, tokens):
-            return p.embed_fn(lay_e.unflatten(w), tokens).astype(dt)
+            return p.embed_fn(lay_e.unflatten(w.astype(dt)), tokens).astype(dt)
 
         def block_fwd(w, h, aux):
-            return p.blocks.template(lay_b.unflatten(w), h, aux)
+            return p.blocks.template(lay_b.unflatten(w.astype(dt)), h, aux)
 
         def block_bwd(w, h, aux, dh, g):
             _, vjp = jax.vjp(lambda w_, h_: block_fwd(w_, h_, aux), w, h)
@@ -401,7 +484,8 @@ class StreamedTrainer:
 
         def head_loss(wh, we, h, labels, mask, inv, gh, ge):
             def f(wh, we, h):
-                normed, out = p.head_fn(lay_h.unflatten(wh), h, lay_e.unflatten(we) if tied else None)
+                normed, out = p.head_fn(lay_h.unflatten(wh.astype(dt)), h,
+                                        lay_e.unflatten(we.astype(dt)) if tied else None)
                 return chunked_cross_entropy(normed, out, labels, mask, chunk) * inv
 
             loss, (dwh, dwe, dh) = jax.value_and_grad(f, argnums=(0, 1, 2))(wh, we, h)
@@ -420,6 +504,9 @@ class StreamedTrainer:
         self._head_loss = jax.jit(head_loss, donate_argnums=(6, 7))
         self._embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
         self._sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)))
+        self._to_bf16 = jax.jit(lambda g: g.astype(jnp.bfloat16))
+        self._chunk_fn = jax.jit(lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32),
+                                 static_argnums=2)
         self._totals = jax.jit(lambda losses, sqs: (sum(losses), sum(sqs)))  # one fetch per step
         # committed to the device like every other operand, so the first micro-batch's call
         # (fresh zeros) and later ones (accumulated outputs) share one executable

@@ -45,19 +45,47 @@ from megatrain_jax.metrics import MetricsWriter, attention_flops_per_token, mode
 Log = Callable[[str], None]
 
 
-def _streamed_trainer(cfg: Config, parts, store, host_opt) -> StreamedTrainer:
-    t = cfg.train
+def _streamed_trainer(cfg: Config, parts, store, host_opt, plan) -> StreamedTrainer:
+    d = plan.decisions
     # skip_nonfinite: every update waits for the step's norm, so a NaN/inf step touches nothing
-    return StreamedTrainer(parts, host_opt, compute_dtype=t.compute_dtype, micro_batches=t.micro_batches,
-                           clip_norm=cfg.optim.clip_norm, loss_chunk=t.loss_chunk, store=store,
-                           skip_nonfinite=True)
+    return StreamedTrainer(parts, host_opt, compute_dtype=cfg.train.compute_dtype, micro_batches=d["micro_batches"],
+                           clip_norm=cfg.optim.clip_norm, loss_chunk=cfg.train.loss_chunk, store=store,
+                           skip_nonfinite=True, offload_activations=d["activations"] == "pinned_host",
+                           grad_hold=d["grad_hold"], grad_slab_elems=d["grad_slab_elems"],
+                           grad_slabs=d["grad_slabs"])
 
 
-def build_trainer(cfg: Config, model=None):
+def host_bf16_copy(cfg: Config) -> bool:
+    """Whether the host keeps a bf16 streaming copy (bf16 compute with ``train.stream_copy=host``)."""
+    return cfg.train.compute_dtype == "bfloat16" and cfg.train.stream_copy == "host"
+
+
+def plan_or_refuse(cfg: Config, log: Log = print):
+    """The memory plan for ``cfg`` on this machine, or the one-line refusal (``UserError``) before
+    anything is allocated. Gives XLA the plan's budgets when its backend has not started yet."""
+    from megatrain_jax.memory import apply_gpu_settings, make_plan
+
+    plan = make_plan(cfg)
+    err = plan.verdict()
+    if err is not None:
+        raise err
+    apply_gpu_settings(plan)
+    d = plan.decisions
+    gpu = f", GPU peak {plan.gpu_need / 1e9:.1f} of {plan.gpu_budget / 1e9:.1f} GB" if plan.gpu_budget else ""
+    log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB "
+        f"({plan.host_bytes_per_param:.2f} bytes/param){gpu}; micro_batches={d['micro_batches']}, "
+        f"activations={d['activations']}, grad_hold={d['grad_hold']}, stream_copy={d['stream_copy']}, "
+        f"moments={d['moments']}; predicted step {plan.step['predicted_step_s']:.2f} s "
+        f"({plan.step['binding'][:-2]}-bound)  [megatrain-jax plan CONFIG shows the table]")
+    return plan
+
+
+def build_trainer(cfg: Config, model=None, plan=None):
     """The configured trainer (streamed or reference).
 
     The streamed trainer never materialises the whole model: the host store is initialised part
-    by part (or filled from a Hugging Face checkpoint, ``model.from_hf``).
+    by part (or filled from a Hugging Face checkpoint, ``model.from_hf``). ``plan``: the memory
+    plan (computed here, and refused if it does not fit, when not given).
     """
     from megatrain_jax.models import init_model, streamed_parts
     from megatrain_jax.models.llama import init_host_store
@@ -69,19 +97,24 @@ def build_trainer(cfg: Config, model=None):
 
         model = model if model is not None else init_model(cfg.model, t.seed)
         return ReferenceTrainer(model, build_reference_tx(cfg.optim, t.steps), compute_dtype=t.compute_dtype)
-    bf16 = t.compute_dtype == "bfloat16"
+    plan = plan or plan_or_refuse(cfg, lambda _: None)
+    host_opt = build_host_optimizer(cfg.optim, t.steps)
+    bf16 = host_bf16_copy(cfg)
     if model is not None:
-        parts, store = streamed_parts(model), None
+        from megatrain_jax.hoststore import HostStore
+
+        parts = streamed_parts(model)
+        store = HostStore.from_trees(parts.host_trees(), bf16_stream=bf16)
     elif cfg.model.from_hf:
         from megatrain_jax.hf import load_hf_into_store
 
         parts, store = load_hf_into_store(cfg.model, bf16_stream=bf16)
     else:
         parts, store = init_host_store(cfg.model, t.seed, bf16_stream=bf16)
-    return _streamed_trainer(cfg, parts, store, build_host_optimizer(cfg.optim, t.steps))
+    return _streamed_trainer(cfg, parts, store, host_opt, plan)
 
 
-def restore_trainer(cfg: Config, root: str, log: Log = print) -> tuple[StreamedTrainer, str, dict]:
+def restore_trainer(cfg: Config, root: str, log: Log = print, plan=None) -> tuple[StreamedTrainer, str, dict]:
     """A streamed trainer whose host store is filled from the newest usable checkpoint in ``root``
     (never initialised first: the store is allocated empty and restored group by group)."""
     from megatrain_jax.hoststore import HostStore
@@ -90,11 +123,12 @@ def restore_trainer(cfg: Config, root: str, log: Log = print) -> tuple[StreamedT
     from megatrain_jax.templates import Layout
 
     t = cfg.train
+    plan = plan or plan_or_refuse(cfg, lambda _: None)
     parts = streamed_parts(abstract_model(cfg.model))
-    store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, t.compute_dtype == "bfloat16")
+    store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, host_bf16_copy(cfg))
     host_opt = build_host_optimizer(cfg.optim, t.steps)
     path, state = ck.restore_latest(root, store, host_opt, log)
-    trainer = _streamed_trainer(cfg, parts, store, host_opt)
+    trainer = _streamed_trainer(cfg, parts, store, host_opt, plan)
     trainer.count = int(state["count"])
     return trainer, path, state
 
@@ -236,11 +270,12 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
     root = ck.checkpoint_root(t.out_dir)
     streamed = t.engine == "streamed"
     start_step, state = 0, {}
+    if resume and not streamed:
+        raise UserError("--resume", "checkpoints are written by the streamed engine only",
+                        "set train.engine=streamed (or train without --resume)")
+    plan = plan_or_refuse(cfg, log) if streamed else None  # before anything is allocated or written
     if resume:
-        if not streamed:
-            raise UserError("--resume", "checkpoints are written by the streamed engine only",
-                            "set train.engine=streamed (or train without --resume)")
-        trainer, path, state = restore_trainer(cfg, root, log)
+        trainer, path, state = restore_trainer(cfg, root, log, plan)
         start_step = int(state["step"])
         _resume_checks(cfg, dataset, state, log)
         log(f"resumed from {path}: step {start_step}, optimizer count {trainer.count}")
@@ -250,7 +285,7 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
             raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
                             "pass --resume to continue that run, or choose another train.out_dir "
                             f"(or delete {root})")
-        trainer = build_trainer(cfg)
+        trainer = build_trainer(cfg, plan=plan)
 
     os.makedirs(t.out_dir, exist_ok=True)
     with open(os.path.join(t.out_dir, "config.yaml"), "w") as f:

@@ -49,8 +49,17 @@ CASES = {
     "optax_kernel_no_clip": (dict(num_layers=1), 1, None, "optax"),
     # the dma_map fallback (pinned host copies) and activations parked in pinned host memory
     "pinned_fallback_offloaded": (dict(num_layers=2, num_kv_heads=2), 2, 1.0, "fused"),
+    # gradients leave in slabs of 1000 values through a pool of 2 pinned buffers (ragged last slab;
+    # the pool is far smaller than one group, so the FIFO issue/update order is exercised)
+    "slabs_of_1000_pool_of_2": (dict(num_layers=2, num_kv_heads=2), 1, 1.0, "fused"),
+    "slabs_no_clip": (dict(num_layers=2), 1, None, "fused"),
+    # deferred gradients wait for the norm in pinned host memory instead of on the device
+    "grad_hold_pinned_host": (dict(num_layers=2, num_kv_heads=2), 1, 1.0, "fused"),
 }
-ENGINE_OPTIONS = {"pinned_fallback_offloaded": dict(transfer_mode="pinned", offload_activations=True)}
+ENGINE_OPTIONS = {"pinned_fallback_offloaded": dict(transfer_mode="pinned", offload_activations=True),
+                  "slabs_of_1000_pool_of_2": dict(grad_slab_elems=1000, grad_slabs=2, skip_nonfinite=True),
+                  "slabs_no_clip": dict(grad_slab_elems=777, grad_slabs=3),
+                  "grad_hold_pinned_host": dict(grad_hold="pinned_host", grad_slab_elems=5000)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -64,13 +73,13 @@ def test_streamed_equals_reference(case):
     st = StreamedTrainer(parts, build_host_optimizer(ocfg, STEPS), compute_dtype="float32",
                          micro_batches=micro, clip_norm=clip, loss_chunk=48, store=store,
                          **ENGINE_OPTIONS.get(case, {}))
-    if case in ENGINE_OPTIONS:
+    if case == "pinned_fallback_offloaded":
         assert st.xfer.mode == "pinned" and len(st.xfer._fallback) == cfg.num_layers + 2
     for batch in _batches(np.random.default_rng(1), STEPS, 4, 32, cfg.vocab_size):
         r, s = ref.step(batch), st.step(batch)
         assert abs(r.loss - s.loss) <= 1e-5 * abs(r.loss), (r.loss, s.loss)
         assert abs(r.grad_norm - s.grad_norm) <= 1e-4 * r.grad_norm
-        if case in ENGINE_OPTIONS:
+        if case == "pinned_fallback_offloaded":
             assert st.last_step_info["offload_activations"]
     st.close()  # waits for the last updates
     errs = _group_rel_errors(ref.params_tree(), st)
@@ -116,3 +125,61 @@ def test_chunked_cross_entropy_matches_full():
     want = float(np.sum(np.asarray(full) * m))
     for chunk in (5, 16, 74, 1000):
         assert abs(float(chunked_cross_entropy(x, w, y, m, chunk)) - want) < 1e-4 * abs(want)
+
+
+def test_gradients_cross_in_slabs_of_the_configured_size():
+    """Every group's gradient is cut into slabs of at most grad_slab_elems values."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=48)
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 1), compute_dtype="float32", store=store,
+                         grad_slab_elems=1000)
+    out = st._grad_out("embed", None)
+    assert out.chunks[0] == (0, 1000) and out.chunks[-1][1] == store["embed"].size
+    assert all(hi - lo <= 1000 for lo, hi in out.chunks) and len(out.chunks) == -(-store["embed"].size // 1000)
+    st.close()
+    # the optax kernel updates whole groups (its state is a pytree): one slab per group
+    st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(kernel="optax"), 1), compute_dtype="float32",
+                         store=store, grad_slab_elems=1000)
+    assert len(st._grad_out("embed", None).chunks) == 1
+    st.close()
+
+
+def _bf16_run(cfg, ocfg, batches, stream_copy: str, grad_hold: str = "gpu_fp32", micro: int = 1):
+    parts, store = init_host_store(cfg, 0, bf16_stream=stream_copy == "host")
+    st = StreamedTrainer(parts, build_host_optimizer(ocfg, len(batches)), compute_dtype="bfloat16", store=store,
+                         micro_batches=micro,
+                         clip_norm=ocfg.clip_norm, grad_hold=grad_hold, grad_slab_elems=3000)
+    losses = [st.step(b).loss for b in batches]
+    st.close()
+    return losses, {g.name: g.master.copy() for g in st.store}
+
+
+def test_device_side_cast_equals_host_bf16_copy():
+    """train.stream_copy=device (fp32 master streamed, cast on the device) computes exactly what the
+    host's bf16 copy computes: both round to nearest even, so losses and weights are bit-identical."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)
+    ocfg = OptimConfig(lr=3e-3, clip_norm=1.0)
+    batches = _batches(np.random.default_rng(4), 4, 4, 32, 64)
+    host_l, host_w = _bf16_run(cfg, ocfg, batches, "host")
+    dev_l, dev_w = _bf16_run(cfg, ocfg, batches, "device")
+    assert host_l == dev_l
+    for name in host_w:
+        np.testing.assert_array_equal(host_w[name], dev_w[name])
+
+
+def test_bf16_gradient_hold_tracks_fp32_hold():
+    """Gradients held in bf16 for clipping (norm taken in fp32 first): the loss curve stays within
+    bf16 rounding of the fp32 hold's, and the weights move the same way. Two micro-batches: with one,
+    a bf16 model's weight gradients are bf16 values already and the hold loses nothing."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96)
+    ocfg = OptimConfig(lr=3e-3, clip_norm=1.0)
+    batches = _batches(np.random.default_rng(5), 6, 4, 32, 64, masked=False)
+    f_l, f_w = _bf16_run(cfg, ocfg, batches, "host", "gpu_fp32", micro=2)
+    b_l, b_w = _bf16_run(cfg, ocfg, batches, "host", "gpu_bf16", micro=2)
+    assert f_l[0] == b_l[0]  # the first loss precedes any update
+    np.testing.assert_allclose(b_l, f_l, rtol=5e-3)
+    assert any(not np.array_equal(f_w[n], b_w[n]) for n in f_w)  # the bf16 hold really rounds
+    init = init_host_store(cfg, 0, bf16_stream=False)[1]
+    for name in f_w:
+        df, db = f_w[name] - init[name].master, b_w[name] - init[name].master
+        assert np.linalg.norm(df - db) < 0.05 * np.linalg.norm(df)

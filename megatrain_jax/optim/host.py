@@ -153,6 +153,14 @@ class FusedAdamW:
         n = params.shape[0]
         return {"mu": alloc_aligned(n, np.float32), "nu": alloc_aligned(n, np.float32)}
 
+    # the engine updates a group slab by slab as its gradient lands (engine._GradOut): any element
+    # range is a valid slice of this elementwise state
+    chunk_align = 1
+
+    def state_slice(self, state: dict[str, np.ndarray], lo: int, hi: int) -> dict[str, np.ndarray]:
+        """The state of elements ``lo:hi`` (views: updating them updates the group's state)."""
+        return {k: v[lo:hi] for k, v in state.items()}
+
     def update(self, params, grad, state, count, grad_scale=1.0, bf16_out=None, unflatten=None) -> None:
         fused_adamw_step(params, grad, state["mu"], state["nu"], bf16_out, lr=self.lr_at(count),
                          b1=self.b1, b2=self.b2, eps=self.eps, eps_root=self.eps_root,

@@ -1,0 +1,521 @@
+"""The memory plan: every byte the run will need, where it lives, and whether it fits.
+
+One module is the single source of truth for sizes. ``train`` asks it before allocating anything
+and refuses (``UserError``: exit 2, one line) what cannot fit; ``megatrain-jax plan`` prints it.
+The plan also *decides*: where boundary activations live (GPU or pinned host), where gradients
+wait for the clipping norm (GPU fp32, GPU bf16, pinned host), how many micro-batches
+``train.micro_batches: auto`` means, and the GPU memory budget XLA is given. Nothing is left to
+XLA's defaults (75% preallocation) or to free memory read at run time.
+
+Sizes follow from the model's shapes. Two terms are empirical and stated as such: the per-token
+working set of one block's recompute + VJP, and the process's fixed runtime (Python, JAX, CUDA
+context); both were calibrated against peaks measured on an H100 (experiments/RESULTS.md, "memory
+plan vs measured"). A safety margin (``HOST_MARGIN``, ``GPU_MARGIN``) is part of every verdict.
+
+Peak GPU memory is not the sum of its rows: the gradients held for clipping and the boundary
+activations never coexist in full. At the end of the backward all gradients are held and only
+layer 0's activation is left; during the next forward each block's gradient leaves as its
+activation is made. The peak is therefore taken over the phases of a step (``_gpu_phases``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megatrain_jax.config import Config, ModelConfig
+from megatrain_jax.errors import UserError
+
+GB = 1e9
+GiB = 1 << 30
+
+# ---- stated constants (see the module docstring)
+HOST_MARGIN = (0.03, 1.0 * GiB)  # fraction of the limit + bytes kept free on the host
+GPU_MARGIN = (0.02, 0.5 * GiB)  # fraction of the budget + bytes kept free on the GPU
+RUNTIME_HOST_BYTES = {"gpu": 3.0 * GiB, "cpu": 1.0 * GiB}  # Python + JAX + CUDA context, measured
+GRAD_SLAB_ELEMS = 32 << 20  # gradient slab: 32M fp32 values (128 MiB) per pinned buffer
+GRAD_SLABS = 8  # pinned slabs in the pool: transfers of later slabs overlap updates of earlier ones
+# block recompute + VJP working set per token, bytes = coefficients x widths x dtype bytes / 2
+# (calibrated against XLA's memory analysis of the block VJP on an H100; see RESULTS.md)
+WS_PER_TOKEN = {"hidden": 26.0, "mlp": 8.0, "qkv": 4.0}
+LOSS_BYTES_PER_LOGIT = 10.0  # fp32 logits + fp32 softmax - onehot + bf16 copy of one chunk, fwd/bwd
+# floor rates for the predicted step (H100 measurements, DESIGN.md §1 and RESULTS.md)
+RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9,
+         "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 2.5e9, "optax": 1.0e9}}
+MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
+
+
+# ------------------------------------------------------------------------------------ machine
+
+
+@dataclass
+class Machine:
+    """What the run may use. ``host_bytes`` is the limit, ``host_available`` what is free now."""
+
+    backend: str  # gpu | cpu
+    host_bytes: float
+    host_available: float
+    host_source: str
+    gpu_bytes: float | None  # per device; None on the CPU backend
+    gpu_source: str
+    gpu_count: int
+    gpu_name: str = ""
+    cpu_cores: int = 1
+    disk_free: dict = field(default_factory=dict)  # path -> free bytes
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        k, _, v = line.partition(":")
+        parts = v.split()
+        if parts:
+            out[k] = int(parts[0]) * 1024
+    return out
+
+
+def host_limit() -> tuple[float, float, str]:
+    """(limit, available now, where the limit came from): the cgroup's ``memory.max`` where set
+    (v2, else v1), else MemTotal. Available = min(MemAvailable, limit - cgroup usage)."""
+    mi = _meminfo()
+    total, avail = float(mi.get("MemTotal", 0)), float(mi.get("MemAvailable", mi.get("MemTotal", 0)))
+    limit, source = total, "MemTotal"
+    for mx, cur in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        raw = _read(mx)
+        if raw and raw != "max" and raw.isdigit() and int(raw) < total:
+            limit, source = float(raw), f"cgroup {mx}"
+            used = _read(cur)
+            if used and used.isdigit():
+                avail = min(avail, limit - int(used))
+            break
+    return limit, min(avail, limit), source
+
+
+def _gpu_from_nvidia_smi() -> tuple[list[float], str]:
+    """Per-GPU total memory without initialising a JAX backend (whose allocator settings must be
+    chosen first)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,name", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return [], ""
+    if out.returncode:
+        return [], ""
+    sizes, name = [], ""
+    for line in out.stdout.strip().splitlines():
+        mib, _, name = line.partition(",")
+        try:
+            sizes.append(float(mib) * (1 << 20))
+        except ValueError:
+            pass
+    return sizes, name.strip()
+
+
+def _jax_backend_ready() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)  # noqa: SLF001 - only to avoid initialising it early
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def detect_machine(paths: tuple[str, ...] = ()) -> Machine:
+    """This machine's limits. GPUs are counted with nvidia-smi unless JAX is already initialised
+    (then its devices say it); ``MEGATRAIN_GPU_MEMORY_GB`` simulates a GPU's capacity (tests)."""
+    limit, avail, source = host_limit()
+    sizes, name, gsrc = [], "", ""
+    if _jax_backend_ready():
+        import jax
+
+        devs = [d for d in jax.local_devices() if d.platform == "gpu"]
+        for d in devs:
+            lim = (d.memory_stats() or {}).get("bytes_limit")
+            if lim:
+                sizes.append(float(lim) / 0.95 if os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") else float(lim))
+        name, gsrc = (devs[0].device_kind if devs else ""), "jax"
+    elif os.environ.get("JAX_PLATFORMS", "") != "cpu":
+        sizes, name = _gpu_from_nvidia_smi()
+        gsrc = "nvidia-smi"
+    sim = os.environ.get("MEGATRAIN_GPU_MEMORY_GB")
+    if sim:
+        sizes, name, gsrc = [float(sim) * GB], "simulated", "MEGATRAIN_GPU_MEMORY_GB"
+    disk = {}
+    for p in paths:
+        probe = os.path.abspath(p)
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        disk[p] = float(shutil.disk_usage(probe).free)
+    return Machine(backend="gpu" if sizes else "cpu", host_bytes=limit, host_available=avail, host_source=source,
+                   gpu_bytes=min(sizes) if sizes else None, gpu_source=gsrc, gpu_count=len(sizes), gpu_name=name,
+                   cpu_cores=os.cpu_count() or 1, disk_free=disk)
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+
+@dataclass
+class Row:
+    where: str  # host | gpu | disk
+    what: str
+    bytes: float
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    rows: list[Row]
+    decisions: dict[str, Any]
+    host_need: float
+    host_limit: float
+    host_source: str
+    gpu_need: float | None
+    gpu_budget: float | None
+    gpu_phases: dict[str, float]
+    disk_need: float
+    disk_free: float | None
+    step: dict[str, float]
+    params: int
+    machine: Machine
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def host_bytes_per_param(self) -> float:
+        return self.host_need / max(self.params, 1)
+
+    def verdict(self) -> UserError | None:
+        """The first thing that does not fit, as the one-line error the CLI prints; None if it fits."""
+        return _verdict(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["host_bytes_per_param"] = self.host_bytes_per_param
+        d["fits"] = self.verdict() is None
+        v = self.verdict()
+        d["refusal"] = None if v is None else str(v)
+        return d
+
+
+def _usable(limit: float, margin: tuple[float, float]) -> float:
+    return limit * (1 - margin[0]) - margin[1]
+
+
+@dataclass
+class _Shapes:
+    """The sizes the plan needs, read once from the config."""
+
+    P: int
+    block: int
+    embed: int
+    head: int
+    L: int
+    H: int
+    F: int
+    V: int
+    qkv: int
+    B: int
+    S: int
+    tied: bool
+    dt: int  # compute dtype bytes
+
+    @classmethod
+    def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str) -> "_Shapes":
+        q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
+        emb = m.vocab_size * m.hidden_size
+        head = m.hidden_size + (0 if m.tie_embeddings else emb)
+        return cls(P=m.total_params(), block=m.block_params(), embed=emb, head=head, L=m.num_layers,
+                   H=m.hidden_size, F=m.intermediate_size, V=m.vocab_size, qkv=q + 2 * kv, B=batch, S=seq,
+                   tied=m.tie_embeddings, dt=2 if compute_dtype == "bfloat16" else 4)
+
+    @property
+    def largest_group(self) -> int:
+        return max(self.block, self.embed, self.head)
+
+
+def _block_ws(s: _Shapes, tokens_mb: int) -> float:
+    w = WS_PER_TOKEN
+    return tokens_mb * (w["hidden"] * s.H + w["mlp"] * s.F + w["qkv"] * s.qkv) * s.dt / 2 * (2 if s.dt == 4 else 1)
+
+
+def _loss_ws(s: _Shapes, tokens_mb: int, loss_chunk: int) -> float:
+    c = min(loss_chunk, tokens_mb)
+    return c * s.V * LOSS_BYTES_PER_LOGIT + 3 * tokens_mb * s.H * 4
+
+
+def _gpu_phases(s: _Shapes, *, M: int, stream_bytes: int, device_cast: bool, act_on_gpu: bool,
+                hold_bytes: int | None, loss_chunk: int, deferred: bool) -> tuple[dict[str, float], list[Row]]:
+    """Bytes on the GPU at each phase of a step, and the rows that explain them."""
+    tok_mb = s.B * s.S // M
+    rows = []
+    resident = (s.embed + s.head) * stream_bytes + (s.embed + s.head) * (s.dt if device_cast else 0)
+    rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
+                    "+ their compute-dtype cast" if device_cast else ""))
+    inflight = 2 * s.block * stream_bytes + (s.block * s.dt if device_cast else 0)
+    rows.append(Row("gpu", "two blocks in flight", inflight, "fp32 master, cast on the GPU" if device_cast else ""))
+    act_layer = s.B * s.S * s.H * s.dt
+    acts = s.L * act_layer if act_on_gpu else 2 * act_layer
+    rows.append(Row("gpu", "boundary activations", acts,
+                    f"{s.L} layers x {s.B * s.S} tokens" if act_on_gpu else "in pinned host memory; 2 layers reloaded"))
+    ws = _block_ws(s, tok_mb)
+    rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"))
+    accum = s.block * 4 + (s.embed * 4)  # current block's fp32 accumulator + the embedding's
+    rows.append(Row("gpu", "gradient accumulators (fp32)", accum + s.head * 4, "current block, embedding, head"))
+    lws = _loss_ws(s, tok_mb, loss_chunk)
+    rows.append(Row("gpu", "loss chunk (logits never exist whole)", lws, f"chunk {min(loss_chunk, tok_mb)} tokens"))
+    held = (s.P * hold_bytes) if (deferred and hold_bytes) else 0
+    if deferred:
+        rows.append(Row("gpu", "gradients held for clipping", held,
+                        {4: "fp32", 2: "bf16"}.get(hold_bytes or 0, "in pinned host memory")))
+    fixed = resident + inflight
+    phases = {
+        "forward start (all held gradients, no activations)": fixed + held + act_layer + ws / 2,
+        "loss (all activations, loss chunk)": fixed + acts + lws + s.head * 4 + act_layer,
+        "backward start (activations, accumulators)": fixed + acts + accum + s.head * 4 + ws
+        + (s.head * (hold_bytes or 0) if deferred else 0),
+        "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu else 0)
+        + act_layer,
+    }
+    return phases, rows
+
+
+def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | None = None) -> Plan:
+    """The plan for ``cfg`` on ``machine`` (this one by default), with every 'auto' decided."""
+    t, o, m = cfg.train, cfg.optim, cfg.model
+    out_dir = t.out_dir
+    machine = machine or detect_machine((out_dir,) + ((t.export,) if t.export else ()))
+    n_dev = devices or (machine.gpu_count if t.devices == "all" else int(t.devices)) or 1
+    host_limit = t.host_memory_gb * GB if t.host_memory_gb else machine.host_bytes
+    host_source = "train.host_memory_gb" if t.host_memory_gb else machine.host_source
+    host_avail = host_limit if t.host_memory_gb else machine.host_available
+    on_gpu = machine.backend == "gpu"
+    gpu_budget = None
+    if on_gpu:
+        gpu_budget = machine.gpu_bytes
+        if t.gpu_memory_gb:
+            gpu_budget = min(gpu_budget, t.gpu_memory_gb * GB)
+    elif t.gpu_memory_gb:
+        gpu_budget = t.gpu_memory_gb * GB  # a CPU run honours the budget too (its "device" is host RAM)
+
+    bf16 = t.compute_dtype == "bfloat16"
+    device_cast = bf16 and t.stream_copy == "device"
+    stream_bytes = 2 if (bf16 and not device_cast) else 4
+    deferred = True  # train always defers updates (NaN skipping; clipping when set)
+    notes: list[str] = []
+    per_dev_batch = t.batch_size // n_dev if t.batch_size % n_dev == 0 else t.batch_size
+    s = _Shapes.of(m, per_dev_batch, cfg.data.seq_len, t.compute_dtype)
+
+    # ---- decisions: micro-batches, activation placement, gradient holding
+    if t.micro_batches == "auto":
+        cands = [k for k in range(1, s.B + 1) if s.B % k == 0]
+    else:
+        cands = [int(t.micro_batches) // n_dev if n_dev > 1 and int(t.micro_batches) % n_dev == 0
+                 else int(t.micro_batches)]
+    holds = {"gpu_fp32": 4, "gpu_bf16": 2, "pinned_host": None}
+    hold_order = ["gpu_fp32", "gpu_bf16", "pinned_host"] if t.grad_hold == "auto" else [t.grad_hold]
+    act_order = (["device", "pinned_host"] if t.activations == "auto" else [t.activations])
+    if not on_gpu and gpu_budget is None:  # CPU backend: all "device" memory is host memory, no pinned pool
+        hold_order = ["gpu_fp32"] if t.grad_hold == "auto" else hold_order
+        act_order = ["device"] if t.activations == "auto" else act_order
+    budget_gpu = _usable(gpu_budget, GPU_MARGIN) if gpu_budget else None
+    host_extra_for = {"pinned_host": lambda: s.P * 4}
+    chosen = None
+    for k in cands:
+        for act in act_order:
+            for hold in hold_order:
+                phases, rows = _gpu_phases(s, M=k, stream_bytes=stream_bytes, device_cast=device_cast,
+                                           act_on_gpu=act == "device", hold_bytes=holds[hold],
+                                           loss_chunk=t.loss_chunk, deferred=deferred)
+                need = max(phases.values())
+                fits = budget_gpu is None or need <= budget_gpu
+                if fits or chosen is None:
+                    chosen = (k, act, hold, phases, rows, need)
+                if fits:
+                    break
+            if budget_gpu is None or chosen[5] <= budget_gpu:
+                break
+        if budget_gpu is None or chosen[5] <= budget_gpu:
+            break
+    M, act, hold, phases, gpu_rows, gpu_need = chosen
+
+    # ---- host rows
+    rows: list[Row] = []
+    rows.append(Row("host", "fp32 master weights", 4.0 * s.P))
+    if o.kernel == "optax":
+        mom = 8.0
+        notes.append("optim.kernel=optax: optimizer state estimated as Adam's 8 bytes/param")
+    else:
+        mom = MOMENT_BYTES[o.moments]
+    rows.append(Row("host", f"optimizer state ({o.moments} moments)", mom * s.P))
+    if bf16 and not device_cast:
+        rows.append(Row("host", "bf16 streaming copy", 2.0 * s.P, "train.stream_copy=device removes it"))
+    chunked = o.kernel == "fused"
+    slab = (min(GRAD_SLAB_ELEMS, s.largest_group) if chunked else s.largest_group) * 4
+    slabs = GRAD_SLABS if chunked else 3
+    if on_gpu:
+        rows.append(Row("host", "gradient staging (pinned slabs)", slab * slabs, f"{slabs} x {slab / GiB:.2f} GiB"))
+    if hold == "pinned_host":
+        rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * s.P))
+    if act == "pinned_host":
+        rows.append(Row("host", "boundary activations (pinned)", float(s.L * s.B * s.S * s.H * s.dt * n_dev)))
+    ckpt_on = t.final_checkpoint or t.ckpt_every
+    if ckpt_on:
+        rows.append(Row("host", "checkpoint writer (one group in flight)", s.largest_group * (4 + mom)))
+    rows.append(Row("host", "data loader (one batch, index)", float(t.batch_size * cfg.data.seq_len * 4 * 4 + 64e6)))
+    rows.append(Row("host", "runtime (Python, JAX" + (", CUDA context)" if on_gpu else ")"),
+                    RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] * (n_dev if on_gpu else 1)))
+    if not on_gpu:
+        rows.append(Row("host", "device buffers (the CPU backend's device memory is host memory)", gpu_need))
+    host_need = sum(r.bytes for r in rows)
+
+    # ---- disk
+    disk_rows = []
+    ckpt_bytes = s.P * (4 + mom)
+    keep = max(t.keep_last, 1) + 1  # the one being written while keep_last are kept
+    n_ckpt = 0
+    if t.ckpt_every:
+        n_ckpt = min(keep, max(1, t.steps // t.ckpt_every) + (1 if t.final_checkpoint else 0))
+        if t.keep_every:
+            n_ckpt += t.steps // max(t.keep_every, 1)
+    elif t.final_checkpoint:
+        n_ckpt = 1
+    if n_ckpt:
+        disk_rows.append(Row("disk", f"checkpoints ({n_ckpt} x {ckpt_bytes / GB:.1f} GB)", n_ckpt * ckpt_bytes,
+                             f"in {out_dir}"))
+    if t.export:
+        disk_rows.append(Row("disk", "Hugging Face export", s.P * (2 if t.export_dtype != "float32" else 4),
+                             f"in {t.export}"))
+    disk_need = sum(r.bytes for r in disk_rows)
+    disk_free = machine.disk_free.get(out_dir) if machine.disk_free else None
+
+    # ---- predicted step from its floor terms
+    tokens = t.batch_size * cfg.data.seq_len
+    attn = 12.0 * m.num_layers * m.num_heads * m.dim_per_head * cfg.data.seq_len
+    hw_flops = tokens * (8 * m.non_embedding_params() + 8 * s.V * s.H + 4.0 / 6.0 * attn)
+    rate = RATES["matmul_bf16" if bf16 else "matmul_fp32"] * n_dev
+    h2d_bytes = 2 * (s.P * stream_bytes)  # forward and backward sweeps
+    opt_rate = RATES["adamw_elems"]["optax" if o.kernel == "optax" else o.moments] * min(machine.cpu_cores, 16) / 16
+    step = {"compute_s": hw_flops / rate, "h2d_s": h2d_bytes / RATES["h2d"], "d2h_s": 4 * s.P / RATES["d2h"],
+            "optimizer_s": s.P / opt_rate}
+    step["predicted_step_s"] = max(step.values())
+    step["binding"] = max(("compute_s", "h2d_s", "d2h_s", "optimizer_s"), key=lambda k: step[k])
+
+    decisions = {"micro_batches": M, "activations": act, "grad_hold": hold, "stream_copy": t.stream_copy,
+                 "moments": o.moments, "devices": n_dev, "grad_slab_elems": GRAD_SLAB_ELEMS if chunked else None,
+                 "grad_slabs": slabs, "pinned_pool_bytes": _pinned_need(rows),
+                 "gpu_mem_fraction": None}
+    if on_gpu and machine.gpu_bytes:
+        decisions["gpu_mem_fraction"] = round(min(0.95, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes), 4)
+    return Plan(rows=rows + gpu_rows + disk_rows, decisions=decisions, host_need=host_need, host_limit=host_avail,
+                host_source=host_source, gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget,
+                gpu_phases=phases, disk_need=disk_need, disk_free=disk_free, step=step, params=s.P,
+                machine=machine, notes=notes)
+
+
+def _pinned_need(rows: list[Row]) -> float:
+    return sum(r.bytes for r in rows if "pinned" in r.what)
+
+
+def _verdict(p: Plan) -> UserError | None:
+    host_ok = p.host_need <= _usable(p.host_limit, HOST_MARGIN)
+    if not host_ok:
+        over = p.host_need - _usable(p.host_limit, HOST_MARGIN)
+        fixes = []
+        if p.decisions["moments"] == "float32":
+            fixes.append("optim.moments=int8 (or bfloat16)")
+        if p.decisions["stream_copy"] == "host" and any("streaming copy" in r.what for r in p.rows):
+            fixes.append("train.stream_copy=device")
+        if p.decisions["activations"] == "pinned_host" or p.decisions["grad_hold"] == "pinned_host":
+            fixes.append("fewer tokens per step")
+        fixes.append("a machine with more memory")
+        if p.host_source != "train.host_memory_gb":
+            fixes.append("or train.host_memory_gb=N if this machine's limit is misread")
+        return UserError("host memory", f"the plan needs {p.host_need / GB:.1f} GB ({p.host_bytes_per_param:.1f} "
+                         f"bytes/param for {p.params / 1e9:.2f}B parameters) but {p.host_limit / GB:.1f} GB is "
+                         f"available ({p.host_source}; {over / GB:.1f} GB short after a "
+                         f"{HOST_MARGIN[0]:.0%} + {HOST_MARGIN[1] / GiB:.0f} GiB safety margin)",
+                         ", ".join(fixes))
+    if p.gpu_budget is not None and p.gpu_need is not None and p.gpu_need > _usable(p.gpu_budget, GPU_MARGIN):
+        phase = max(p.gpu_phases, key=p.gpu_phases.get)
+        return UserError("GPU memory", f"the plan needs {p.gpu_need / GB:.1f} GB at its peak ({phase}) but the "
+                         f"budget is {p.gpu_budget / GB:.1f} GB", "fewer tokens per micro-batch "
+                         "(raise train.micro_batches or set it to auto, or lower data.seq_len / train.batch_size), "
+                         "a smaller train.loss_chunk, or a GPU with more memory")
+    if p.disk_free is not None and p.disk_need > p.disk_free:
+        return UserError("disk", f"checkpoints/export need {p.disk_need / GB:.1f} GB but {p.disk_free / GB:.1f} GB "
+                         f"is free where they go", "train.ckpt_every=0 and train.final_checkpoint=false, a lower "
+                         "train.keep_last, or another train.out_dir")
+    return None
+
+
+# ------------------------------------------------------------------------------------ output
+
+
+def plan_table(p: Plan) -> str:
+    """The plan as a readable table (rich), one line per component."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    tab = Table(title=f"memory plan: {p.params / 1e9:.3f}B parameters", show_lines=False)
+    for col in ("where", "component", "GB", "note"):
+        tab.add_column(col, justify="right" if col == "GB" else "left")
+    for r in p.rows:
+        tab.add_row(r.where, r.what, f"{r.bytes / GB:.2f}", r.note)
+    buf = io.StringIO()
+    con = Console(file=buf, width=130, force_terminal=False, color_system=None)
+    con.print(tab)
+    lines = [buf.getvalue().rstrip()]
+    lines.append(f"host: need {p.host_need / GB:.1f} GB ({p.host_bytes_per_param:.2f} bytes/param), limit "
+                 f"{p.host_limit / GB:.1f} GB ({p.host_source}), margin {HOST_MARGIN[0]:.0%} + "
+                 f"{HOST_MARGIN[1] / GiB:.0f} GiB")
+    if p.gpu_budget is not None:
+        lines.append(f"GPU: peak {p.gpu_need / GB:.1f} GB of a {p.gpu_budget / GB:.1f} GB budget "
+                     f"({p.machine.gpu_name or 'device'}; margin {GPU_MARGIN[0]:.0%} + {GPU_MARGIN[1] / GiB:.1f} GiB)")
+        for k, v in p.gpu_phases.items():
+            lines.append(f"     {k}: {v / GB:.1f} GB")
+    else:
+        lines.append("GPU: none (CPU backend: device buffers are counted in host memory)")
+    if p.disk_need:
+        lines.append(f"disk: need {p.disk_need / GB:.1f} GB, free "
+                     + (f"{p.disk_free / GB:.1f} GB" if p.disk_free is not None else "unknown"))
+    d = p.decisions
+    lines.append(f"decisions: micro_batches={d['micro_batches']}, activations={d['activations']}, "
+                 f"grad_hold={d['grad_hold']}, stream_copy={d['stream_copy']}, moments={d['moments']}, "
+                 f"devices={d['devices']}")
+    st = p.step
+    lines.append(f"predicted step: {st['predicted_step_s']:.2f} s, bound by {st['binding'][:-2]} (compute "
+                 f"{st['compute_s']:.2f} s, host->GPU {st['h2d_s']:.2f} s, GPU->host {st['d2h_s']:.2f} s, "
+                 f"optimizer {st['optimizer_s']:.2f} s)")
+    lines.extend(f"note: {n}" for n in p.notes)
+    v = p.verdict()
+    lines.append("verdict: fits" if v is None else f"verdict: does not fit: {v}")
+    return "\n".join(lines)
+
+
+def plan_json(p: Plan) -> str:
+    return json.dumps(p.to_dict(), indent=1, default=str)
+
+
+def apply_gpu_settings(p: Plan) -> None:
+    """Give XLA the plan's budgets before its backend starts (no hand-set variable is needed; one
+    that the user did set is respected)."""
+    d = p.decisions
+    if d.get("gpu_mem_fraction"):
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(d["gpu_mem_fraction"]))
+    pinned = d.get("pinned_pool_bytes") or 0
+    if p.machine.backend == "gpu":
+        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(4, math.ceil(pinned * 1.5 / GiB) + 2)))
