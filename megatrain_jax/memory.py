@@ -519,3 +519,23 @@ def apply_gpu_settings(p: Plan) -> None:
     pinned = d.get("pinned_pool_bytes") or 0
     if p.machine.backend == "gpu":
         os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(4, math.ceil(pinned * 1.5 / GiB) + 2)))
+
+
+# ------------------------------------------------------------------------------------ measured
+
+
+def memory_snapshot(device=None) -> dict[str, float]:
+    """What the process uses now: host RSS and its peak (VmHWM), and the device's peak bytes in
+    use (XLA's allocator statistics; absent on the CPU backend). GB."""
+    out = {}
+    for line in (_read("/proc/self/status") or "").splitlines():
+        if line.startswith("VmRSS:"):
+            out["host_rss_gb"] = int(line.split()[1]) * 1024 / GB
+        elif line.startswith("VmHWM:"):
+            out["host_peak_rss_gb"] = int(line.split()[1]) * 1024 / GB
+    if device is not None:
+        stats = device.memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            out["gpu_peak_gb"] = stats["peak_bytes_in_use"] / GB
+            out["gpu_in_use_gb"] = stats.get("bytes_in_use", 0) / GB
+    return out

@@ -40,6 +40,7 @@ from megatrain_jax import checkpoint as ck
 from megatrain_jax.config import Config
 from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
+from megatrain_jax.memory import memory_snapshot
 from megatrain_jax.metrics import MetricsWriter, attention_flops_per_token, model_flops_per_token
 
 Log = Callable[[str], None]
@@ -366,6 +367,9 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
             rec = {"step": s, "loss": res.loss, "grad_norm": res.grad_norm, "step_time_s": dt,
                    "tokens_per_s": tokens_per_step / dt, "model_tflops": fpt * tokens_per_step / dt / 1e12,
                    "model_tflops_with_attention": fpt_attn * tokens_per_step / dt / 1e12, "skipped": res.skipped}
+            if streamed:
+                rec["lr"] = float(trainer.opt.lr_at(trainer.count)) if hasattr(trainer.opt, "lr_at") else None
+                rec.update(memory_snapshot(trainer.device if trainer.xfer.on_gpu else None))
             metrics.write(rec)
             if s % t.log_every == 0 or s == start_step + 1 or s == t.steps:
                 elapsed = now - start
@@ -414,10 +418,15 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
         export_hf(trainer.store, cfg.model, t.export, t.export_dtype, overwrite=True, log=log)
     wall = time.perf_counter() - start
     summary = {"steps": step_done, "first_loss": losses[0] if losses else None,
+               "plan": None if plan is None else {"host_gb": plan.host_need / 1e9, "gpu_gb": plan.gpu_need and plan.gpu_need / 1e9,
+                                                  "decisions": plan.decisions, "predicted_step_s": plan.step["predicted_step_s"]},
+               "measured": memory_snapshot(trainer.device if streamed and trainer.xfer.on_gpu else None),
                "last_loss": losses[-1] if losses else None,
                "mean_last10": float(np.mean(losses[-10:])) if losses else None, "wall_s": wall,
                "skipped_steps": skipped, "resumed_from": start_step if resume else None,
                "checkpoint": final_path, "stopped_by": stopped_by}
+    with open(os.path.join(t.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
     if stopped_by:
         log(f"stopped by {stopped_by} after step {step_done}: " + (
             f"checkpoint saved to {final_path}; continue with `megatrain-jax train ... --resume` "

@@ -271,6 +271,9 @@ def init_host_store(cfg: ModelConfig, seed: int, bf16_stream: bool):
 
     parts = streamed_parts(abstract_model(cfg))
     store = HostStore({n: Layout(t) for n, t in parts.host_trees().items()}, bf16_stream)
+    if cfg.init == "fast":
+        store.fill_fast(seed, cfg.init_std)
+        return parts, store
     for name in part_names(cfg):
         module = init_part(cfg, seed, name)
         store.load_group(name, nnx.to_pure_dict(nnx.state(module)))

@@ -1,0 +1,159 @@
+"""The memory plan against what the trainer really uses, through the user's own command.
+
+For each case: ``megatrain-jax plan --json`` (the prediction), then ``megatrain-jax train`` in a
+child process with no hand-set environment variable (the plan sets XLA's budgets itself), sampling
+the child's RSS and the machine's used memory from outside. Reported per case: tokens/s and model
+TFLOPS (median of the steps after the first two), peak host RSS (VmHWM) and peak GPU memory
+(XLA's ``peak_bytes_in_use``) next to the plan's figures, and whether the run survived.
+
+    PYTHONPATH=. python experiments/bench_memory_plan.py --out $OUT \\
+        --case 7b_b16=configs/7b.yaml --case "7b_b32=configs/7b.yaml;train.batch_size=32"
+
+A case is NAME=CONFIG[;key=value;...]. Every case adds train.final_checkpoint=false,
+model.init=fast (uniform weights with the nnx std, drawn in seconds: the benchmark measures the
+step, not the initialiser), train.steps=--steps and a fresh out_dir.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _status_kb(pid: int, key: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _used_gb() -> float:
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            info[k] = int(v.split()[0])
+    return (info["MemTotal"] - info["MemAvailable"]) * 1024 / 1e9
+
+
+def run_case(name: str, spec: str, args) -> dict:
+    config, *sets = [x for x in spec.split(";") if x]
+    out_dir = tempfile.mkdtemp(prefix=f"bench_{name}_")
+    sets = sets + ["train.final_checkpoint=false", "model.init=fast", f"train.steps={args.steps}",
+                   "optim.schedule.kind=constant", "optim.schedule.warmup_steps=0",
+                   f"train.out_dir={out_dir}", "train.log_every=1"]
+    flags = [x for s in sets for x in ("--set", s)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    py = [sys.executable, "-m", "megatrain_jax"]
+    plan = subprocess.run(py + ["plan", config, "--json"] + flags, cwd=ROOT, env=env, capture_output=True, text=True)
+    res = {"case": name, "config": config, "overrides": sets, "plan_rc": plan.returncode}
+    try:
+        res["plan"] = json.loads(plan.stdout)
+    except ValueError:
+        res["plan_error"] = (plan.stdout + plan.stderr)[-2000:]
+    used0 = _used_gb()
+    t0 = time.perf_counter()
+    log_path = os.path.join(args.out, f"train_{name}.log")
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(py + ["train", config] + flags, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        peak = {"rss_kb": 0, "used_gb": 0.0}
+
+        def sample():
+            while proc.poll() is None:
+                peak["rss_kb"] = max(peak["rss_kb"], _status_kb(proc.pid, "VmRSS:"))
+                peak["used_gb"] = max(peak["used_gb"], _used_gb())
+                time.sleep(0.1)
+
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        rc = proc.wait()
+        th.join()
+    res.update({"rc": rc, "wall_s": time.perf_counter() - t0, "sampled_peak_rss_gb": peak["rss_kb"] * 1024 / 1e9,
+                "machine_used_before_gb": used0, "machine_used_peak_gb": peak["used_gb"]})
+    with open(log_path) as f:
+        tail = f.read()[-3000:]
+    res["log_tail"] = tail
+    recs = []
+    mpath = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.exists(mpath):
+        with open(mpath) as f:
+            recs = [json.loads(x) for x in f if x.strip()]
+    res["steps_done"] = len(recs)
+    if len(recs) > 2:
+        timed = recs[2:]
+        step_s = statistics.median(r["step_time_s"] for r in timed)
+        tokens = recs[0]["tokens_per_s"] * recs[0]["step_time_s"]
+        res.update({"step_s_median": step_s, "step_s_all": [r["step_time_s"] for r in recs],
+                    "tokens_per_s": tokens / step_s,
+                    "model_tflops": statistics.median(r["model_tflops"] for r in timed),
+                    "model_tflops_with_attention": statistics.median(r["model_tflops_with_attention"] for r in timed),
+                    "losses": [r["loss"] for r in recs]})
+    if recs:
+        res["peak_host_rss_gb"] = max(r.get("host_peak_rss_gb", 0) for r in recs)
+        res["peak_gpu_gb"] = max(r.get("gpu_peak_gb", 0) for r in recs)
+    p = res.get("plan")
+    if p and recs:
+        params = p["params"]
+        res["host_bytes_per_param_measured"] = res["peak_host_rss_gb"] * 1e9 / params
+        res["plan_host_gb"] = p["host_need"] / 1e9
+        res["plan_gpu_gb"] = (p["gpu_need"] or 0) / 1e9
+        res["host_plan_over_measured"] = res["plan_host_gb"] / max(res["peak_host_rss_gb"], 1e-9)
+        res["gpu_plan_over_measured"] = res["plan_gpu_gb"] / max(res["peak_gpu_gb"], 1e-9)
+        res["decisions"] = p["decisions"]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", action="append", required=True, help="NAME=CONFIG[;key=value;...]")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import jax  # only to name the device in the results (the children start their own backends)
+
+    dev = jax.devices()[0]
+    meta = {"date": datetime.date.today().isoformat(), "device": dev.device_kind, "jax": jax.__version__,
+            "host_cores": os.cpu_count(), "command": " ".join(sys.argv)}
+    del jax, dev
+    rows = []
+    for item in args.case:
+        name, _, spec = item.partition("=")
+        print(f"== {name}: {spec}", flush=True)
+        r = run_case(name, spec, args)
+        r.update(meta)
+        with open(os.path.join(args.out, f"plan_{name}.json"), "w") as f:
+            json.dump(r, f, indent=1, default=str)
+        rows.append(r)
+        print(f"   rc {r['rc']}, steps {r['steps_done']}, step {r.get('step_s_median', float('nan')):.3f}s, "
+              f"tok/s {r.get('tokens_per_s', 0):,.0f}, TFLOPS {r.get('model_tflops', 0):.0f}, "
+              f"RSS {r.get('peak_host_rss_gb', 0):.1f} GB (plan {r.get('plan_host_gb', 0):.1f}), "
+              f"GPU {r.get('peak_gpu_gb', 0):.1f} GB (plan {r.get('plan_gpu_gb', 0):.1f}), "
+              f"{r.get('host_bytes_per_param_measured', 0):.2f} B/param; decisions {r.get('decisions')}", flush=True)
+        if r["rc"]:
+            print(r["log_tail"][-1500:], flush=True)
+    print("\ncase | rc | step s | tok/s | TFLOPS | +attn | RSS GB (plan) | GPU GB (plan) | B/param")
+    for r in rows:
+        print(f"{r['case']} | {r['rc']} | {r.get('step_s_median', float('nan')):.3f} | {r.get('tokens_per_s', 0):,.0f} | "
+              f"{r.get('model_tflops', 0):.0f} | {r.get('model_tflops_with_attention', 0):.0f} | "
+              f"{r.get('peak_host_rss_gb', 0):.1f} ({r.get('plan_host_gb', 0):.1f}) | "
+              f"{r.get('peak_gpu_gb', 0):.1f} ({r.get('plan_gpu_gb', 0):.1f}) | "
+              f"{r.get('host_bytes_per_param_measured', 0):.2f}")
+
+
+if __name__ == "__main__":
+    main()
