@@ -142,13 +142,15 @@ class _GradOut:
             for e in self._events:
                 e.set()
 
-    def issue_next(self, engine: "StreamedTrainer") -> None:
+    def issue_next(self, engine: "StreamedTrainer", wait: bool = True) -> bool:
+        """Issue the next chunk's copy; False (nothing issued) when no slab is free and not ``wait``."""
         j = self.issued
         lo, hi = self.chunks[j]
         if self.on_host:
             self.host[j] = None  # read from the held pinned array itself
         else:
-            engine._slabs.acquire()
+            if not engine._slabs.acquire(blocking=wait):
+                return False
             g = self.grad
             piece = g if (len(self.chunks) == 1 and g.dtype == F32) else engine._chunk_fn(g, lo, hi - lo)
             self.host[j] = engine.xfer.to_host(piece)
@@ -156,10 +158,11 @@ class _GradOut:
         if self.issued == len(self.chunks) and not self.on_host:
             self.grad = None  # the device copy is freed once its transfers are done
         self._events[j].set()
+        return True
 
     def chunk(self, j: int, engine: "StreamedTrainer") -> np.ndarray:
         """Chunk ``j`` as a host numpy array; waits until it has landed."""
-        if not self._events[j].wait(timeout=0.5):
+        if not self._events[j].wait(timeout=0.2):
             engine._issue_through(self, j)
         if self.on_host:
             lo, hi = self.chunks[j]
@@ -234,7 +237,7 @@ class StreamedTrainer:
         inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)
 
         # ---- forward sweep: block i+1's weights are in flight before block i is dispatched
-        emb_w, head_w = self._fetch("embed"), self._fetch("head")
+        emb_w, head_w = self._fetch("embed"), None  # the head is fetched once its update is done
         nxt = self._fetch("block_0")
         hs = [self._embed_fwd(emb_w, mb["tokens"]) for mb in mbs]
         offload = self._decide_offload(sum(h.nbytes for h in hs) * L)
@@ -245,8 +248,10 @@ class StreamedTrainer:
             w, nxt, name = nxt, None, f"block_{i + 1}"
             if i + 1 < L and self._update_done(name):
                 nxt = self._fetch(name)  # in flight before block i is dispatched
+            if head_w is None and i >= L - 2 and self._update_done("head"):
+                head_w = self._fetch("head")  # in flight while the last blocks compute
             saved.append(keep(hs))  # block i's input: the boundary checkpoint
-            self._issue_grad_copies(through=f"block_{i + self.GRAD_LOOKAHEAD}")
+            self._issue_grad_copies(through=f"block_{i + self.GRAD_LOOKAHEAD}", wait=False)
             hs = [self._block_fwd(w, h, mb["aux"]) for h, mb in zip(hs, mbs)]
             self._trace("compute", f"fwd {i}", hs[-1])
             if i + 1 < L and nxt is None:
@@ -254,6 +259,8 @@ class StreamedTrainer:
                 # dispatch block i first and fetch when the update is done
                 nxt = self._fetch(name)
         del w
+        if head_w is None:
+            head_w = self._fetch("head")
 
         # ---- loss and head backward (the last block and its inputs are already in flight)
         nxt, acts_nxt = self._fetch(f"block_{L - 1}"), bring(saved[L - 1])
@@ -296,7 +303,7 @@ class StreamedTrainer:
                 if not out.on_host:
                     self._copy_queue.append((name, out))
                 self._submit_update(name, out, scale)
-            self._issue_grad_copies(through=f"block_{self.GRAD_LOOKAHEAD - 1}")
+            self._issue_grad_copies(through=f"block_{self.GRAD_LOOKAHEAD - 1}", wait=False)
         return StepResult(loss, grad_norm, n_tokens)
 
     # ------------------------------------------------------------------------------ machinery
@@ -311,7 +318,8 @@ class StreamedTrainer:
         return self.clip_norm is not None or self.skip_nonfinite
 
     def _forward_order(self) -> list[str]:
-        return ["embed", "head"] + [f"block_{i}" for i in range(self.num_layers)]
+        """The order the next forward needs the groups in (deferred updates run in this order)."""
+        return ["embed"] + [f"block_{i}" for i in range(self.num_layers)] + ["head"]
 
     def _fetch(self, name: str) -> jax.Array:
         """Start the transfer of a group's streaming copy, once its pending update is done.
@@ -350,7 +358,7 @@ class StreamedTrainer:
         with self._copy_lock:
             self._copy_queue.append((name, out))
         self._submit_update(name, out, 1.0)  # first: its progress frees the slabs the copies below wait for
-        self._issue_grad_copies(through=name)  # before the next block's backward is dispatched: they overlap
+        self._issue_grad_copies(through=name, wait=False)  # before the next block's backward: they overlap
 
     def _grad_out(self, name: str, grad: Any) -> _GradOut:
         n = self.store[name].size
@@ -358,15 +366,22 @@ class StreamedTrainer:
         chunks = [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
         return _GradOut(grad, chunks, on_host=self._deferred and self.grad_hold == "pinned_host")
 
-    def _issue_grad_copies(self, through: str) -> None:
-        """Issue the queued gradient copies, chunk by chunk in forward order, up to group ``through``."""
+    def _issue_grad_copies(self, through: str, wait: bool = True) -> None:
+        """Issue the queued gradient copies, chunk by chunk in forward order, up to group ``through``.
+
+        ``wait=False`` (the sweeps, before dispatching compute): issue only as many chunks as there
+        are free slabs and leave the rest queued, so the accelerator's queue never runs dry while
+        the dispatching thread waits for the host optimizer; the next call, or the optimizer thread
+        itself, issues the rest. ``wait=True`` (about to wait for an update anyway): all of them.
+        """
         order = self._order_index
         limit = order.get(through, len(order))
         with self._copy_lock:
             while self._copy_queue and order[self._copy_queue[0][0]] <= limit:
                 name, out = self._copy_queue[0]
                 while out.issued < len(out.chunks):
-                    out.issue_next(self)
+                    if not out.issue_next(self, wait):
+                        return
                     self._trace("d2h", name, out.host[out.issued - 1])
                 self._copy_queue.pop(0)
 

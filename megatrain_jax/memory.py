@@ -36,9 +36,10 @@ GiB = 1 << 30
 # ---- stated constants (see the module docstring)
 HOST_MARGIN = (0.03, 1.0 * GiB)  # fraction of the limit + bytes kept free on the host
 GPU_MARGIN = (0.02, 0.5 * GiB)  # fraction of the budget + bytes kept free on the GPU
-RUNTIME_HOST_BYTES = {"gpu": 3.0 * GiB, "cpu": 1.0 * GiB}  # Python + JAX + CUDA context, measured
+RUNTIME_HOST_BYTES = {"gpu": 3.8 * GiB, "cpu": 1.0 * GiB}  # Python + JAX + CUDA libraries and context:
+#                                                            a tiny model's whole process on the H100: 4.0 GB
 GRAD_SLAB_ELEMS = 32 << 20  # gradient slab: 32M fp32 values (128 MiB) per pinned buffer
-GRAD_SLABS = 8  # pinned slabs in the pool: transfers of later slabs overlap updates of earlier ones
+GRAD_SLABS = 6  # pinned slabs in the pool: transfers of later slabs overlap updates of earlier ones
 # block recompute + VJP working set per token, bytes = coefficients x widths x dtype bytes / 2
 # (calibrated against XLA's memory analysis of the block VJP on an H100; see RESULTS.md)
 WS_PER_TOKEN = {"hidden": 26.0, "mlp": 8.0, "qkv": 4.0}
@@ -260,9 +261,10 @@ def _gpu_phases(s: _Shapes, *, M: int, stream_bytes: int, device_cast: bool, act
     """Bytes on the GPU at each phase of a step, and the rows that explain them."""
     tok_mb = s.B * s.S // M
     rows = []
-    resident = (s.embed + s.head) * stream_bytes + (s.embed + s.head) * (s.dt if device_cast else 0)
+    # the embedding and head always stream their fp32 master (hoststore.py) and are cast in each jit
+    resident = (s.embed + s.head) * 4 + (s.embed + s.head) * (s.dt if s.dt == 2 else 0)
     rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
-                    "+ their compute-dtype cast" if device_cast else ""))
+                    "fp32 + compute-dtype cast" if s.dt == 2 else "fp32"))
     inflight = 2 * s.block * stream_bytes + (s.block * s.dt if device_cast else 0)
     rows.append(Row("gpu", "two blocks in flight", inflight, "fp32 master, cast on the GPU" if device_cast else ""))
     act_layer = s.B * s.S * s.H * s.dt
@@ -282,7 +284,9 @@ def _gpu_phases(s: _Shapes, *, M: int, stream_bytes: int, device_cast: bool, act
     fixed = resident + inflight
     phases = {
         "forward start (all held gradients, no activations)": fixed + held + act_layer + ws / 2,
-        "loss (all activations, loss chunk)": fixed + acts + lws + s.head * 4 + act_layer,
+        # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
+        "loss (all activations, loss chunk)": fixed + acts + lws + s.head * 4 + s.embed * 4
+        + s.V * s.H * (4 + s.dt) + act_layer,
         "backward start (activations, accumulators)": fixed + acts + accum + s.head * 4 + ws
         + (s.head * (hold_bytes or 0) if deferred else 0),
         "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu else 0)
@@ -330,21 +334,24 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
         hold_order = ["gpu_fp32"] if t.grad_hold == "auto" else hold_order
         act_order = ["device"] if t.activations == "auto" else act_order
     budget_gpu = _usable(gpu_budget, GPU_MARGIN) if gpu_budget else None
-    host_extra_for = {"pinned_host": lambda: s.P * 4}
+    # preference: what costs nothing first (activations on the GPU, exact fp32 gradients), then more
+    # micro-batches (free while each keeps >= 2048 tokens: weights cross PCIe twice per step whatever
+    # their number), then bf16 holding, then pinned host memory for activations, then for gradients
+    prefs = [(a, h) for h in hold_order for a in act_order]
+    prefs.sort(key=lambda ah: (ah[1] == "pinned_host", ah[0] == "pinned_host", ah[1] == "gpu_bf16"))
     chosen = None
-    for k in cands:
-        for act in act_order:
-            for hold in hold_order:
-                phases, rows = _gpu_phases(s, M=k, stream_bytes=stream_bytes, device_cast=device_cast,
-                                           act_on_gpu=act == "device", hold_bytes=holds[hold],
-                                           loss_chunk=t.loss_chunk, deferred=deferred)
-                need = max(phases.values())
-                fits = budget_gpu is None or need <= budget_gpu
-                if fits or chosen is None:
-                    chosen = (k, act, hold, phases, rows, need)
-                if fits:
-                    break
-            if budget_gpu is None or chosen[5] <= budget_gpu:
+    for act, hold in prefs:
+        for k in cands:
+            if t.micro_batches == "auto" and k > 1 and s.B * s.S // k < 2048:
+                break
+            phases, rows = _gpu_phases(s, M=k, stream_bytes=stream_bytes, device_cast=device_cast,
+                                       act_on_gpu=act == "device", hold_bytes=holds[hold],
+                                       loss_chunk=t.loss_chunk, deferred=deferred)
+            need = max(phases.values())
+            if chosen is None:
+                chosen = (k, act, hold, phases, rows, need)  # reported if nothing fits
+            if budget_gpu is None or need <= budget_gpu:
+                chosen = (k, act, hold, phases, rows, need)
                 break
         if budget_gpu is None or chosen[5] <= budget_gpu:
             break
@@ -360,7 +367,8 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
         mom = MOMENT_BYTES[o.moments]
     rows.append(Row("host", f"optimizer state ({o.moments} moments)", mom * s.P))
     if bf16 and not device_cast:
-        rows.append(Row("host", "bf16 streaming copy", 2.0 * s.P, "train.stream_copy=device removes it"))
+        rows.append(Row("host", "bf16 streaming copy (blocks)", 2.0 * s.L * s.block,
+                        "train.stream_copy=device removes it"))
     chunked = o.kernel == "fused"
     slab = (min(GRAD_SLAB_ELEMS, s.largest_group) if chunked else s.largest_group) * 4
     slabs = GRAD_SLABS if chunked else 3
@@ -405,7 +413,7 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     attn = 12.0 * m.num_layers * m.num_heads * m.dim_per_head * cfg.data.seq_len
     hw_flops = tokens * (8 * m.non_embedding_params() + 8 * s.V * s.H + 4.0 / 6.0 * attn)
     rate = RATES["matmul_bf16" if bf16 else "matmul_fp32"] * n_dev
-    h2d_bytes = 2 * (s.P * stream_bytes)  # forward and backward sweeps
+    h2d_bytes = 2 * s.L * s.block * stream_bytes + 4 * (s.embed + s.head)  # blocks twice, embedding/head once
     opt_rate = RATES["adamw_elems"]["optax" if o.kernel == "optax" else o.moments] * min(machine.cpu_cores, 16) / 16
     step = {"compute_s": hw_flops / rate, "h2d_s": h2d_bytes / RATES["h2d"], "d2h_s": 4 * s.P / RATES["d2h"],
             "optimizer_s": s.P / opt_rate}

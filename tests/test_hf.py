@@ -162,8 +162,9 @@ def test_exports_load_in_transformers(hf_refs, torch_python, tmp_path):
 def test_round_trip_is_bit_exact(hf_refs, tmp_path, variant):
     src = hf_refs / variant / "hf"
     cfg, _, store = _import(src, bf16_stream=True)
-    for g in store:  # the bf16 streaming copy is made from the imported master
-        np.testing.assert_array_equal(g.stream_view(), g.master.astype(ml_dtypes.bfloat16))
+    for g in store:  # the bf16 streaming copy (blocks only) is made from the imported master
+        want = g.master.astype(ml_dtypes.bfloat16) if g.name.startswith("block_") else g.master
+        np.testing.assert_array_equal(g.stream_view(), want)
     out = tmp_path / "exported"
     export_hf(store, cfg, str(out), dtype="float32", max_shard_bytes=50_000, log=None)
     orig = load_file(str(src / "model.safetensors"))
