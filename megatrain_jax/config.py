@@ -120,6 +120,8 @@ class TrainConfig:
     #                            streams and is cast on the GPU (no host copy, twice the PCIe bytes)
     grad_hold: str = "auto"  # where gradients wait for the clipping norm: auto | gpu_fp32 | gpu_bf16 | pinned_host
     activations: str = "auto"  # boundary activations: auto | device | pinned_host
+    grad_slabs: int | str = "auto"  # pinned 128 MiB gradient slabs: auto (24 where the host has room, down to 6)
+    #                                 | N. More slabs keep the host optimizer fed (speed), fewer save host memory
     devices: int | str = "all"  # GPUs of this host to use: all | N
 
 
@@ -275,6 +277,10 @@ def validate(cfg: Config) -> None:
                                       or t.micro_batches <= 0):
         raise UserError("train.micro_batches", f"must be a positive integer or auto, got {t.micro_batches!r}",
                         "set it to a positive integer that divides train.batch_size, or auto")
+    if t.grad_slabs != "auto" and (isinstance(t.grad_slabs, bool) or not isinstance(t.grad_slabs, int)
+                                   or t.grad_slabs < 2):
+        raise UserError("train.grad_slabs", f"must be auto or an integer >= 2, got {t.grad_slabs!r}",
+                        "set train.grad_slabs=auto (or e.g. 6 to save host memory, 24 for speed)")
     if t.devices != "all" and (isinstance(t.devices, bool) or not isinstance(t.devices, int) or t.devices <= 0):
         raise UserError("train.devices", f"must be a positive integer or all, got {t.devices!r}",
                         "set train.devices=all or a number of GPUs")

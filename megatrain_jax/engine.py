@@ -251,8 +251,13 @@ class StreamedTrainer:
             if head_w is None and i >= L - 2 and self._update_done("head"):
                 head_w = self._fetch("head")  # in flight while the last blocks compute
             saved.append(keep(hs))  # block i's input: the boundary checkpoint
-            self._issue_grad_copies(through=f"block_{i + self.GRAD_LOOKAHEAD}", wait=False)
-            hs = [self._block_fwd(w, h, mb["aux"]) for h, mb in zip(hs, mbs)]
+            outs = []
+            for h, mb in zip(hs, mbs):
+                # before each micro-batch's compute: copies issued here overlap it, and the host
+                # optimizer gets slabs back to work on several times per block
+                self._issue_grad_copies(through=f"block_{i + self.GRAD_LOOKAHEAD}", wait=False)
+                outs.append(self._block_fwd(w, h, mb["aux"]))
+            hs = outs
             self._trace("compute", f"fwd {i}", hs[-1])
             if i + 1 < L and nxt is None:
                 # its host update is still running: rather than hold block i back behind it,

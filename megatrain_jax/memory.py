@@ -36,17 +36,22 @@ GiB = 1 << 30
 # ---- stated constants (see the module docstring)
 HOST_MARGIN = (0.03, 1.0 * GiB)  # fraction of the limit + bytes kept free on the host
 GPU_MARGIN = (0.02, 0.5 * GiB)  # fraction of the budget + bytes kept free on the GPU
+XLA_FRACTION = 0.95  # of the device's memory given to XLA's allocator (the rest: CUDA context, cuDNN workspaces)
+MICRO_TOKENS = 16384  # tokens per micro-batch that keep the matmuls efficient (16 x 4096 in 4 micro-batches)
 RUNTIME_HOST_BYTES = {"gpu": 3.8 * GiB, "cpu": 1.0 * GiB}  # Python + JAX + CUDA libraries and context:
 #                                                            a tiny model's whole process on the H100: 4.0 GB
 GRAD_SLAB_ELEMS = 32 << 20  # gradient slab: 32M fp32 values (128 MiB) per pinned buffer
-GRAD_SLABS = 6  # pinned slabs in the pool: transfers of later slabs overlap updates of earlier ones
+GRAD_SLABS = (6, 24)  # pinned slabs in the pool (fewest, most): transfers of later slabs overlap updates of
+# earlier ones, and the dispatching thread hands out free slabs only between compute dispatches, so a deeper
+# pool keeps the host optimizer fed: measured on the H100 (RESULTS.md), 6 -> 24 slabs took Llama-2-7B at
+# 16 x 4096 from 388 to 397 model-TFLOPS and Qwen2.5-7B at 128 x 1024 from 10,404 to 10,779 tokens/s
 # block recompute + VJP working set per token, bytes = coefficients x widths x dtype bytes / 2
 # (calibrated against XLA's memory analysis of the block VJP on an H100; see RESULTS.md)
 WS_PER_TOKEN = {"hidden": 26.0, "mlp": 8.0, "qkv": 4.0}
 LOSS_BYTES_PER_LOGIT = 10.0  # fp32 logits + fp32 softmax - onehot + bf16 copy of one chunk, fwd/bwd
 # floor rates for the predicted step (H100 measurements, DESIGN.md §1 and RESULTS.md)
 RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9,
-         "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 2.5e9, "optax": 1.0e9}}
+         "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 2.0e9, "optax": 1.0e9}}  # int8: 0.3 G/s on 2 cores, linear in cores
 MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
 
 
@@ -307,7 +312,7 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     on_gpu = machine.backend == "gpu"
     gpu_budget = None
     if on_gpu:
-        gpu_budget = machine.gpu_bytes
+        gpu_budget = machine.gpu_bytes * XLA_FRACTION  # what XLA's allocator is given (apply_gpu_settings)
         if t.gpu_memory_gb:
             gpu_budget = min(gpu_budget, t.gpu_memory_gb * GB)
     elif t.gpu_memory_gb:
@@ -323,7 +328,9 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
 
     # ---- decisions: micro-batches, activation placement, gradient holding
     if t.micro_batches == "auto":
-        cands = [k for k in range(1, s.B + 1) if s.B % k == 0]
+        # from the fewest micro-batches of at most MICRO_TOKENS tokens upward (fewer only costs memory)
+        divs = [k for k in range(1, s.B + 1) if s.B % k == 0]
+        cands = [k for k in divs if s.B * s.S // k <= MICRO_TOKENS] or divs[-1:]
     else:
         cands = [int(t.micro_batches) // n_dev if n_dev > 1 and int(t.micro_batches) % n_dev == 0
                  else int(t.micro_batches)]
@@ -334,46 +341,49 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
         hold_order = ["gpu_fp32"] if t.grad_hold == "auto" else hold_order
         act_order = ["device"] if t.activations == "auto" else act_order
     budget_gpu = _usable(gpu_budget, GPU_MARGIN) if gpu_budget else None
-    # preference: what costs nothing first (activations on the GPU, exact fp32 gradients), then more
-    # micro-batches (free while each keeps >= 2048 tokens: weights cross PCIe twice per step whatever
-    # their number), then bf16 holding, then pinned host memory for activations, then for gradients
+    # host bytes every option needs (the options add pinned activations or pinned gradients)
+    mom = 8.0 if o.kernel == "optax" else MOMENT_BYTES[o.moments]
+    host_base = s.P * (4.0 + mom) + (2.0 * s.L * s.block if (bf16 and not device_cast) else 0.0) \
+        + RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] + GRAD_SLABS[0] * GRAD_SLAB_ELEMS * 4
+    host_extra = {"act": float(s.L * s.B * s.S * s.H * s.dt * n_dev), "hold": 4.0 * s.P}
+    host_room = _usable(host_avail, HOST_MARGIN) - host_base
+    # preference: what costs nothing first (activations on the GPU, exact fp32 gradients), then bf16
+    # holding, then pinned host memory for activations, then for gradients; within each, the
+    # micro-batch count from the candidates above; an option must fit the GPU and the host
     prefs = [(a, h) for h in hold_order for a in act_order]
     prefs.sort(key=lambda ah: (ah[1] == "pinned_host", ah[0] == "pinned_host", ah[1] == "gpu_bf16"))
     chosen = None
     for act, hold in prefs:
+        extra = (host_extra["act"] if act == "pinned_host" else 0) + (host_extra["hold"] if hold == "pinned_host" else 0)
         for k in cands:
-            if t.micro_batches == "auto" and k > 1 and s.B * s.S // k < 2048:
-                break
             phases, rows = _gpu_phases(s, M=k, stream_bytes=stream_bytes, device_cast=device_cast,
                                        act_on_gpu=act == "device", hold_bytes=holds[hold],
                                        loss_chunk=t.loss_chunk, deferred=deferred)
             need = max(phases.values())
+            fits = (budget_gpu is None or need <= budget_gpu) and (extra == 0 or extra <= host_room)
             if chosen is None:
-                chosen = (k, act, hold, phases, rows, need)  # reported if nothing fits
-            if budget_gpu is None or need <= budget_gpu:
-                chosen = (k, act, hold, phases, rows, need)
+                chosen = (k, act, hold, phases, rows, need, False)  # reported if nothing fits
+            if fits:
+                chosen = (k, act, hold, phases, rows, need, True)
                 break
-        if budget_gpu is None or chosen[5] <= budget_gpu:
+        if chosen[6]:
             break
-    M, act, hold, phases, gpu_rows, gpu_need = chosen
+    M, act, hold, phases, gpu_rows, gpu_need, _ = chosen
 
     # ---- host rows
     rows: list[Row] = []
     rows.append(Row("host", "fp32 master weights", 4.0 * s.P))
     if o.kernel == "optax":
-        mom = 8.0
         notes.append("optim.kernel=optax: optimizer state estimated as Adam's 8 bytes/param")
-    else:
-        mom = MOMENT_BYTES[o.moments]
     rows.append(Row("host", f"optimizer state ({o.moments} moments)", mom * s.P))
     if bf16 and not device_cast:
         rows.append(Row("host", "bf16 streaming copy (blocks)", 2.0 * s.L * s.block,
                         "train.stream_copy=device removes it"))
     chunked = o.kernel == "fused"
     slab = (min(GRAD_SLAB_ELEMS, s.largest_group) if chunked else s.largest_group) * 4
-    slabs = GRAD_SLABS if chunked else 3
+    slab_row = Row("host", "gradient staging (pinned slabs)", 0.0)
     if on_gpu:
-        rows.append(Row("host", "gradient staging (pinned slabs)", slab * slabs, f"{slabs} x {slab / GiB:.2f} GiB"))
+        rows.append(slab_row)  # sized below, once the rest of the host plan is known
     if hold == "pinned_host":
         rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * s.P))
     if act == "pinned_host":
@@ -386,6 +396,15 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
                     RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] * (n_dev if on_gpu else 1)))
     if not on_gpu:
         rows.append(Row("host", "device buffers (the CPU backend's device memory is host memory)", gpu_need))
+    # slabs: as many as the host has room for (up to GRAD_SLABS[1]), never fewer than GRAD_SLABS[0]
+    if not chunked:
+        slabs = 3
+    elif t.grad_slabs != "auto":
+        slabs = int(t.grad_slabs)
+    else:
+        room = _usable(host_avail, HOST_MARGIN) - sum(r.bytes for r in rows)
+        slabs = int(max(GRAD_SLABS[0], min(GRAD_SLABS[1], room // slab))) if on_gpu else GRAD_SLABS[0]
+    slab_row.bytes, slab_row.note = float(slab * slabs), f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)"
     host_need = sum(r.bytes for r in rows)
 
     # ---- disk
@@ -425,7 +444,7 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
                  "grad_slabs": slabs, "pinned_pool_bytes": _pinned_need(rows),
                  "gpu_mem_fraction": None}
     if on_gpu and machine.gpu_bytes:
-        decisions["gpu_mem_fraction"] = round(min(0.95, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes), 4)
+        decisions["gpu_mem_fraction"] = round(min(XLA_FRACTION, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes), 4)
     return Plan(rows=rows + gpu_rows + disk_rows, decisions=decisions, host_need=host_need, host_limit=host_avail,
                 host_source=host_source, gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget,
                 gpu_phases=phases, disk_need=disk_need, disk_free=disk_free, step=step, params=s.P,

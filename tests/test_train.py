@@ -274,3 +274,22 @@ def test_export_of_a_training_run_matches_the_model(straight, tmp_path):
         for path, shape, offset, size in leaves:
             want_leaf = arrays[g]["master"][offset:offset + size].reshape(shape)
             assert np.array_equal(files[f"{g}.safetensors"][path], want_leaf)
+
+
+def test_int8_moments_kill_and_resume_is_bit_identical_and_other_modes_are_refused(env, tmp_path):
+    """Compact state is checkpointed as it is (codes and scales): a SIGKILLed int8 run resumes
+    bit-identical to an uninterrupted one; resuming it with float32 moments is refused (exit 2)."""
+    int8 = ["optim.moments=int8"]
+    straight8, killed = str(tmp_path / "straight8"), str(tmp_path / "killed8")
+    first = run_all([Run(env, straight8, extra=int8),
+                     Run(env, killed, extra=int8, debug={"MEGATRAIN_DEBUG_KILL_AFTER_STEP": "7"})])
+    _ok(first[0])
+    assert first[1].returncode == -signal.SIGKILL
+    _ok(_run(env, killed, resume=True, extra=int8))
+    _assert_matches_straight(straight8, killed)
+    a, _ = _final_arrays(straight8, 10)
+    assert a["block_0"]["opt/mu_q"].dtype == np.uint8 if "opt/mu_q" in a["block_0"] else any(
+        v.dtype == np.uint8 for v in a["block_0"].values())
+    wrong = _run(env, killed, resume=True, steps=12, extra=["optim.moments=float32"])
+    assert wrong.returncode == 2 and wrong.stderr.strip().count("\n") == 0, wrong.stderr
+    assert "optim" in wrong.stderr and "mu_q" in wrong.stderr

@@ -14,10 +14,10 @@ import optax
 from megatrain_jax.config import OptimConfig
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim.fused_adamw import set_num_threads
-from megatrain_jax.optim.host import (FusedAdamW, HostOptimizer, OptaxHostOptimizer, OptaxState,
+from megatrain_jax.optim.host import (CompactAdamW, FusedAdamW, HostOptimizer, OptaxHostOptimizer, OptaxState,
                                       alloc_aligned, global_norm_scale)
 
-__all__ = ["FusedAdamW", "HostOptimizer", "OptaxHostOptimizer", "OptaxState", "alloc_aligned",
+__all__ = ["CompactAdamW", "FusedAdamW", "HostOptimizer", "OptaxHostOptimizer", "OptaxState", "alloc_aligned",
            "build_host_optimizer", "build_reference_tx", "build_schedule", "global_norm_scale",
            "set_num_threads"]
 
@@ -104,7 +104,13 @@ def build_host_optimizer(optim_cfg: OptimConfig, total_steps: int) -> HostOptimi
         if o.name != "adamw":
             raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}",
                             "set optim.kernel=optax")
-        return FusedAdamW(lr, b1=o.b1, b2=o.b2, eps=o.eps, eps_root=0.0, weight_decay=o.weight_decay)
+        kw = dict(b1=o.b1, b2=o.b2, eps=o.eps, eps_root=0.0, weight_decay=o.weight_decay)
+        if o.moments != "float32":
+            return CompactAdamW(lr, o.moments, **kw)
+        return FusedAdamW(lr, **kw)
+    if o.moments != "float32":
+        raise UserError("optim.moments", f"{o.moments} moments are implemented by the fused kernel only",
+                        "set optim.kernel=fused (adamw), or optim.moments=float32")
     if o.kernel == "optax":
         return OptaxHostOptimizer(_optax_tx(o, lr))
     raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use fused or optax")

@@ -161,6 +161,10 @@ class FusedAdamW:
         """The state of elements ``lo:hi`` (views: updating them updates the group's state)."""
         return {k: v[lo:hi] for k, v in state.items()}
 
+    def bytes_per_param(self) -> float:
+        """Host bytes of optimizer state per parameter (the memory plan asks)."""
+        return 8.0
+
     def update(self, params, grad, state, count, grad_scale=1.0, bf16_out=None, unflatten=None) -> None:
         fused_adamw_step(params, grad, state["mu"], state["nu"], bf16_out, lr=self.lr_at(count),
                          b1=self.b1, b2=self.b2, eps=self.eps, eps_root=self.eps_root,
@@ -183,6 +187,82 @@ class FusedAdamW:
     def as_optax(self) -> optax.GradientTransformation:
         return optax.adamw(learning_rate=self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
                            eps_root=self.eps_root, weight_decay=self.weight_decay)
+
+
+class CompactAdamW(FusedAdamW):
+    """AdamW with compact moments (``compact_adamw.py``): ``moments="bfloat16"`` (bf16 bits, round to
+    nearest even; 4 bytes/param) or ``"int8"`` (blockwise 8-bit, 2048 values per block, one fp32
+    absmax per block and moment; about 2 bytes/param). Same arithmetic, schedule and bias
+    corrections as ``FusedAdamW``; the state keys name the mode, so a checkpoint of one mode is
+    refused by another (``state_from_arrays``)."""
+
+    def __init__(self, learning_rate, moments: str, **kwargs):
+        if moments not in ("bfloat16", "int8"):
+            raise ValueError(f"moments must be bfloat16 or int8, got {moments!r}")
+        super().__init__(learning_rate, **kwargs)
+        self.moments = moments
+        from megatrain_jax.optim import compact_adamw
+
+        self._ca = compact_adamw
+        self.chunk_align = compact_adamw.BLOCK if moments == "int8" else 1
+
+    def bytes_per_param(self) -> float:
+        return 4.0 if self.moments == "bfloat16" else 2.0 + 8.0 / self._ca.BLOCK
+
+    def _keys(self) -> dict[str, tuple[Any, bool]]:
+        """state key -> (dtype, per-block?)"""
+        if self.moments == "bfloat16":
+            return {"mu_bf16": (np.uint16, False), "nu_bf16": (np.uint16, False)}
+        return {"mu_q": (np.uint8, False), "mu_scale": (np.float32, True),
+                "nu_q": (np.uint8, False), "nu_scale": (np.float32, True)}
+
+    def init_state(self, params: np.ndarray, unflatten: Unflatten | None = None) -> dict[str, np.ndarray]:
+        n = params.shape[0]
+        nb = -(-n // self._ca.BLOCK)
+        return {k: alloc_aligned(nb if blk else n, dt) for k, (dt, blk) in self._keys().items()}
+
+    def state_slice(self, state: dict[str, np.ndarray], lo: int, hi: int) -> dict[str, np.ndarray]:
+        if self.moments == "bfloat16":
+            return {k: v[lo:hi] for k, v in state.items()}
+        b = self._ca.BLOCK
+        if lo % b:
+            raise ValueError(f"int8 state slices start on a {b}-value block boundary, got {lo}")
+        return {k: (v[lo // b:-(-hi // b)] if blk else v[lo:hi]) for k, v in state.items()
+                for blk in [self._keys()[k][1]]}
+
+    def update(self, params, grad, state, count, grad_scale=1.0, bf16_out=None, unflatten=None) -> None:
+        step = self._ca.adamw_int8_step if self.moments == "int8" else self._ca.adamw_bf16_step
+        step(params, grad, state, bf16_out, lr=self.lr_at(count), b1=self.b1, b2=self.b2, eps=self.eps,
+             eps_root=self.eps_root, weight_decay=self.weight_decay, count=count, grad_scale=grad_scale)
+
+    def state_to_arrays(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(state)
+
+    def state_from_arrays(self, arrays, params, unflatten=None) -> dict[str, np.ndarray]:
+        keys = self._keys()
+        if set(arrays) != set(keys):
+            raise ValueError(f"optimizer state keys {sorted(arrays)} are not {self.moments} moments "
+                             f"({sorted(keys)}): optim.moments differs from the checkpoint's")
+        state = self.init_state(params)
+        for k, dst in state.items():
+            a = np.asarray(arrays[k])
+            if a.shape != dst.shape or a.dtype != dst.dtype:
+                raise ValueError(f"optimizer state {k!r}: expected {dst.dtype} {dst.shape}, got {a.dtype} {a.shape}")
+            dst[:] = a
+        return state
+
+    def as_optax(self) -> optax.GradientTransformation:
+        """bf16: optax.adamw with ``mu_dtype=bfloat16`` (optax keeps nu in fp32, so it is close, not
+        equal). int8 has no optax equivalent: the reference trainer refuses it."""
+        if self.moments == "int8":
+            from megatrain_jax.errors import UserError
+
+            raise UserError("optim.moments", "int8 moments have no in-memory (optax) equivalent",
+                            "use train.engine=streamed, or optim.moments=float32/bfloat16 with the reference engine")
+        import jax.numpy as jnp
+
+        return optax.adamw(learning_rate=self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
+                           eps_root=self.eps_root, weight_decay=self.weight_decay, mu_dtype=jnp.bfloat16)
 
 
 def _check_keys(arrays: dict, expected: set[str]) -> None:

@@ -1,0 +1,119 @@
+"""The memory plan: sizes by component, decisions, and refusals (host, GPU, disk) before anything
+is allocated; the `plan` command and the train command's one-line refusal."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatrain_jax.config import load_config
+from megatrain_jax.errors import UserError
+from megatrain_jax.memory import GB, GiB, Machine, make_plan, plan_json, plan_table
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100 = Machine("gpu", 128 * GiB, 125 * GiB, "MemTotal", 81559 * 2 ** 20, "test", 1, "H100", 16, {})
+
+
+def _plan(config, *sets, machine=H100):
+    return make_plan(load_config(os.path.join(REPO, config), ["train.final_checkpoint=false", *sets]), machine)
+
+
+def test_store_rows_are_the_bytes_per_parameter_of_each_mode():
+    for sets, want in [((), 4 + 8), (("optim.moments=bfloat16", "train.stream_copy=device"), 4 + 4),
+                       (("optim.moments=int8", "train.stream_copy=device"), 4 + 2 + 8 / 2048)]:
+        p = _plan("configs/qwen2.5-7b.yaml", *sets)
+        store = sum(r.bytes for r in p.rows if r.what.startswith(("fp32 master", "optimizer state")))
+        assert abs(store / p.params - want) < 1e-6
+    full = _plan("configs/qwen2.5-7b.yaml")
+    copy = [r for r in full.rows if "bf16 streaming copy" in r.what][0]
+    assert copy.bytes == 2 * (full.params - 2 * 152064 * 3584 - 3584)  # blocks only: embedding and head stream fp32
+
+
+def test_defaults_fit_the_h100_machine_and_keep_everything_on_the_gpu():
+    for cfg, sets in [("configs/7b.yaml", ()), ("configs/7b.yaml", ("train.batch_size=32",)),
+                      ("configs/qwen2.5-7b.yaml", ())]:
+        p = _plan(cfg, *sets)
+        assert p.verdict() is None
+        assert p.decisions["activations"] == "device" and p.decisions["grad_hold"] == "gpu_fp32"
+        assert p.decisions["gpu_mem_fraction"] == 0.95 and p.gpu_need < p.gpu_budget
+
+
+def test_a_24gb_budget_reshapes_the_plan_to_fit():
+    free = _plan("configs/3b.yaml", "train.batch_size=16", "train.micro_batches=auto")
+    small = _plan("configs/3b.yaml", "train.batch_size=16", "train.micro_batches=auto", "train.gpu_memory_gb=24")
+    assert free.gpu_need > 24 * GB >= small.gpu_need and small.verdict() is None
+    assert (small.decisions["activations"], small.decisions["grad_hold"]) != ("device", "gpu_fp32")
+    assert small.decisions["gpu_mem_fraction"] == pytest.approx(24 * GB / H100.gpu_bytes, rel=1e-3)
+
+
+def test_auto_micro_batches_keep_micro_batches_near_16k_tokens():
+    p = _plan("configs/7b.yaml", "train.micro_batches=auto")
+    assert p.decisions["micro_batches"] == 4  # 16 x 4096 tokens
+
+
+@pytest.mark.parametrize("what,sets,machine,field", [
+    ("host", (), Machine("cpu", 24 * GiB, 22 * GiB, "MemTotal", None, "", 0, "", 2, {}), "host memory"),
+    ("gpu", ("data.seq_len=65536", "train.batch_size=8", "train.micro_batches=1", "train.grad_hold=gpu_fp32",
+             "train.activations=device"), H100, "GPU memory"),
+    ("disk", ("train.final_checkpoint=true",), Machine("gpu", 128 * GiB, 125 * GiB, "MemTotal", 81559 * 2 ** 20, "",
+                                                         1, "H100", 16, {"runs/7b": 60 * GB}), "disk"),
+])
+def test_refusals_name_the_component_the_bytes_and_the_fix(what, sets, machine, field):
+    err = _plan("configs/7b.yaml", *sets, machine=machine).verdict()
+    assert isinstance(err, UserError) and err.field == field
+    text = str(err)
+    assert "GB" in text and "fix:" in text and "\n" not in text
+
+
+def test_host_refusal_suggests_compact_state_and_the_override():
+    err = _plan("configs/7b.yaml", machine=Machine("cpu", 24 * GiB, 22 * GiB, "MemTotal", None, "", 0, "", 2, {})).verdict()
+    assert "optim.moments=int8" in err.fix and "train.stream_copy=device" in err.fix and "train.host_memory_gb" in err.fix
+
+
+def test_host_memory_override_is_used_and_named():
+    p = _plan("configs/7b.yaml", "train.host_memory_gb=400",
+              machine=Machine("gpu", 31 * GiB, 30 * GiB, "MemTotal", 150e9, "", 2, "H200", 32, {}))
+    assert p.verdict() is None and p.host_source == "train.host_memory_gb"
+
+
+def test_table_and_json():
+    p = _plan("configs/qwen2.5-7b.yaml")
+    table = plan_table(p)
+    for words in ("fp32 master weights", "gradients held for clipping", "predicted step", "bytes/param", "verdict: fits"):
+        assert words in table
+    d = json.loads(plan_json(p))
+    assert d["fits"] and d["decisions"]["micro_batches"] == 4 and d["step"]["binding"] == "compute_s"
+
+
+def _cli(*args, env=None):
+    e = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "megatrain_jax", *args], cwd=REPO, env=e, capture_output=True, text=True,
+                       timeout=120)
+    return r, time.time() - t0
+
+
+def test_train_7b_is_refused_on_this_machine_within_seconds(tmp_path):
+    out = tmp_path / "run"
+    r, secs = _cli("train", "configs/7b.yaml", "--set", f"train.out_dir={out}", "--set", "train.host_memory_gb=24")
+    assert r.returncode == 2 and secs < 10, (r.returncode, secs, r.stderr)
+    assert r.stderr.startswith("error: host memory:") and r.stderr.strip().count("\n") == 0
+    assert not out.exists()
+
+
+def test_train_refuses_a_gpu_plan_that_cannot_fit(tmp_path):
+    out = tmp_path / "run"
+    r, _ = _cli("train", "configs/7b.yaml", "--set", f"train.out_dir={out}", "--set", "train.host_memory_gb=2000",
+                "--set", "train.final_checkpoint=false", "--set", "train.micro_batches=1", "--set", "data.seq_len=65536",
+                env={"MEGATRAIN_GPU_MEMORY_GB": "24"})
+    assert r.returncode == 2 and r.stderr.startswith("error: GPU memory:"), r.stderr
+    assert not out.exists()
+
+
+def test_plan_command_prints_the_table_and_json():
+    r, _ = _cli("plan", "configs/7b.yaml", "--set", "train.host_memory_gb=2000", "--set", "train.final_checkpoint=false")
+    assert r.returncode == 0 and "memory plan" in r.stdout and "verdict: fits" in r.stdout
+    r, _ = _cli("plan", "configs/7b.yaml", "--json", "--set", "train.host_memory_gb=10")
+    assert r.returncode == 2 and json.loads(r.stdout)["fits"] is False and "host memory" in r.stderr
