@@ -23,5 +23,5 @@ if [ ! -x .venv/bin/python ]; then
   $PY -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -e ".[test,plot]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[test,plot]" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import megatrain_jax, jax, flax, optax, numba; print('environment ready: jax', jax.__version__)"
