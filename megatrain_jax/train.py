@@ -241,6 +241,34 @@ def _resume_checks(cfg: Config, dataset, state: dict, log: Log) -> None:
         np.random.set_state((rng[0], np.asarray(rng[1], np.uint32), *rng[2:]))
 
 
+def _background_failure(e: BaseException, out_dir: str, step: int) -> UserError:
+    """A failure from inside the step or a background thread as the one-line error; the full
+    traceback goes to ``out_dir/error.log``. Committed checkpoints are untouched (a save in flight
+    stays a ``.tmp`` directory, which resume ignores)."""
+    import errno
+    import traceback
+
+    path = os.path.join(out_dir, "error.log")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"--- after step {step}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.write("".join(traceback.format_exception(e)))
+    except OSError:
+        path = "(could not be written)"
+    msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return UserError("disk", f"writing failed after step {step}: {msg}; full traceback in {path}",
+                         "free space in train.out_dir, lower train.keep_last, or set train.ckpt_every=0 and "
+                         "train.final_checkpoint=false; committed checkpoints are intact (--resume)")
+    if "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg:
+        return UserError("GPU memory", f"the device ran out of memory after step {step}: {msg}; full traceback "
+                         f"in {path}", "lower train.gpu_memory_gb or the tokens per micro-batch "
+                         "(train.micro_batches), and report the plan (megatrain-jax plan) with this log")
+    return UserError("train", f"failed after step {step}: {msg}; full traceback in {path}",
+                     "read the log; committed checkpoints are intact, continue with --resume")
+
+
 def _rng_state(cfg: Config) -> dict:
     import jax
 
@@ -403,14 +431,23 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
     except KeyboardInterrupt:
         aborted = True  # a second signal: do not wait for a save in flight (its .tmp is ignored later)
         raise
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a background failure (optimizer thread, checkpoint writer, device)
+        aborted = True
+        raise _background_failure(e, t.out_dir, step_done) from None
     finally:
         stop.restore()
         try:
             if saver is not None:
                 saver.abandon() if aborted else saver.close()
         finally:
-            if hasattr(trainer, "close"):
-                trainer.close()
+            try:
+                if hasattr(trainer, "close"):
+                    trainer.close()
+            except Exception:  # noqa: BLE001 - after a failure, the pending updates fail the same way
+                if not aborted:
+                    raise
             metrics.close()
     if t.export and streamed and stopped_by is None:
         from megatrain_jax.hf import export_hf

@@ -293,3 +293,22 @@ def test_int8_moments_kill_and_resume_is_bit_identical_and_other_modes_are_refus
     wrong = _run(env, killed, resume=True, steps=12, extra=["optim.moments=float32"])
     assert wrong.returncode == 2 and wrong.stderr.strip().count("\n") == 0, wrong.stderr
     assert "optim" in wrong.stderr and "mu_q" in wrong.stderr
+
+
+def test_background_failure_is_one_line_with_the_traceback_in_a_log(tmp_path, monkeypatch, capsys):
+    """An exception on the host optimizer thread reaches the user as the one-line error (exit 2);
+    the full traceback is in train.out_dir/error.log."""
+    from megatrain_jax.cli import main as cli_main
+    from megatrain_jax.optim.host import FusedAdamW
+
+    def boom(self, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FusedAdamW, "update", boom)
+    out = tmp_path / "run"
+    rc = cli_main(["train", os.path.join(REPO, "configs/tiny.yaml"), *[x for s in SMALL + [
+        f"train.out_dir={out}", "train.steps=3", "train.final_checkpoint=false"] for x in ("--set", s)]])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and err.startswith("error: disk:"), err
+    log = (out / "error.log").read_text()
+    assert "Traceback" in log and "No space left on device" in log
