@@ -307,6 +307,25 @@ def validate(cfg: Config) -> None:
         raise UserError("optim.name", f"{o.name!r} is not an optimizer", "use adamw, sgd or optax (with optim.optax_name)")
     if o.kernel == "fused" and o.name != "adamw":
         raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}", "set optim.kernel=optax")
+    import math
+
+    def _num(name, v, ok, rule):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v)):
+            raise UserError(name, f"must be {rule}, got {v!r}", f"set {name} to a finite number {rule}")
+
+    for name, v, ok, rule in [
+        ("optim.lr", o.lr, lambda x: x > 0, "> 0"), ("optim.b1", o.b1, lambda x: 0 <= x < 1, "in [0, 1)"),
+        ("optim.b2", o.b2, lambda x: 0 <= x < 1, "in [0, 1)"), ("optim.eps", o.eps, lambda x: x > 0, "> 0"),
+        ("optim.weight_decay", o.weight_decay, lambda x: x >= 0, ">= 0"),
+        ("optim.clip_norm", o.clip_norm, lambda x: x > 0, "> 0 (or null)"),
+        ("optim.schedule.warmup_steps", o.schedule.warmup_steps, lambda x: x >= 0, ">= 0"),
+        ("optim.schedule.decay_steps", o.schedule.decay_steps, lambda x: x >= 0, ">= 0"),
+        ("optim.schedule.end_lr_ratio", o.schedule.end_lr_ratio, lambda x: 0 <= x <= 1, "in [0, 1]"),
+        ("model.init_std", m.init_std, lambda x: x > 0, "> 0"), ("model.rope_theta", m.rope_theta, lambda x: x > 0, "> 0"),
+        ("model.rms_norm_eps", m.rms_norm_eps, lambda x: x > 0, "> 0"),
+        ("train.log_every", t.log_every, lambda x: x >= 1, ">= 1"),
+    ]:
+        _num(name, v, ok, rule)
     if o.clip_norm is not None and o.clip_norm <= 0:
         raise UserError("optim.clip_norm", "must be positive", "set a positive norm, or null to disable clipping")
     if o.schedule.kind not in ("constant", "cosine", "warmup_cosine", "linear"):

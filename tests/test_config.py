@@ -297,3 +297,19 @@ def test_loading_writes_nothing(tmp_path, monkeypatch):
     with pytest.raises(UserError):
         load_config(TINY, [f"train.out_dir={tmp_path}/run2", "model.num_heads=3"])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override,field", [
+    ("optim.lr=-1", "optim.lr"), ("optim.lr=0", "optim.lr"), ("optim.lr=.nan", "optim.lr"),
+    ("optim.b1=1.0", "optim.b1"), ("optim.b2=-0.1", "optim.b2"), ("optim.eps=0", "optim.eps"),
+    ("optim.weight_decay=-0.01", "optim.weight_decay"), ("optim.clip_norm=.inf", "optim.clip_norm"),
+    ("optim.schedule.end_lr_ratio=2", "optim.schedule.end_lr_ratio"), ("model.rms_norm_eps=0", "model.rms_norm_eps"),
+    ("train.log_every=0", "train.log_every"), ("train.grad_slabs=1", "train.grad_slabs"),
+    ("train.gpu_memory_gb=-4", "train.gpu_memory_gb"), ("train.micro_batches=zero", "train.micro_batches"),
+])
+def test_numeric_fields_are_validated(override, field):
+    from megatrain_jax.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        load_config(TINY, [override])
+    assert e.value.field == field and "\n" not in str(e.value)
