@@ -6,6 +6,7 @@ anything is allocated or written, and every failure is a ``UserError`` naming th
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,6 +261,9 @@ def validate(cfg: Config) -> None:
     if m.head_dim is None and m.hidden_size % m.num_heads:
         raise UserError("model.num_heads", f"{m.num_heads} heads do not divide hidden_size {m.hidden_size}",
                         "choose num_heads that divides model.hidden_size (or set model.head_dim)")
+    if m.head_dim is not None and m.head_dim <= 0:  # 0 would silently mean hidden_size // num_heads
+        raise UserError("model.head_dim", f"must be positive, got {m.head_dim}",
+                        "set a positive even head dimension, or null for hidden_size // num_heads")
     if m.num_kv_heads is not None and m.num_kv_heads <= 0:  # 0 would silently mean "no GQA" (kv_heads uses `or`)
         raise UserError("model.num_kv_heads", f"must be positive, got {m.num_kv_heads}",
                         "choose num_kv_heads that divides model.num_heads (or null for num_kv_heads = num_heads)")
@@ -307,8 +311,6 @@ def validate(cfg: Config) -> None:
         raise UserError("optim.name", f"{o.name!r} is not an optimizer", "use adamw, sgd or optax (with optim.optax_name)")
     if o.kernel == "fused" and o.name != "adamw":
         raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}", "set optim.kernel=optax")
-    import math
-
     def _num(name, v, ok, rule):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v)):
             raise UserError(name, f"must be {rule}, got {v!r}", f"set {name} to a finite number {rule}")
@@ -324,10 +326,23 @@ def validate(cfg: Config) -> None:
         ("model.init_std", m.init_std, lambda x: x > 0, "> 0"), ("model.rope_theta", m.rope_theta, lambda x: x > 0, "> 0"),
         ("model.rms_norm_eps", m.rms_norm_eps, lambda x: x > 0, "> 0"),
         ("train.log_every", t.log_every, lambda x: x >= 1, ">= 1"),
+        ("train.ckpt_every", t.ckpt_every, lambda x: x >= 0, ">= 0 (0: only at the end)"),
+        ("train.keep_last", t.keep_last, lambda x: x >= 0, ">= 0 (0: keep all)"),
+        ("train.keep_every", t.keep_every, lambda x: x >= 0, ">= 0 (0: none extra)"),
+        ("train.max_bad_steps", t.max_bad_steps, lambda x: x >= 1, ">= 1"),
+        ("train.host_memory_gb", t.host_memory_gb, lambda x: x > 0, "> 0 (or null)"),
+        ("train.gpu_memory_gb", t.gpu_memory_gb, lambda x: x > 0, "> 0 (or null)"),
     ]:
         _num(name, v, ok, rule)
-    if o.clip_norm is not None and o.clip_norm <= 0:
-        raise UserError("optim.clip_norm", "must be positive", "set a positive norm, or null to disable clipping")
+    if m.rope_scaling is not None:  # llama3 frequency scaling (models/llama.py divides by factor and by high - low)
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            _num(f"model.rope_scaling.{key}", m.rope_scaling.get(key, "missing"), lambda x: x > 0, "> 0")
+        if not m.rope_scaling["high_freq_factor"] > m.rope_scaling["low_freq_factor"]:
+            raise UserError("model.rope_scaling.high_freq_factor",
+                            f"must be > low_freq_factor {m.rope_scaling['low_freq_factor']}, "
+                            f"got {m.rope_scaling['high_freq_factor']}", "use e.g. low_freq_factor: 1, high_freq_factor: 4")
+    if t.export_dtype not in ("bfloat16", "float32", "float16"):  # checked here, not after the whole run
+        raise UserError("train.export_dtype", f"{t.export_dtype!r} is not an export dtype", "use bfloat16 or float32")
     if o.schedule.kind not in ("constant", "cosine", "warmup_cosine", "linear"):
         raise UserError("optim.schedule.kind", f"{o.schedule.kind!r} is not a schedule",
                         "use constant, cosine, warmup_cosine or linear")

@@ -26,6 +26,7 @@ from typing import IO, Any, Iterator, NamedTuple
 
 import numpy as np
 
+from megatrain_jax import chat
 from megatrain_jax.errors import UserError
 
 FORMAT_NAME = "megatrain-jax-packed"
@@ -66,6 +67,18 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+    def encode_with_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
+        """Ids and the character span of each (byte) token: a character's bytes all map to it."""
+        out = []
+        for t in texts:
+            ids = self.encode(t)
+            if t.isascii():
+                chars = np.arange(len(t), dtype=np.int64)
+            else:
+                chars = np.repeat(np.arange(len(t), dtype=np.int64), [len(c.encode("utf-8")) for c in t])
+            out.append((ids, np.stack([chars, chars + 1], axis=1)))
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "byte", "vocab_size": 256, "eos_id": None}
@@ -125,6 +138,11 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encs = self._tok.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encs]
+
+    def encode_with_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
+        """Ids and each token's character span (the tokenizers library's offsets), batched in parallel."""
+        encs = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [(np.asarray(e.ids, dtype=np.uint32), e.offsets) for e in encs]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -189,9 +207,13 @@ class _Progress:
         if self.quiet or now - self.last < self.every:
             return
         self.last = now
-        rate = self.bytes / max(now - self.t0, 1e-9) / 1e6
-        print(f"prepare: file {file_i}/{n_files}, {min(100.0, 100.0 * self.bytes / self.total):.0f}% of input, "
-              f"{writer.n_docs:,} docs, {writer.n_tokens:,} tokens, {rate:.1f} MB/s", file=sys.stderr, flush=True)
+        secs = max(now - self.t0, 1e-9)
+        frac = min(1.0, self.bytes / self.total)
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        eta = secs * (1 - frac) / max(frac, 1e-9)
+        print(f"prepare: [{bar}] {100 * frac:3.0f}% file {file_i}/{n_files}, {writer.n_docs:,} docs, "
+              f"{writer.n_tokens:,} tokens, {self.bytes / secs / 1e6:.1f} MB/s, {writer.n_tokens / secs:,.0f} tokens/s, "
+              f"eta {eta:.0f}s", file=sys.stderr, flush=True)
 
 
 class _PackedWriter:
@@ -391,7 +413,8 @@ def _prepare_text(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, nf
     w.end_doc()
 
 
-def _parse_record(line: bytes, where: str) -> tuple[str, str] | tuple[str, str, str]:
+def _parse_record(line: bytes, where: str, chat_format: str = "auto") -> tuple:
+    """One JSONL line -> ("text", t) | ("pair", prompt, response) | ("chat", messages)."""
     try:
         obj = json.loads(line)
     except ValueError as e:
@@ -400,6 +423,9 @@ def _parse_record(line: bytes, where: str) -> tuple[str, str] | tuple[str, str, 
     if not isinstance(obj, dict):
         raise UserError(where, f"is a JSON {type(obj).__name__}, not an object",
                         "write one JSON object per line, e.g. {\"text\": \"...\"}")
+    fmt = chat.detect_format(obj) if chat_format == "auto" else (None if chat_format == "none" else chat_format)
+    if fmt is not None:
+        return ("chat", chat.to_messages(obj, fmt, where))
     if "prompt" in obj or "response" in obj:
         p, r = obj.get("prompt"), obj.get("response")
         if not isinstance(p, str) or not isinstance(r, str):
@@ -408,18 +434,51 @@ def _parse_record(line: bytes, where: str) -> tuple[str, str] | tuple[str, str, 
         return ("pair", p, r)
     t = obj.get("text")
     if not isinstance(t, str):
-        raise UserError(where, "has no string 'text' field (nor 'prompt'/'response')",
-                        "give each line a 'text' field, or 'prompt' and 'response' fields")
+        raise UserError(where, "is in no known format (no 'text', 'prompt'/'response', 'messages', 'conversations' "
+                        "or 'instruction'/'output')", "give each line a 'text' field, a conversation, or "
+                        "'prompt' and 'response' fields")
     return ("text", t)
 
 
-def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, nf: int) -> None:
-    """One document per line: ``text``, or ``prompt`` + ``response`` with the prompt masked out of the loss."""
+class _Report:
+    """What prepare did: examples read, written, dropped or skipped (and why), tokens."""
+
+    def __init__(self):
+        self.read = self.written = self.chat = 0
+        self.dropped: dict[str, int] = {}
+        self.bad_lines: list[str] = []
+        self.n_bad = 0
+
+    def drop(self, why: str) -> None:
+        self.dropped[why] = self.dropped.get(why, 0) + 1
+
+
+def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, nf: int,
+                   template: "chat.ChatTemplate | None" = None, chat_format: str = "auto",
+                   on_error: str = "stop", report: "_Report | None" = None) -> None:
+    """One document per line: ``text``; ``prompt`` + ``response`` with the prompt masked out of the loss;
+    or a conversation rendered with ``template``, the loss on its assistant turns only."""
+    report = report or _Report()
 
     def emit(records: list) -> None:
-        texts = [s for r in records for s in r[1:]]
-        encoded = iter(tok.encode_batch(texts))
+        texts = [s for r in records if r[0] != "chat" for s in r[1:]]
+        encoded = iter(tok.encode_batch(texts)) if texts else iter(())
+        rendered = [template.render_with_spans(r[1]) for r in records if r[0] == "chat"]
+        with_offsets = iter(tok.encode_with_offsets([t for t, _ in rendered])) if rendered else iter(())
+        spans = iter([sp for _, sp in rendered])
         for r in records:
+            if r[0] == "chat":
+                ids, offs = next(with_offsets)
+                mask = chat.token_mask(offs, next(spans))
+                if not mask.any():
+                    report.drop("no assistant tokens (nothing to learn)")
+                    continue
+                w.start_doc()
+                w.append(ids, mask)
+                w.end_doc()
+                report.written += 1
+                report.chat += 1
+                continue
             w.start_doc()
             if r[0] == "text":
                 w.append(next(encoded))
@@ -428,6 +487,7 @@ def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, n
                 w.append(p, np.zeros(len(p), np.uint8))
                 w.append(resp)
             w.end_doc()
+            report.written += 1
 
     records, nbytes = [], 0
     with _open_binary(path) as f:
@@ -435,7 +495,21 @@ def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, n
             nbytes += len(line)
             if not line.strip():
                 continue
-            records.append(_parse_record(line, f"{path}:{lineno}"))
+            report.read += 1
+            try:
+                rec = _parse_record(line, f"{path}:{lineno}", chat_format)
+                if rec[0] == "chat" and template is None:
+                    raise UserError("--chat-template", f"{path}:{lineno} is a conversation but no chat template "
+                                    "was found", "pass --chat-template MODEL_DIR (with tokenizer_config.json or "
+                                    "chat_template.jinja), or --chat-template chatml")
+            except UserError as e:
+                if on_error == "stop" or e.field == "--chat-template":
+                    raise
+                report.n_bad += 1
+                if len(report.bad_lines) < 20:
+                    report.bad_lines.append(str(e))
+                continue
+            records.append(rec)
             if len(records) >= 1024:
                 emit(records)
                 prog.update(nbytes, w, fi, nf)
@@ -445,14 +519,24 @@ def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, n
 
 
 def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "auto",
-            quiet: bool = False) -> dict[str, Any]:
+            quiet: bool = False, chat_format: str = "auto", chat_template: str | None = None,
+            on_error: str = "stop") -> dict[str, Any]:
     """Tokenize ``inputs`` into the packed data set ``out`` (a prefix); returns the index written.
 
     Text files: each whole file is one document. JSONL (``.jsonl``/``.ndjson``/``.json``, or ``fmt='jsonl'``):
     one JSON object per line with ``text``, or ``prompt`` and ``response`` (the prompt's tokens get loss
     mask 0; the two are encoded separately and concatenated, nothing in between). ``.gz`` inputs are read
     compressed. Everything is streamed; nothing appears under ``out`` unless the whole run succeeds.
+
+    Conversations (``messages``, ShareGPT ``conversations``, Alpaca ``instruction``/``output``; detected per
+    record or forced by ``chat_format``) are rendered with ``chat_template`` (a model/tokenizer folder, or
+    ``chatml``; default: the tokenizer's folder) and only assistant tokens count in the loss (``chat.py``).
+    ``on_error``: ``stop`` at the first bad line (one line naming file:line), or ``skip`` it and count it.
     """
+    if chat_format not in ("auto", "none") + chat.FORMATS:
+        raise UserError("--chat-format", f"{chat_format!r} is not a format", "use auto, none, messages, sharegpt or alpaca")
+    if on_error not in ("stop", "skip"):
+        raise UserError("--on-error", f"{on_error!r} is not a policy", "use stop or skip")
     if fmt not in ("auto", "text", "jsonl"):
         raise UserError("--format", f"{fmt!r} is not a format", "use auto, text or jsonl")
     if not inputs:
@@ -464,6 +548,18 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
             out = out[: -len(suffix)]
     files = _expand_inputs(inputs)
     tok = load_tokenizer(tokenizer, "--tokenizer")
+    if chat_template == "chatml":
+        template = chat.ChatTemplate(chat.CHATML_TEMPLATE)
+    elif chat_template:
+        if not os.path.exists(chat_template):
+            raise UserError("--chat-template", f"{chat_template!r} does not exist", "pass a model folder or chatml")
+        template = chat.ChatTemplate.from_folder(chat_template)
+        if template is None:
+            raise UserError("--chat-template", f"{chat_template} has no chat_template.jinja nor a chat_template in "
+                            "tokenizer_config.json", "pass the model's folder, or chatml")
+    else:
+        template = chat.ChatTemplate.from_folder(getattr(tok, "path", None))
+    report = _Report()
     dtype = dtype_for_vocab(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(out))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -486,7 +582,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
         for i, p in enumerate(files, 1):
             try:
                 if _detect_format(p, fmt) == "jsonl":
-                    _prepare_jsonl(p, tok, w, prog, i, len(files))
+                    _prepare_jsonl(p, tok, w, prog, i, len(files), template, chat_format, on_error, report)
                 else:
                     _prepare_text(p, tok, w, prog, i, len(files))
             except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
@@ -494,15 +590,24 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
                                 "check that the input is readable and the output directory has space") from None
         if w.n_tokens < 2:
             raise UserError("INPUTS", f"the inputs hold {w.n_tokens} tokens", "pass non-empty text or JSONL files")
+        summary = {"examples_read": report.read, "examples_written": report.written, "conversations": report.chat,
+                   "dropped": report.dropped, "bad_lines_skipped": report.n_bad, "bad_lines_first": report.bad_lines}
         index = w.commit({"vocab_size": tok.vocab_size, "tokenizer": tok.describe(),
-                          "sources": [os.path.abspath(p) for p in files]})
+                          "sources": [os.path.abspath(p) for p in files], "report": summary})
     except BaseException:
         w.abort()
         raise
     if not quiet:
         masked = f", {index['mask']['n_masked']:,} masked" if index["mask"] else ""
+        secs = time.time() - prog.t0
         print(f"prepare: wrote {out} ({index['n_docs']:,} docs, {index['n_tokens']:,} {index['dtype']} tokens{masked}, "
-              f"{time.time() - prog.t0:.1f}s)", flush=True)
+              f"{secs:.1f}s, {index['n_tokens'] / max(secs, 1e-9):,.0f} tokens/s)", flush=True)
+        if report.read:
+            drops = ", ".join(f"{n:,} {why}" for why, n in report.dropped.items()) or "none"
+            print(f"prepare: {report.read:,} examples read, {report.written:,} written ({report.chat:,} conversations); "
+                  f"dropped: {drops}; bad lines skipped: {report.n_bad:,}", flush=True)
+            for line in report.bad_lines[:5]:
+                print(f"prepare: skipped {line}", flush=True)
     return index
 
 
@@ -522,8 +627,15 @@ def prepare_main(argv: list[str]) -> int:
     ap.add_argument("--format", default="auto", choices=("auto", "text", "jsonl"),
                     help="auto: .jsonl/.ndjson/.json are JSONL, everything else is text")
     ap.add_argument("--quiet", action="store_true", help="no progress or summary output")
+    ap.add_argument("--chat-format", default="auto", choices=("auto", "none") + chat.FORMATS,
+                    help="conversation records: detected per line (auto), or all of one format")
+    ap.add_argument("--chat-template", default=None, metavar="DIR|chatml",
+                    help="the model folder whose chat template renders conversations (default: the tokenizer's)")
+    ap.add_argument("--on-error", default="stop", choices=("stop", "skip"),
+                    help="a malformed line stops the run (default) or is skipped and counted")
     args = ap.parse_args(argv)
-    prepare(args.inputs, args.out, args.tokenizer, args.format, args.quiet)
+    prepare(args.inputs, args.out, args.tokenizer, args.format, args.quiet, args.chat_format, args.chat_template,
+            args.on_error)
     return 0
 
 

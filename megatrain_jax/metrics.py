@@ -24,15 +24,37 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line; flushed every record so a crash loses nothing."""
+    """Appends one JSON object per line (flushed every record so a crash loses nothing) and, when
+    ``tensorboard`` is on and ``tensorboardX`` is installed, the same scalars as TensorBoard event
+    files in ``<dir>/tensorboard`` (``tensorboard --logdir <train.out_dir>/tensorboard``)."""
 
-    def __init__(self, path: str):
+    SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "model_tflops", "model_tflops_with_attention",
+               "step_time_s", "host_rss_gb", "host_peak_rss_gb", "gpu_peak_gb", "gpu_in_use_gb")
+
+    def __init__(self, path: str, tensorboard: bool = True, log=None):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self._f: TextIO = open(path, "a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                if log is not None:
+                    log("metrics: tensorboardX is not installed; TensorBoard event files are not written "
+                        "(pip install tensorboardX); metrics.jsonl has every figure")
+            else:
+                self._tb = SummaryWriter(os.path.join(os.path.dirname(path) or ".", "tensorboard"), flush_secs=10)
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
+        if self._tb is not None and "step" in record:
+            for k in self.SCALARS:
+                v = record.get(k)
+                if isinstance(v, (int, float)) and v == v:
+                    self._tb.add_scalar(f"train/{k}", v, int(record["step"]))
 
     def close(self) -> None:
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -326,7 +326,7 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
         old = f"{metrics_path}.old-{int(time.time())}"
         os.replace(metrics_path, old)
         log(f"metrics: a fresh run; the previous {metrics_path} was moved to {old}")
-    metrics = MetricsWriter(metrics_path)
+    metrics = MetricsWriter(metrics_path, log=log)
     tokens_per_step = t.batch_size * d.seq_len
     fpt = model_flops_per_token(cfg.model)
     fpt_attn = fpt + attention_flops_per_token(cfg.model, d.seq_len)

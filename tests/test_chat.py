@@ -1,0 +1,178 @@
+"""Chat data: formats, the model's own template, assistant-only masks equal to transformers'
+``apply_chat_template(..., return_assistant_tokens_mask=True)``, line-numbered errors, and the whole
+path prepare -> train on a chat data set."""
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatrain_jax import chat
+from megatrain_jax.cli import main as cli_main
+from megatrain_jax.data import HFTokenizer, load_dataset, prepare
+from megatrain_jax.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = ROOT / "tests" / "fixtures" / "chat"
+SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>",
+            "<|im_end|>", "<|endoftext|>"]
+
+
+@pytest.fixture(scope="module")
+def tok_dirs(tmp_path_factory):
+    """A small byte-level BPE tokenizer the test builds (trained on the shipped text), in two model folders
+    with a Llama-3-style and a ChatML/Qwen-style chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    text = (ROOT / "data" / "tinyshakespeare.txt").read_text()[:200_000]
+    tk.train_from_iterator([text], trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    dirs = {}
+    for style in ("llama3", "chatml"):
+        d = tmp_path_factory.mktemp(style)
+        tk.save(str(d / "tokenizer.json"))
+        shutil.copy(FIX / f"{style}_tokenizer_config.json", d / "tokenizer_config.json")
+        dirs[style] = d
+    return dirs
+
+
+def _convs():
+    return [json.loads(x)["messages"] for x in (FIX / "conversations.jsonl").read_text().splitlines()]
+
+
+def _ours(d, msgs):
+    tpl = chat.ChatTemplate.from_folder(str(d))
+    text, spans = tpl.render_with_spans(msgs)
+    (ids, offs), = HFTokenizer(str(d)).encode_with_offsets([text])
+    return text, ids, chat.token_mask(offs, spans)
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml"])
+def test_ids_and_masks_equal_transformers(tok_dirs, style, tmp_path):
+    from tests.test_hf import TORCH_VENV  # the reference environment the HF parity tests use
+
+    torch_py = TORCH_VENV / "bin" / "python"
+    if not (TORCH_VENV / ".ready").exists():
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "setup_torch_ref.sh")], capture_output=True, text=True,
+                           timeout=1200, stdin=subprocess.DEVNULL)
+        if r.returncode in (3, 4):
+            pytest.skip(f"no transformers reference environment: {r.stderr.strip()}")
+        assert r.returncode == 0, r.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JAX", "XLA", "VIRTUAL_ENV"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    out = tmp_path / "ref.json"
+    r = subprocess.run([str(torch_py), str(ROOT / "tests" / "chat_reference.py"), str(tok_dirs[style]),
+                        str(FIX / "conversations.jsonl"), str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    refs = json.loads(out.read_text())
+    for msgs, ref in zip(_convs(), refs, strict=True):
+        text, ids, mask = _ours(tok_dirs[style], msgs)
+        assert text == ref["text"]
+        assert ids.tolist() == ref["input_ids"]
+        assert mask.tolist() == ref["assistant_masks"]
+        assert 0 < mask.sum() < len(mask)  # assistant turns only
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml"])
+def test_prefix_rendering_finds_the_same_assistant_tokens_without_markers(tok_dirs, style, tmp_path):
+    """Without {% generation %} markers the spans come from rendering prefixes: the same tokens, plus
+    the text the template puts after an assistant turn's end-of-turn token (a newline in ChatML)."""
+    cfg = json.loads((tok_dirs[style] / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = cfg["chat_template"].replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    d = tmp_path / "nomarkers"
+    d.mkdir()
+    shutil.copy(tok_dirs[style] / "tokenizer.json", d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for msgs in _convs():
+        t1, ids1, m1 = _ours(tok_dirs[style], msgs)
+        t2, ids2, m2 = _ours(d, msgs)
+        assert t1 == t2 and ids1.tolist() == ids2.tolist()
+        assert np.all(m2 >= m1) and (m2 - m1).sum() <= sum(m["role"] == "assistant" for m in msgs)
+
+
+def test_the_three_formats_become_the_same_conversation():
+    m = chat.to_messages({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+                         "messages", "x:1")
+    s = chat.to_messages({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+                         "sharegpt", "x:2")
+    a = chat.to_messages({"instruction": "q", "input": "", "output": "a"}, "alpaca", "x:3")
+    assert m == s == a
+    assert chat.to_messages({"instruction": "q", "input": "ctx", "output": "a", "system": "S"}, "alpaca", "x")[0] == \
+        {"role": "system", "content": "S"}
+    assert chat.detect_format({"conversations": []}) == "sharegpt" and chat.detect_format({"text": "t"}) is None
+
+
+def _write(path, lines):
+    path.write_text("".join(json.dumps(x) + "\n" if not isinstance(x, str) else x + "\n" for x in lines))
+
+
+@pytest.mark.parametrize("bad,problem", [
+    ({"messages": [{"content": "no role"}]}, "role"),
+    ({"messages": [{"role": "user", "content": ""}]}, "empty"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown"),
+    ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown"),
+    ({"weird": 1}, "no known format"),
+    ("{not json", "not valid JSON"),
+])
+def test_malformed_records_are_reported_by_line_number(tmp_path, capsys, bad, problem):
+    f = tmp_path / "d.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    _write(f, [good, good, bad, good])
+    out = tmp_path / "o" / "data"
+    rc = cli_main(["prepare", str(f), "--out", str(out), "--chat-template", "chatml"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and f"{f}:3" in err and problem in err and err.count("\n") == 0, err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())  # nothing half-written
+    # skipping: the bad line is counted and reported, the others are written
+    rc = cli_main(["prepare", str(f), "--out", str(out), "--chat-template", "chatml", "--on-error", "skip"])
+    printed = capsys.readouterr().out
+    assert rc == 0 and "bad lines skipped: 1" in printed and "4 examples read, 3 written" in printed
+    index = json.loads((tmp_path / "o" / "data.json").read_text())
+    assert index["report"]["bad_lines_skipped"] == 1 and f"{f}:3" in index["report"]["bad_lines_first"][0]
+
+
+def test_conversation_without_a_template_is_refused(tmp_path, capsys):
+    f = tmp_path / "d.jsonl"
+    _write(f, [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    assert cli_main(["prepare", str(f), "--out", str(tmp_path / "x")]) == 2  # byte tokenizer: no template
+    assert "--chat-template" in capsys.readouterr().err
+
+
+def test_chat_data_set_end_to_end(tok_dirs, tmp_path):
+    """prepare with the model's template (all three formats in one file, a conversation with no assistant
+    turn dropped and counted), then train a tiny model on it through the CLI."""
+    f = tmp_path / "mixed.jsonl"
+    recs = []
+    for i in range(40):
+        recs.append({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count {i}"},
+                                  {"role": "assistant", "content": f"{i} {i + 1} {i + 2}"}]})
+        recs.append({"conversations": [{"from": "human", "value": f"Echo {i}"}, {"from": "gpt", "value": f"Echo {i}"}]})
+        recs.append({"instruction": "Repeat", "input": f"word{i}", "output": f"word{i}"})
+    recs.append({"messages": [{"role": "user", "content": "only a question"}]})
+    _write(f, recs)
+    d = tok_dirs["chatml"]
+    index = prepare([str(f)], str(tmp_path / "chat"), tokenizer=str(d), quiet=True)
+    assert index["report"]["examples_written"] == 120 and index["report"]["conversations"] == 120
+    assert index["report"]["dropped"] == {"no assistant tokens (nothing to learn)": 1}
+    ds = load_dataset_for(tmp_path / "chat", d)
+    assert 0.05 < ds.mask.mean() < 0.5  # prompts, system text and role headers masked out, answers in
+    out = tmp_path / "run"
+    rc = cli_main(["train", str(ROOT / "configs" / "tiny.yaml"), "--set", f"data.path={tmp_path / 'chat'}",
+                   "--set", f"data.tokenizer={d / 'tokenizer.json'}", "--set", "model.vocab_size=640",
+                   "--set", "data.seq_len=64", "--set", "train.batch_size=4", "--set", "train.steps=25",
+                   "--set", f"train.out_dir={out}", "--set", "model.num_layers=2", "--set", "train.log_every=5"])
+    assert rc == 0
+    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0]
+
+
+def load_dataset_for(prefix, tok_dir):
+    from megatrain_jax.config import DataConfig
+
+    return load_dataset(DataConfig(path=str(prefix), tokenizer=str(tok_dir / "tokenizer.json"), seq_len=64), 640)
