@@ -166,8 +166,11 @@ def test_chat_data_set_end_to_end(tok_dirs, tmp_path):
     rc = cli_main(["train", str(ROOT / "configs" / "tiny.yaml"), "--set", f"data.path={tmp_path / 'chat'}",
                    "--set", f"data.tokenizer={d / 'tokenizer.json'}", "--set", "model.vocab_size=640",
                    "--set", "data.seq_len=64", "--set", "train.batch_size=4", "--set", "train.steps=25",
-                   "--set", f"train.out_dir={out}", "--set", "model.num_layers=2", "--set", "train.log_every=5"])
+                   "--set", f"train.out_dir={out}", "--set", "model.num_layers=2", "--set", "train.log_every=5",
+                   "--set", f"train.export={tmp_path / 'export'}"])
     assert rc == 0
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["vocab_size"] == 640 and any(p.suffix == ".safetensors" for p in (tmp_path / "export").iterdir())
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < losses[0]
 
