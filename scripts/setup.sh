@@ -22,6 +22,16 @@ if [ ! -x .venv/bin/python ]; then
   echo "creating .venv with $PY"
   $PY -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[test,plot]" 2>&1 | grep -v "^WARNING: Location" || true
+# Every package (pip and the build backend included) at the version in scripts/constraints.txt (see its
+# header to add or upgrade one). The stamp skips the install while constraints.txt and pyproject.toml are
+# unchanged since the last one (offline runs; environments others are using are left alone).
+STAMP=.venv/.constraints-stamp
+want=$(cat scripts/constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # pip's status, not grep's
+  quiet .venv/bin/python -m pip install -q -c scripts/constraints.txt --upgrade pip
+  quiet .venv/bin/python -m pip install -q -c scripts/constraints.txt --build-constraint scripts/constraints.txt \
+    -e ".[test,plot]"
+  echo "$want" > "$STAMP"
+fi
 .venv/bin/python -c "import megatrain_jax, jax, flax, optax, numba; print('environment ready: jax', jax.__version__)"

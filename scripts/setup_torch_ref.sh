@@ -2,13 +2,17 @@
 # One-time set-up of .venv-torch: a Python 3.11 environment with a CPU-only torch and `transformers`,
 # used only by the Hugging Face parity tests (tests/test_hf.py runs tests/hf_reference.py in it).
 # PyPI's torch wheel pulls GBs of CUDA libraries, so torch comes from a local CPU wheel for 3.11
-# (found in $TORCH_WHEEL_DIR, default /opt/wheels). Idempotent: a complete .venv-torch is left alone.
+# (found in $TORCH_WHEEL_DIR, default /opt/wheels). Every package is pinned by scripts/constraints-torch-ref.txt
+# (its header says how to add or upgrade one). Idempotent: a complete .venv-torch built from the same
+# constraints is left alone; one built from other constraints (or unfinished) is rebuilt.
 # Exit codes: 0 ready, 3 no Python 3.11, 4 no torch wheel (the parity tests then skip), other: failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TORCH_VENV:-.venv-torch}
 WHEEL_DIR=${TORCH_WHEEL_DIR:-/opt/wheels}
-if [ -f "$VENV/.ready" ] && [ -x "$VENV/bin/python" ]; then
+CONSTRAINTS=scripts/constraints-torch-ref.txt
+STAMP=$(sha256sum "$CONSTRAINTS" | cut -d' ' -f1)  # written into .ready
+if [ -f "$VENV/.ready" ] && [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.ready")" = "$STAMP" ]; then
   echo "$VENV ready (already built)"; exit 0
 fi
 find_python311() {
@@ -31,9 +35,10 @@ WHEEL=$(ls "$WHEEL_DIR"/torch-2.13.0+cpu-cp311-*.whl 2>/dev/null | head -n 1 || 
 rm -rf "$VENV"
 echo "creating $VENV with $PY and $(basename "$WHEEL")"
 $PY -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-"$VENV/bin/python" -m pip install -q "$WHEEL" 2>&1 | grep -v "^WARNING: Location" || true
-# torch is already satisfied by the CPU wheel, so this never pulls the CUDA build
-"$VENV/bin/python" -m pip install -q "transformers>=4.46,<6" safetensors numpy 2>&1 | grep -v "^WARNING: Location" || true
+quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # pip's status, not grep's
+quiet "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" --upgrade pip
+quiet "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "$WHEEL"
+# torch is already satisfied by the CPU wheel (and pinned to +cpu), so this never pulls the CUDA build
+quiet "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "transformers>=4.46,<6" safetensors numpy
 "$VENV/bin/python" -c "import torch, transformers, safetensors, numpy; assert '+cpu' in torch.__version__, torch.__version__; print('torch reference ready: torch', torch.__version__, 'transformers', transformers.__version__)"
-touch "$VENV/.ready"  # tests/test_hf.py rebuilds an environment without this marker
+echo "$STAMP" > "$VENV/.ready"  # tests/test_hf.py rebuilds an environment without this marker

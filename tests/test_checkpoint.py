@@ -199,14 +199,15 @@ def _damage(path, how):
     if how == "flip_all":  # densely, in every data file: the master's bytes are hit whichever file and
         # offset orbax's OCDBT gave them (it writes arrays in completion order, so one flipped byte in
         # the middle of a file sometimes landed in a moment instead: 1 failure in 5 runs)
-        for p in files:
-            if os.path.getsize(p) > 1024:
-                with open(p, "r+b") as f:
-                    data = bytearray(f.read())
-                    for i in range(0, len(data), 61):
-                        data[i] ^= 0x10
-                    f.seek(0)
-                    f.write(data)
+        data_files = [p for p in files if os.path.getsize(p) > 1024]
+        assert data_files, files  # H is large enough that no array is inlined in OCDBT's small files
+        for p in data_files:  # every 61st byte: each array (4 KiB here) gets ~70 flipped bytes
+            with open(p, "r+b") as f:
+                data = bytearray(f.read())
+                for i in range(0, len(data), 61):
+                    data[i] ^= 0x10
+                f.seek(0)
+                f.write(data)
     if how == "flip_byte":
         _flip(big)
     elif how == "truncate":
@@ -359,7 +360,8 @@ def test_export_errors_are_user_errors(saved, tmp_path, capsys):
     ckpt = os.path.join(run, "checkpoints", "step_00000001")
     _damage(ckpt, "flip_all")
     assert cli_main(["export", ckpt, str(tmp_path / "o")]) == 2
-    assert "is corrupted" in capsys.readouterr().err and not os.path.exists(tmp_path / "o")
+    err = capsys.readouterr().err
+    assert "is corrupted" in err and "block_0" in err and not os.path.exists(tmp_path / "o"), err
 
 
 def test_optax_optimizer_state_roundtrip(tmp_path):

@@ -91,6 +91,12 @@ BAD_TRAIN = {
     "unknown_optimizer_kernel": ("optim.kernel", ["optim.kernel=cuda"]),
     "override_without_equals": ("train.steps", ["train.steps"]),
     "override_not_yaml": ("train.steps", ["train.steps=[1"]),
+    # numeric ranges (config.validate): refused before anything is imported or written
+    "negative_lr": ("optim.lr", ["optim.lr=-1"]),
+    "nan_beta2": ("optim.b2", ["optim.b2=.nan"]),
+    "infinite_weight_decay": ("optim.weight_decay", ["optim.weight_decay=.inf"]),
+    "end_lr_ratio_above_one": ("optim.schedule.end_lr_ratio", ["optim.schedule.end_lr_ratio=1.5"]),
+    "max_bad_steps_zero": ("train.max_bad_steps", ["train.max_bad_steps=0"]),
 }
 
 
@@ -145,6 +151,14 @@ def results(tmp_path_factory):
             argv += ["--set", s]
         jobs[name] = (argv + ["--set", f"train.out_dir={d}/run"], d)
 
+    d = case_dir("plan_negative_lr")  # `plan` validates the same config
+    jobs["plan_negative_lr"] = (["plan", TINY, "--set", "optim.lr=-1", "--set", f"train.out_dir={d}/run"], d)
+    d = case_dir("yaml_nan_lr")  # YAML's .nan in a config file
+    nan_yaml = os.path.join(base, "nan_lr.yaml")
+    with open(nan_yaml, "w") as f:
+        f.write(f"base: {TINY}\noptim:\n  lr: .nan\n")
+    jobs["yaml_nan_lr"] = (["train", nan_yaml, "--set", f"train.out_dir={d}/run"], d)
+
     d = case_dir("prepare_missing_input")
     jobs["prepare_missing_input"] = (["prepare", os.path.join(d, "nope.txt"), "--out", os.path.join(d, "out")], d)
     jobs["help"] = (["--help"], case_dir("help"))
@@ -179,6 +193,8 @@ def test_bad_config_input(results, name):
         assert "hidden_size" in line  # the fix lists the valid keys
     if name == "micro_batches_not_dividing_batch":
         assert "train.batch_size" in line and "multiple" in line
+    if name == "negative_lr":
+        assert "-1" in line and "> 0" in line, line
 
 
 @pytest.mark.parametrize("name", ["token_id_ge_vocab_prepared", "token_id_ge_vocab_text"])
@@ -199,6 +215,13 @@ def test_missing_config_file(results):
     res, d = results["missing_config_file"]
     line = _check_user_error(res, d, "CONFIG")
     assert "nope.yaml" in line
+
+
+@pytest.mark.parametrize("name", ["plan_negative_lr", "yaml_nan_lr"])
+def test_numeric_range_errors_from_plan_and_yaml(results, name):
+    res, d = results[name]
+    line = _check_user_error(res, d, "optim.lr")
+    assert ("-1" if name == "plan_negative_lr" else "nan") in line, line
 
 
 def test_prepare_with_a_missing_input(results):

@@ -313,3 +313,81 @@ def test_numeric_fields_are_validated(override, field):
     with pytest.raises(UserError) as e:
         load_config(TINY, [override])
     assert e.value.field == field and "\n" not in str(e.value)
+
+
+# every numeric field: (override, field) that must be refused; NaN and infinities (YAML's .nan / .inf) included
+_BAD_NUMBERS = [
+    *[(f"optim.lr={v}", "optim.lr") for v in ("-1", "0", ".nan", ".inf", "-.inf")],
+    *[(f"optim.b1={v}", "optim.b1") for v in ("-0.1", "1", "1.5", ".nan")],
+    *[(f"optim.b2={v}", "optim.b2") for v in ("-0.1", "1.0", ".inf", ".nan")],
+    *[(f"optim.eps={v}", "optim.eps") for v in ("0", "-1e-8", ".nan", ".inf")],
+    *[(f"optim.weight_decay={v}", "optim.weight_decay") for v in ("-0.01", ".nan", ".inf")],
+    *[(f"optim.clip_norm={v}", "optim.clip_norm") for v in ("0", "-1", ".nan", ".inf")],
+    ("optim.schedule.warmup_steps=-1", "optim.schedule.warmup_steps"),
+    ("optim.schedule.decay_steps=-5", "optim.schedule.decay_steps"),
+    *[(f"optim.schedule.end_lr_ratio={v}", "optim.schedule.end_lr_ratio") for v in ("-0.1", "1.01", "2", ".nan", ".inf")],
+    *[(f"model.init_std={v}", "model.init_std") for v in ("0", "-0.02", ".nan", ".inf")],
+    *[(f"model.rope_theta={v}", "model.rope_theta") for v in ("0", "-10000", ".nan", ".inf")],
+    *[(f"model.rms_norm_eps={v}", "model.rms_norm_eps") for v in ("0", "-1e-5", ".nan", ".inf")],
+    ("model.head_dim=0", "model.head_dim"), ("model.head_dim=-32", "model.head_dim"),
+    ("model.vocab_size=0", "model.vocab_size"), ("model.hidden_size=-128", "model.hidden_size"),
+    ("model.num_layers=0", "model.num_layers"), ("model.intermediate_size=0", "model.intermediate_size"),
+    ("data.seq_len=0", "data.seq_len"), ("data.seq_len=-128", "data.seq_len"),
+    ("train.steps=0", "train.steps"), ("train.batch_size=0", "train.batch_size"),
+    ("train.log_every=0", "train.log_every"), ("train.log_every=-1", "train.log_every"),
+    ("train.loss_chunk=0", "train.loss_chunk"), ("train.loss_chunk=-1024", "train.loss_chunk"),
+    ("train.ckpt_every=-1", "train.ckpt_every"), ("train.keep_last=-1", "train.keep_last"),
+    ("train.keep_every=-1", "train.keep_every"),
+    ("train.max_bad_steps=0", "train.max_bad_steps"), ("train.max_bad_steps=-3", "train.max_bad_steps"),
+    *[(f"train.host_memory_gb={v}", "train.host_memory_gb") for v in ("0", "-8", ".nan", ".inf")],
+    *[(f"train.gpu_memory_gb={v}", "train.gpu_memory_gb") for v in ("0", "-4", ".nan", ".inf")],
+    ("train.micro_batches=0", "train.micro_batches"), ("train.grad_slabs=0", "train.grad_slabs"),
+    ("train.devices=0", "train.devices"), ("train.export_dtype=int8", "train.export_dtype"),
+]
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("override, field", _BAD_NUMBERS, ids=[o for o, _ in _BAD_NUMBERS])
+def test_every_numeric_field_is_range_checked(override, field):
+    e = _raises(field, overrides=[override])
+    assert field in str(e) and e.fix
+
+
+@pytest.mark.parametrize("key, value", [("factor", 0), ("factor", ".nan"), ("low_freq_factor", -1),
+                                        ("high_freq_factor", ".inf"), ("original_max_position_embeddings", 0),
+                                        ("factor", "missing"), ("high_freq_factor", 0.5)])
+def test_llama3_rope_scaling_values(key, value):
+    scaling = dict(_LLAMA3)
+    if value == "missing":
+        del scaling[key]
+    else:
+        scaling[key] = value
+    text = "{" + ", ".join(f"{k}: {v}" for k, v in scaling.items()) + "}"
+    _raises(f"model.rope_scaling.{key}", overrides=[f"model.rope_scaling={text}"])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["optim.b1=0", "optim.b2=0", "optim.weight_decay=0", "optim.schedule.end_lr_ratio=0"],
+    ["optim.b1=0.999999", "optim.b2=0.999999", "optim.schedule.end_lr_ratio=1", "optim.clip_norm=null"],
+    ["optim.lr=1e-12", "optim.eps=1e-30", "model.init_std=1e-6", "model.rms_norm_eps=1e-12"],
+    ["train.ckpt_every=0", "train.keep_last=0", "train.keep_every=0", "train.max_bad_steps=1", "train.log_every=1",
+     "optim.schedule.warmup_steps=0", "optim.schedule.decay_steps=0"],
+    ["train.host_memory_gb=0.5", "train.gpu_memory_gb=80", "train.loss_chunk=1", "model.head_dim=null"],
+])
+def test_numeric_boundaries_that_are_allowed(overrides):
+    load_config(TINY, overrides)
+
+
+def test_nan_in_a_yaml_file_is_refused(tmp_path):
+    p = tmp_path / "nan.yaml"
+    p.write_text(f"base: {TINY}\noptim:\n  lr: .nan\n")
+    _raises("optim.lr", path=str(p))
+
+
+def test_validate_refuses_numbers_set_on_a_config_object():
+    cfg = load_config(TINY)
+    cfg.optim.lr = float("inf")
+    with pytest.raises(UserError) as e:
+        validate(cfg)
+    assert e.value.field == "optim.lr"
