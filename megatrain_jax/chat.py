@@ -170,6 +170,7 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except jinja2.exceptions.TemplateError as e:
             raise UserError(where, f"the chat template does not compile ({e})", "fix or replace the template") from None
+        self.source = source
         self.has_generation = "{% generation" in source or "{%- generation" in source
         self.special = dict(special_tokens or {})
         self.where = where

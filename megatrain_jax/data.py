@@ -453,74 +453,134 @@ class _Report:
         self.dropped[why] = self.dropped.get(why, 0) + 1
 
 
+def _process_lines(lines: list[tuple[int, bytes]], path: str, tok, template, chat_format: str, on_error: str):
+    """Parse, render and tokenize one chunk of JSONL lines (in a worker process, or inline).
+
+    Returns ``(docs, bad, dropped)``: ``docs`` a list of documents, each a list of ``(ids, mask|None)``
+    segments; ``bad`` the messages of skipped lines; ``dropped`` the reasons of dropped examples.
+    A bad line with ``on_error='stop'`` raises its ``UserError`` (naming file:line)."""
+    recs, bad, dropped = [], [], []
+    for lineno, line in lines:
+        try:
+            rec = _parse_record(line, f"{path}:{lineno}", chat_format)
+            if rec[0] == "chat" and template is None:
+                raise UserError("--chat-template", f"{path}:{lineno} is a conversation but no chat template "
+                                "was found", "pass --chat-template MODEL_DIR (with tokenizer_config.json or "
+                                "chat_template.jinja), or --chat-template chatml")
+        except UserError as e:
+            if on_error == "stop" or e.field == "--chat-template":
+                raise
+            bad.append(str(e))
+            continue
+        recs.append(rec)
+    texts = [s for r in recs if r[0] != "chat" for s in r[1:]]
+    encoded = iter(tok.encode_batch(texts)) if texts else iter(())
+    rendered = [template.render_with_spans(r[1]) for r in recs if r[0] == "chat"]
+    with_offsets = iter(tok.encode_with_offsets([t for t, _ in rendered])) if rendered else iter(())
+    spans = iter([sp for _, sp in rendered])
+    docs = []
+    for r in recs:
+        if r[0] == "chat":
+            ids, offs = next(with_offsets)
+            mask = chat.token_mask(offs, next(spans))
+            if not mask.any():
+                dropped.append("no assistant tokens (nothing to learn)")
+                continue
+            docs.append([(ids, mask, True)])
+        elif r[0] == "text":
+            docs.append([(next(encoded), None, False)])
+        else:
+            p, resp = next(encoded), next(encoded)
+            docs.append([(p, np.zeros(len(p), np.uint8), False), (resp, None, False)])
+    return docs, bad, dropped
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tok_spec: str, tpl_source: str | None, specials: dict) -> None:
+    """A worker process builds its own tokenizer and template (spawned: nothing inherited, no fork
+    of a process whose threads hold locks)."""
+    _WORKER["tok"] = load_tokenizer(tok_spec, "--tokenizer")
+    _WORKER["template"] = None if tpl_source is None else chat.ChatTemplate(tpl_source, specials)
+
+
+def _work(args):
+    lines, path, chat_format, on_error = args
+    try:
+        return _process_lines(lines, path, _WORKER["tok"], _WORKER["template"], chat_format, on_error)
+    except UserError as e:
+        return e
+
+
 def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, nf: int,
                    template: "chat.ChatTemplate | None" = None, chat_format: str = "auto",
-                   on_error: str = "stop", report: "_Report | None" = None) -> None:
+                   on_error: str = "stop", report: "_Report | None" = None, workers: int = 1,
+                   tok_spec: str = "byte") -> None:
     """One document per line: ``text``; ``prompt`` + ``response`` with the prompt masked out of the loss;
-    or a conversation rendered with ``template``, the loss on its assistant turns only."""
-    report = report or _Report()
+    or a conversation rendered with ``template``, the loss on its assistant turns only.
 
-    def emit(records: list) -> None:
-        texts = [s for r in records if r[0] != "chat" for s in r[1:]]
-        encoded = iter(tok.encode_batch(texts)) if texts else iter(())
-        rendered = [template.render_with_spans(r[1]) for r in records if r[0] == "chat"]
-        with_offsets = iter(tok.encode_with_offsets([t for t, _ in rendered])) if rendered else iter(())
-        spans = iter([sp for _, sp in rendered])
-        for r in records:
-            if r[0] == "chat":
-                ids, offs = next(with_offsets)
-                mask = chat.token_mask(offs, next(spans))
-                if not mask.any():
-                    report.drop("no assistant tokens (nothing to learn)")
-                    continue
-                w.start_doc()
-                w.append(ids, mask)
-                w.end_doc()
-                report.written += 1
-                report.chat += 1
-                continue
+    Chunks of lines go to ``workers`` processes (rendering a template is Python: one core per worker);
+    results are written in input order, with at most two chunks per worker in flight, so memory stays
+    a few chunks whatever the input size."""
+    import collections
+
+    report = report or _Report()
+    chunk_lines = 2048
+
+    def write(result, nbytes) -> None:
+        if isinstance(result, UserError):
+            raise result
+        docs, bad, dropped = result
+        for doc in docs:
             w.start_doc()
-            if r[0] == "text":
-                w.append(next(encoded))
-            else:
-                p, resp = next(encoded), next(encoded)
-                w.append(p, np.zeros(len(p), np.uint8))
-                w.append(resp)
+            for ids, mask, is_chat in doc:
+                w.append(ids, mask)
             w.end_doc()
             report.written += 1
+            report.chat += int(doc[0][2])
+        for why in dropped:
+            report.drop(why)
+        report.n_bad += len(bad)
+        report.bad_lines.extend(bad[: max(0, 20 - len(report.bad_lines))])
+        prog.update(nbytes, w, fi, nf)
 
-    records, nbytes = [], 0
-    with _open_binary(path) as f:
-        for lineno, line in enumerate(f, 1):
-            nbytes += len(line)
-            if not line.strip():
-                continue
-            report.read += 1
-            try:
-                rec = _parse_record(line, f"{path}:{lineno}", chat_format)
-                if rec[0] == "chat" and template is None:
-                    raise UserError("--chat-template", f"{path}:{lineno} is a conversation but no chat template "
-                                    "was found", "pass --chat-template MODEL_DIR (with tokenizer_config.json or "
-                                    "chat_template.jinja), or --chat-template chatml")
-            except UserError as e:
-                if on_error == "stop" or e.field == "--chat-template":
-                    raise
-                report.n_bad += 1
-                if len(report.bad_lines) < 20:
-                    report.bad_lines.append(str(e))
-                continue
-            records.append(rec)
-            if len(records) >= 1024:
-                emit(records)
-                prog.update(nbytes, w, fi, nf)
-                records, nbytes = [], 0
-    emit(records)
-    prog.update(nbytes, w, fi, nf)
+    def chunks():
+        lines, nbytes = [], 0
+        with _open_binary(path) as f:
+            for lineno, line in enumerate(f, 1):
+                nbytes += len(line)
+                if not line.strip():
+                    continue
+                report.read += 1
+                lines.append((lineno, line))
+                if len(lines) >= chunk_lines:
+                    yield lines, nbytes
+                    lines, nbytes = [], 0
+        yield lines, nbytes
+
+    if workers <= 1:
+        for lines, nbytes in chunks():
+            write(_process_lines(lines, path, tok, template, chat_format, on_error), nbytes)
+        return
+    import multiprocessing as mp
+
+    init = (tok_spec, None if template is None else template.source, {} if template is None else template.special)
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init) as pool:
+        pending: collections.deque = collections.deque()
+        for lines, nbytes in chunks():
+            pending.append((pool.apply_async(_work, ((lines, path, chat_format, on_error),)), nbytes))
+            while len(pending) >= 2 * workers:
+                res, nb = pending.popleft()
+                write(res.get(), nb)
+        while pending:
+            res, nb = pending.popleft()
+            write(res.get(), nb)
 
 
 def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "auto",
             quiet: bool = False, chat_format: str = "auto", chat_template: str | None = None,
-            on_error: str = "stop") -> dict[str, Any]:
+            on_error: str = "stop", workers: int | None = None) -> dict[str, Any]:
     """Tokenize ``inputs`` into the packed data set ``out`` (a prefix); returns the index written.
 
     Text files: each whole file is one document. JSONL (``.jsonl``/``.ndjson``/``.json``, or ``fmt='jsonl'``):
@@ -560,6 +620,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
     else:
         template = chat.ChatTemplate.from_folder(getattr(tok, "path", None))
     report = _Report()
+    explicit_workers = workers is not None
+    workers = workers or (os.cpu_count() or 1)
     dtype = dtype_for_vocab(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(out))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -582,7 +644,9 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
         for i, p in enumerate(files, 1):
             try:
                 if _detect_format(p, fmt) == "jsonl":
-                    _prepare_jsonl(p, tok, w, prog, i, len(files), template, chat_format, on_error, report)
+                    big = os.path.getsize(p) > (16 << 20)  # worker start-up (~1 s) pays off on large files
+                    _prepare_jsonl(p, tok, w, prog, i, len(files), template, chat_format, on_error, report,
+                                   workers=workers if (big or explicit_workers) else 1, tok_spec=tokenizer)
                 else:
                     _prepare_text(p, tok, w, prog, i, len(files))
             except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
@@ -633,9 +697,12 @@ def prepare_main(argv: list[str]) -> int:
                     help="the model folder whose chat template renders conversations (default: the tokenizer's)")
     ap.add_argument("--on-error", default="stop", choices=("stop", "skip"),
                     help="a malformed line stops the run (default) or is skipped and counted")
+    ap.add_argument("--workers", type=int, default=None, help="processes for JSONL (default: every core)")
     args = ap.parse_args(argv)
+    if args.workers is not None and args.workers < 1:
+        raise UserError("--workers", f"must be >= 1, got {args.workers}", "pass a positive number of processes")
     prepare(args.inputs, args.out, args.tokenizer, args.format, args.quiet, args.chat_format, args.chat_template,
-            args.on_error)
+            args.on_error, args.workers)
     return 0
 
 

@@ -179,3 +179,17 @@ def load_dataset_for(prefix, tok_dir):
     from megatrain_jax.config import DataConfig
 
     return load_dataset(DataConfig(path=str(prefix), tokenizer=str(tok_dir / "tokenizer.json"), seq_len=64), 640)
+
+
+def test_worker_processes_write_the_same_data_set(tok_dirs, tmp_path):
+    """JSONL chunks rendered and tokenized in 2 spawned worker processes give the same bytes as inline."""
+    f = tmp_path / "many.jsonl"
+    recs = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(5000)] + [{"text": "plain text too"}, {"prompt": "p", "response": "r"}]
+    _write(f, recs)
+    d = str(tok_dirs["chatml"])
+    a = prepare([str(f)], str(tmp_path / "a"), tokenizer=d, quiet=True, workers=1)
+    b = prepare([str(f)], str(tmp_path / "b"), tokenizer=d, quiet=True, workers=2)
+    assert a["report"] == b["report"] and a["report"]["examples_written"] == 5002
+    for suffix in (".tokens.bin", ".mask.bin"):
+        assert (tmp_path / f"a{suffix}").read_bytes() == (tmp_path / f"b{suffix}").read_bytes()
