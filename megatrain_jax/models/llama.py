@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from megatrain_jax.attention import attention
 from megatrain_jax.config import ModelConfig
 
 Aux = dict[str, Any]
@@ -81,20 +82,13 @@ def _linear(din: int, dout: int, bias: bool, std: float, rngs: nnx.Rngs) -> nnx.
                       bias_init=nnx.initializers.zeros_init(), param_dtype=jnp.float32, rngs=rngs)
 
 
-def attention_mask(aux: Aux) -> jax.Array | None:
-    """(B, 1, S, S) boolean mask keeping attention inside a document, or None."""
-    seg = aux.get("segment_ids")
-    if seg is None:
-        return None
-    return (seg[:, :, None] == seg[:, None, :])[:, None, :, :]
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE; causal, optionally inside document boundaries."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.dim_per_head
         self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, d
+        self.window = getattr(cfg, "sliding_window", None)
         self.q_proj = _linear(h, cfg.num_heads * d, cfg.qkv_bias, cfg.init_std, rngs)
         self.k_proj = _linear(h, cfg.kv_heads * d, cfg.qkv_bias, cfg.init_std, rngs)
         self.v_proj = _linear(h, cfg.kv_heads * d, cfg.qkv_bias, cfg.init_std, rngs)
@@ -106,16 +100,15 @@ class Attention(nnx.Module):
         k = self.k_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, aux["cos"], aux["sin"]), apply_rope(k, aux["cos"], aux["sin"])
-        out = dot_product_attention(q, k, v, attention_mask(aux))
+        out = dot_product_attention(q, k, v, aux.get("segment_ids"), window=self.window)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
 
-def dot_product_attention(q, k, v, mask):
-    """Causal GQA attention: cuDNN flash attention on GPU in bf16, XLA elsewhere."""
-    impl = None
-    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and mask is None:
-        impl = "cudnn"
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
+                          window: int | None = None) -> jax.Array:
+    """Causal GQA attention, inside document boundaries when ``segment_ids`` is given, through the
+    one entry point that picks cuDNN / padded cuDNN / XLA / blockwise per shape (``attention.py``)."""
+    return attention(q, k, v, causal=True, segment_ids=segment_ids, window=window)
 
 
 class MLP(nnx.Module):
