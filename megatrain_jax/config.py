@@ -33,6 +33,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    sliding_window: int | None = None  # causal sliding-window attention (Mistral): a token sees itself and the
+    #                                   W - 1 before it; None: full causal attention
     init_std: float = 0.02
     init: str = "normal"  # normal: nnx initialisers, equal to the in-memory model | fast: uniform with the same std,
     #                      drawn by a parallel host kernel (seconds for 7B instead of ~35 s; benchmarks, smoke runs)
@@ -267,6 +269,9 @@ def validate(cfg: Config) -> None:
     if m.num_kv_heads is not None and m.num_kv_heads <= 0:  # 0 would silently mean "no GQA" (kv_heads uses `or`)
         raise UserError("model.num_kv_heads", f"must be positive, got {m.num_kv_heads}",
                         "choose num_kv_heads that divides model.num_heads (or null for num_kv_heads = num_heads)")
+    if m.sliding_window is not None and m.sliding_window <= 0:
+        raise UserError("model.sliding_window", f"must be positive, got {m.sliding_window}",
+                        "set the number of tokens a token attends to (itself included), or null for full attention")
     if m.num_heads % m.kv_heads:
         raise UserError("model.num_kv_heads", f"{m.kv_heads} kv heads do not divide num_heads {m.num_heads}",
                         "choose num_kv_heads that divides model.num_heads")
