@@ -263,7 +263,8 @@ def _loss_ws(s: _Shapes, tokens_mb: int, loss_chunk: int) -> float:
 
 
 def _gpu_phases(s: _Shapes, *, M: int, stream_bytes: int, device_cast: bool, act_on_gpu: bool,
-                hold_bytes: int | None, loss_chunk: int, deferred: bool) -> tuple[dict[str, float], list[Row]]:
+                hold_bytes: int | None, loss_chunk: int, deferred: bool,
+                attn: Any = None) -> tuple[dict[str, float], list[Row]]:
     """Bytes on the GPU at each phase of a step, and the rows that explain them."""
     tok_mb = s.B * s.S // M
     rows = []
@@ -279,6 +280,10 @@ def _gpu_phases(s: _Shapes, *, M: int, stream_bytes: int, device_cast: bool, act
                     f"{s.L} layers x {s.B * s.S} tokens" if act_on_gpu else "in pinned host memory; 2 layers reloaded"))
     ws = _block_ws(s, tok_mb)
     rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"))
+    if attn is not None:  # what the chosen attention path needs beyond the calibrated (cuDNN) coefficients
+        extra = attn(max(s.B // M, 1))
+        rows.append(Row("gpu", "attention working set beyond cuDNN's", extra[0], extra[1]))
+        ws += extra[0]
     accum = s.block * 4 + (s.embed * 4)  # current block's fp32 accumulator + the embedding's
     rows.append(Row("gpu", "gradient accumulators (fp32)", accum + s.head * 4, "current block, embedding, head"))
     lws = _loss_ws(s, tok_mb, loss_chunk)
@@ -342,6 +347,18 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
         hold_order = ["gpu_fp32"] if t.grad_hold == "auto" else hold_order
         act_order = ["device"] if t.activations == "auto" else act_order
     budget_gpu = _usable(gpu_budget, GPU_MARGIN) if gpu_budget else None
+    # the attention path (attention.py) and its working set beyond what the coefficients include
+    from megatrain_jax import attention as attn_mod
+
+    backend = "gpu" if on_gpu else "cpu"
+    attn_info = attn_mod.describe(m, cfg.data.seq_len, t.compute_dtype, backend, batch=max(s.B // cands[0], 1),
+                                  doc_masking=cfg.data.doc_masking)
+
+    def attn_extra(batch: int) -> tuple[float, str]:
+        d = attn_mod.describe(m, cfg.data.seq_len, t.compute_dtype, backend, batch=batch,
+                              doc_masking=cfg.data.doc_masking)
+        return float(max(d["extra_over_cudnn_bytes"], 0)), d["impl"]
+
     # host bytes every option needs (the options add pinned activations or pinned gradients)
     mom = 8.0 if o.kernel == "optax" else MOMENT_BYTES[o.moments]
     host_base = s.P * (4.0 + mom) + (2.0 * s.L * s.block if (bf16 and not device_cast) else 0.0) \
@@ -359,7 +376,7 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
         for k in cands:
             phases, rows = _gpu_phases(s, M=k, stream_bytes=stream_bytes, device_cast=device_cast,
                                        act_on_gpu=act == "device", hold_bytes=holds[hold],
-                                       loss_chunk=t.loss_chunk, deferred=deferred)
+                                       loss_chunk=t.loss_chunk, deferred=deferred, attn=attn_extra)
             need = max(phases.values())
             fits = (budget_gpu is None or need <= budget_gpu) and (extra == 0 or extra <= host_room)
             if chosen is None:
@@ -441,6 +458,7 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     step["binding"] = max(("compute_s", "h2d_s", "d2h_s", "optimizer_s"), key=lambda k: step[k])
 
     decisions = {"micro_batches": M, "activations": act, "grad_hold": hold, "stream_copy": t.stream_copy,
+                 "attention": attn_info["impl"], "attention_summary": attn_info["summary"],
                  "moments": o.moments, "devices": n_dev, "grad_slab_elems": GRAD_SLAB_ELEMS if chunked else None,
                  "grad_slabs": slabs, "pinned_pool_bytes": _pinned_need(rows),
                  "gpu_mem_fraction": None}
@@ -521,6 +539,7 @@ def plan_table(p: Plan) -> str:
         lines.append(f"disk: need {p.disk_need / GB:.1f} GB, free "
                      + (f"{p.disk_free / GB:.1f} GB" if p.disk_free is not None else "unknown"))
     d = p.decisions
+    lines.append(d.get("attention_summary", ""))
     lines.append(f"decisions: micro_batches={d['micro_batches']}, activations={d['activations']}, "
                  f"grad_hold={d['grad_hold']}, stream_copy={d['stream_copy']}, moments={d['moments']}, "
                  f"devices={d['devices']}")

@@ -78,6 +78,7 @@ def plan_or_refuse(cfg: Config, log: Log = print):
         f"activations={d['activations']}, grad_hold={d['grad_hold']}, stream_copy={d['stream_copy']}, "
         f"moments={d['moments']}; predicted step {plan.step['predicted_step_s']:.2f} s "
         f"({plan.step['binding'][:-2]}-bound)  [megatrain-jax plan CONFIG shows the table]")
+    log(d["attention_summary"])
     return plan
 
 
