@@ -8,11 +8,12 @@ the model). Export (``export_hf``) is the mirror image: safetensors shards writt
 from the fp32 master, plus a ``config.json`` that ``from_pretrained`` loads unchanged.
 
 Supported architectures: ``LlamaForCausalLM`` (Llama 2/3, including Llama 3.1 RoPE scaling),
-``Qwen2ForCausalLM`` (q/k/v bias) and ``MistralForCausalLM`` (full attention; see the warning about
-``sliding_window``). Conventions: Hugging Face ``Linear`` weights are ``(out, in)``, our kernels are
-``(in, out)``, so every projection is transposed on the way in and out. Q/K weights are *not*
-permuted: the ``transformers`` format already uses the rotate-half RoPE layout that
-``apply_rope`` implements (the parity tests against ``transformers`` check this).
+``Qwen2ForCausalLM`` (q/k/v bias) and ``MistralForCausalLM``; a ``sliding_window`` (Mistral's, or
+Qwen2's when every layer uses it) becomes ``model.sliding_window``. Conventions: Hugging Face
+``Linear`` weights are ``(out, in)``, our kernels are ``(in, out)``, so every projection is
+transposed on the way in and out. Q/K weights are *not* permuted: the ``transformers`` format
+already uses the rotate-half RoPE layout that ``apply_rope`` implements (the parity tests against
+``transformers`` check this).
 
 ``model.from_hf`` wins over the YAML for the architecture fields (sizes, heads, RoPE, norms, tied
 embeddings, biases): they are overwritten in place on the ``ModelConfig`` from ``config.json``, with
@@ -53,7 +54,8 @@ from megatrain_jax.errors import UserError
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 # ModelConfig fields that a Hugging Face config.json determines (from_hf wins over the YAML for these)
 STRUCTURAL = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-              "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings", "qkv_bias")
+              "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings", "qkv_bias",
+              "sliding_window")
 SHARD_BYTES = 5 * 10**9  # like transformers' "5GB" max_shard_size
 INDEX = "model.safetensors.index.json"
 
@@ -250,15 +252,28 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
     return theta, out
 
 
+def _layer_windows(hf: dict) -> list[int | None]:
+    """Each layer's attention window as ``transformers`` builds it (None: full causal attention).
+    Mistral: ``sliding_window`` on every layer. Qwen2: ``layer_types`` if given, else sliding on
+    layers from ``max_window_layers`` on, and only with ``use_sliding_window``."""
+    window = int(hf["sliding_window"]) if hf.get("sliding_window") else None
+    layers = int(hf.get("num_hidden_layers") or 0)
+    arch = _architecture(hf, "config.json")
+    if arch != "Qwen2ForCausalLM":
+        return [window if arch == "MistralForCausalLM" else None] * layers  # Llama has no window
+    if not hf.get("use_sliding_window", False) or window is None:
+        return [None] * layers
+    types = hf.get("layer_types") or ["sliding_attention" if i >= int(hf.get("max_window_layers", layers)) else
+                                      "full_attention" for i in range(layers)]
+    return [window if t == "sliding_attention" else None for t in types]
+
+
 def sliding_window(hf: dict) -> int | None:
-    """The attention window a checkpoint's config asks for (None: full causal attention)."""
-    model_type = hf.get("model_type")
-    window = hf.get("sliding_window")
-    if model_type == "qwen2":
-        types = hf.get("layer_types") or []
-        if not hf.get("use_sliding_window", False) and "sliding_attention" not in types:
-            return None
-    return int(window) if window else None
+    """The one attention window of every layer (None: full causal attention). A mix of windowed
+    and full layers (some Qwen2 configs) cannot be expressed by ``model.sliding_window``: None, and
+    the importer warns."""
+    windows = set(_layer_windows(hf))
+    return windows.pop() if len(windows) == 1 else None
 
 
 def hf_config_to_model_config(hf: dict, base: ModelConfig | None = None, where: str = "config.json") -> ModelConfig:
@@ -286,7 +301,7 @@ def hf_config_to_model_config(hf: dict, base: ModelConfig | None = None, where: 
             intermediate_size=int(hf["intermediate_size"]), rope_theta=theta, rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM")
+            qkv_bias=arch == "Qwen2ForCausalLM", sliding_window=sliding_window(hf))
     except KeyError as e:
         raise UserError("model.from_hf", f"{where} lacks {e.args[0]!r}", "use a complete transformers config.json") from None
     if out.head_dim == out.hidden_size // out.num_heads and out.hidden_size % out.num_heads == 0:
@@ -454,8 +469,8 @@ def load_hf_into_store(model_cfg: ModelConfig, bf16_stream: bool, *, seq_len: in
     ``model_cfg``'s architecture fields are overwritten from the checkpoint's ``config.json``
     (see ``resolve_hf_model_config``). Files are read shard by shard, tensor by tensor, straight into
     the store's fp32 master (bf16/fp16 upcast exactly); each group's bf16 streaming copy is made once
-    the group is complete. ``seq_len`` (the training length) is only used to warn about Mistral's
-    sliding window, which megatrain-jax does not implement (attention is always full causal).
+    the group is complete. A Mistral ``sliding_window`` (Qwen2's, when every layer uses it) becomes
+    ``model.sliding_window``; ``seq_len`` (the training length) only words the log line about it.
     """
     from megatrain_jax.hoststore import HostStore
 
@@ -464,14 +479,20 @@ def load_hf_into_store(model_cfg: ModelConfig, bf16_stream: bool, *, seq_len: in
         raise UserError("model.from_hf", "is not set", "point it at a Hugging Face model directory")
     hf = read_hf_config(hf_dir)
     resolve_hf_model_config(model_cfg)
-    window = sliding_window(hf)
-    if window is not None and seq_len is not None and window < seq_len:
-        _warn(f"model.from_hf: the checkpoint's sliding_window={window} is ignored (megatrain-jax uses full causal "
-              f"attention), and the sequence length {seq_len} is longer, so tokens attend further back than in the "
-              "original model")
-    elif window is not None:
-        _say(log, f"hf import: sliding_window={window} is treated as full attention "
-                  f"(identical for sequences of up to {window} tokens)")
+    windows = set(_layer_windows(hf))
+    if len(windows) > 1:
+        window = max(w for w in windows if w is not None)
+        if seq_len is None or seq_len > window:
+            _warn(f"model.from_hf: the checkpoint mixes full and sliding-window (sliding_window={window}) layers, "
+                  "which megatrain-jax does not implement: every layer uses full causal attention, so the windowed "
+                  "layers attend further back than in the original model")
+        else:
+            _say(log, f"hf import: the windowed layers (sliding_window={window}) are treated as full attention "
+                      f"(identical for sequences of up to {window} tokens)")
+    elif model_cfg.sliding_window is not None:
+        longer = seq_len is None or seq_len > model_cfg.sliding_window
+        _say(log, f"hf import: sliding_window={model_cfg.sliding_window}: each token attends to itself and the "
+                  f"{model_cfg.sliding_window - 1} before it" + ("" if longer else f" (all of a {seq_len}-token sequence)"))
     tensors = index_checkpoint(hf_dir)
     parts, layouts = _layouts(model_cfg)
     plan = _plan_import(layouts, tensors, model_cfg, hf_dir)  # every check before allocating anything
@@ -590,9 +611,11 @@ def _hf_config_out(cfg: ModelConfig, arch: str, dtype: str, base: dict | None) -
     }
     if arch == "LlamaForCausalLM":
         out.update(attention_bias=False, mlp_bias=False)
-    if arch == "MistralForCausalLM":
-        out.setdefault("sliding_window", None)
-    if arch == "Qwen2ForCausalLM":
+    if arch == "MistralForCausalLM":  # explicit null: transformers' default is 4096
+        out["sliding_window"] = cfg.sliding_window
+    if arch == "Qwen2ForCausalLM" and cfg.sliding_window is not None:  # every layer windowed
+        out.update(use_sliding_window=True, sliding_window=cfg.sliding_window, max_window_layers=0)
+    if arch == "Qwen2ForCausalLM":  # (a source's mixed layers, imported as full attention, are kept as they were)
         out.setdefault("use_sliding_window", False)
         out.setdefault("sliding_window", None)
         out.setdefault("max_window_layers", cfg.num_layers)
@@ -648,12 +671,16 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
         hf_config = read_hf_config(model_cfg.from_hf)
     if architecture is None:
         architecture = _architecture(hf_config, "hf_config") if hf_config else (
-            "Qwen2ForCausalLM" if model_cfg.qkv_bias else "LlamaForCausalLM")
+            "Qwen2ForCausalLM" if model_cfg.qkv_bias else
+            "MistralForCausalLM" if model_cfg.sliding_window is not None else "LlamaForCausalLM")
     if architecture not in SUPPORTED:
         raise UserError("architecture", f"{architecture!r} is not supported", f"use one of: {', '.join(SUPPORTED)}")
     if model_cfg.qkv_bias and architecture != "Qwen2ForCausalLM":
         raise UserError("architecture", f"{architecture} has no q/k/v biases but the model does",
                         "export as Qwen2ForCausalLM")
+    if model_cfg.sliding_window is not None and architecture == "LlamaForCausalLM":
+        raise UserError("architecture", f"LlamaForCausalLM has no sliding window but the model has "
+                        f"sliding_window={model_cfg.sliding_window}", "export as MistralForCausalLM")
     _check_out_dir(out_dir, overwrite)
     src = _source(source)
     _, layouts = _layouts(model_cfg)

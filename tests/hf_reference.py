@@ -39,6 +39,9 @@ VARIANTS = {
         num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)),
     "mistral_untied_window": ("MistralConfig", "MistralForCausalLM", dict(
         num_key_value_heads=2, tie_word_embeddings=False, sliding_window=4096, rms_norm_eps=1e-5)),
+    # a window shorter than SEQ: every token past the 7th sees only the last 7 (itself included)
+    "mistral_untied_mqa_window7": ("MistralConfig", "MistralForCausalLM", dict(
+        num_key_value_heads=1, tie_word_embeddings=False, sliding_window=7, rms_norm_eps=1e-5)),
 }
 BATCH, SEQ = 2, 24
 

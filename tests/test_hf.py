@@ -35,7 +35,10 @@ from megatrain_jax.models.llama import init_host_store
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_VENV = ROOT / ".venv-torch"
-VARIANTS = ["llama_untied_gqa_llama3rope", "llama_tied_mqa_headdim32", "qwen2_tied_bias", "mistral_untied_window"]
+VARIANTS = ["llama_untied_gqa_llama3rope", "llama_tied_mqa_headdim32", "qwen2_tied_bias", "mistral_untied_window",
+            "mistral_untied_mqa_window7"]
+WINDOWS = {"mistral_untied_window": 4096, "mistral_untied_mqa_window7": 7}  # sliding_window; the 24-token sequences
+#                                                                         are longer than 7 only
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 TOL = 1e-4
 
@@ -108,6 +111,7 @@ def test_parity_with_transformers(hf_refs, variant):
     ref = np.load(hf_refs / variant / "ref.npz")
     cfg, _, store = _import(hf_refs / variant / "hf")
     assert cfg.tie_embeddings == ("_tied" in variant) and cfg.qkv_bias == variant.startswith("qwen2")
+    assert cfg.sliding_window == WINDOWS.get(variant)
     loss, logits, grads = _loss_logits_grads(cfg, store, ref["tokens"])
     assert _rel(logits, ref["logits"]) < TOL
     assert abs(loss - float(ref["loss"])) < TOL * abs(float(ref["loss"]))
@@ -179,7 +183,8 @@ def test_round_trip_is_bit_exact(hf_refs, tmp_path, variant):
         assert exported[name].dtype == np.float32 and np.array_equal(exported[name], arr), name
     cfg2, _, store2 = _import(out)
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings", "qkv_bias"):
+                 "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings", "qkv_bias",
+                 "sliding_window"):
         assert getattr(cfg2, name) == getattr(cfg, name), name
     for g in store:
         assert np.array_equal(g.master, store2[g.name].master), g.name
@@ -341,14 +346,37 @@ def test_yaml_values_are_overridden_with_a_warning(tmp_path):
     assert (cfg.hidden_size, cfg.num_layers, cfg.init_std, cfg.from_hf) == (32, 2, 0.01, str(d))
 
 
-def test_sliding_window_warning(tmp_path):
+def test_sliding_window_is_read_and_written(tmp_path):
+    """Mistral's sliding_window (and Qwen2's, when every layer uses it) becomes model.sliding_window
+    and goes back into the exported config.json; a mix of windowed and full layers is warned about."""
     cfg_json = _hf_config("MistralForCausalLM", sliding_window=64)
-    d = _write_hf(tmp_path / "hf", cfg_json, _hf_tensors(cfg_json))
-    with pytest.warns(HFWarning, match="sliding_window=64.*sequence length 128"):
-        load_hf_into_store(ModelConfig(from_hf=str(d)), bf16_stream=False, seq_len=128, log=None)
+    d = _write_hf(tmp_path / "mistral", cfg_json, _hf_tensors(cfg_json))
     with warnings.catch_warnings():
         warnings.simplefilter("error", HFWarning)
-        load_hf_into_store(ModelConfig(from_hf=str(d)), bf16_stream=False, seq_len=64, log=None)
+        cfg = ModelConfig(from_hf=str(d))
+        _, store = load_hf_into_store(cfg, bf16_stream=False, seq_len=128, log=None)
+    assert cfg.sliding_window == 64
+    export_hf(store, cfg, str(tmp_path / "out"), dtype="float32", log=None)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 64
+    for over, want in [(dict(use_sliding_window=False, sliding_window=64), None),
+                       (dict(use_sliding_window=True, sliding_window=64, max_window_layers=0), 64),
+                       (dict(use_sliding_window=True, sliding_window=64, layer_types=["sliding_attention"] * 2), 64)]:
+        q = _hf_config("Qwen2ForCausalLM", **over)
+        cfg, _, _ = _import(_write_hf(tmp_path / f"qwen{len(str(over))}", q, _hf_tensors(q)))
+        assert cfg.sliding_window == want, over
+    q = _hf_config("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    d = _write_hf(tmp_path / "qwen_mixed", q, _hf_tensors(q))
+    with pytest.warns(HFWarning, match="mixes full and sliding-window"):
+        load_hf_into_store(ModelConfig(from_hf=str(d)), bf16_stream=False, seq_len=128, log=None)
+    # a model trained from scratch with a window exports as Mistral (Llama has no window)
+    fresh = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48,
+                        sliding_window=16)
+    _, store = init_host_store(fresh, seed=0, bf16_stream=False)
+    export_hf(store, fresh, str(tmp_path / "fresh"), dtype="float32", log=None)
+    conf = json.loads((tmp_path / "fresh" / "config.json").read_text())
+    assert conf["architectures"] == ["MistralForCausalLM"] and conf["sliding_window"] == 16
+    with pytest.raises(UserError, match="export as MistralForCausalLM"):
+        export_hf(store, fresh, str(tmp_path / "llama"), architecture="LlamaForCausalLM", log=None)
 
 
 def test_export_writes_readable_shards_and_refuses_to_clobber(tmp_path):

@@ -88,7 +88,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.dim_per_head
         self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, d
-        self.window = getattr(cfg, "sliding_window", None)
+        self.window = cfg.sliding_window
         self.q_proj = _linear(h, cfg.num_heads * d, cfg.qkv_bias, cfg.init_std, rngs)
         self.k_proj = _linear(h, cfg.kv_heads * d, cfg.qkv_bias, cfg.init_std, rngs)
         self.v_proj = _linear(h, cfg.kv_heads * d, cfg.qkv_bias, cfg.init_std, rngs)
