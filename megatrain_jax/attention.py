@@ -144,8 +144,7 @@ def _reason(impl: str, head_dim: int, dtype: Any, backend: str, softcap: float |
     if impl == "cudnn":
         return "cuDNN flash attention"
     if impl == "cudnn_padded":
-        return (f"cuDNN flash attention on a head dim zero-padded {head_dim} -> {_round_up(head_dim, 8)} "
-                "(the kernel needs a multiple of 8; exact)")
+        return "cuDNN flash attention on q/k/v zero-padded to a multiple of 8 (exact)"
     why = []
     if backend != "gpu":
         why.append(f"no cuDNN on the {backend} backend")
