@@ -66,6 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--name", default="prepare_chat_cpu", help="result file name (without .json)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_chat_")
     try:
@@ -80,15 +81,29 @@ def main() -> None:
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         peak = [0]
 
+        def tree(pid):  # the prepare process and its worker processes
+            out = [pid]
+            try:
+                for t in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{t}/children") as f:
+                        out += [x for c in f.read().split() for x in tree(int(c))]
+            except OSError:
+                pass
+            return out
+
+        def rss_kb(pid):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            return int(line.split()[1])
+            except OSError:
+                pass
+            return 0
+
         def sample():
             while p.poll() is None:
-                try:
-                    with open(f"/proc/{p.pid}/status") as f:
-                        for line in f:
-                            if line.startswith("VmRSS:"):
-                                peak[0] = max(peak[0], int(line.split()[1]))
-                except OSError:
-                    pass
+                peak[0] = max(peak[0], sum(rss_kb(x) for x in tree(p.pid)))  # summed over the workers too
                 time.sleep(0.2)
 
         th = threading.Thread(target=sample, daemon=True)
@@ -99,12 +114,12 @@ def main() -> None:
         index = json.load(open(os.path.join(tmp, "prepared", "chat.json"))) if p.returncode == 0 else {}
         res = {"date": datetime.date.today().isoformat(), "machine": f"CPU ({os.cpu_count()} cores), no GPU",
                "command": " ".join(sys.argv), "input_bytes": os.path.getsize(src), "conversations": n_conv,
-               "generate_s": gen_s, "rc": p.returncode, "prepare_s": secs, "peak_rss_gb": peak[0] * 1024 / 1e9,
+               "generate_s": gen_s, "rc": p.returncode, "prepare_s": secs, "peak_rss_gb_all_processes": peak[0] * 1024 / 1e9,
                "tokens": index.get("n_tokens"), "tokens_per_s": (index.get("n_tokens") or 0) / secs,
                "mb_per_s": os.path.getsize(src) / secs / 1e6, "masked_tokens": (index.get("mask") or {}).get("n_masked"),
                "report": index.get("report"), "stdout_tail": out[-1500:], "stderr_tail": err[-1500:]}
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "prepare_chat_cpu.json"), "w") as f:
+        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
             json.dump(res, f, indent=1)
         print(json.dumps({k: v for k, v in res.items() if k not in ("stdout_tail", "stderr_tail", "report")}, indent=1))
     finally:
