@@ -137,6 +137,8 @@ class _GradOut:
         self.on_host = on_host
         self.host: list[Any] = [None] * len(chunks)
         self.issued = len(chunks) if on_host else 0  # chunks issued so far
+        self.failed = False  # its update raised: no more slabs are taken for it, and its slabs are returned
+        self._lock = threading.Lock()
         self._events = [threading.Event() for _ in chunks]
         if on_host:  # already in host memory: nothing to issue
             for e in self._events:
@@ -146,14 +148,19 @@ class _GradOut:
         """Issue the next chunk's copy; False (nothing issued) when no slab is free and not ``wait``."""
         j = self.issued
         lo, hi = self.chunks[j]
-        if self.on_host:
-            self.host[j] = None  # read from the held pinned array itself
+        if self.on_host or self.failed:
+            self.host[j] = None  # read from the held pinned array itself (or nobody will read it)
         else:
             if not engine._slabs.acquire(blocking=wait):
                 return False
             g = self.grad
             piece = g if (len(self.chunks) == 1 and g.dtype == F32) else engine._chunk_fn(g, lo, hi - lo)
-            self.host[j] = engine.xfer.to_host(piece)
+            arr = engine.xfer.to_host(piece)
+            with self._lock:
+                if self.failed:
+                    engine._slabs.release()
+                else:
+                    self.host[j] = arr
         self.issued += 1
         if self.issued == len(self.chunks) and not self.on_host:
             self.grad = None  # the device copy is freed once its transfers are done
@@ -170,9 +177,20 @@ class _GradOut:
         return engine.xfer.host_view(self.host[j])
 
     def release(self, j: int, engine: "StreamedTrainer") -> None:
-        if not self.on_host:
-            self.host[j] = None
-            engine._slabs.release()
+        with self._lock:
+            if not self.on_host and self.host[j] is not None:
+                self.host[j] = None
+                engine._slabs.release()
+
+    def fail(self, engine: "StreamedTrainer") -> None:
+        """The update raised: give every slab back, so the dispatching thread never waits for one
+        that nobody will release (the error then surfaces where the update is waited for)."""
+        with self._lock:
+            self.failed = True
+            for j, arr in enumerate(self.host):
+                if arr is not None and not self.on_host:
+                    self.host[j] = None
+                    engine._slabs.release()
 
 
 class StreamedTrainer:
@@ -406,6 +424,13 @@ class StreamedTrainer:
     def _update(self, name: str, out: _GradOut, scale: float, count: int) -> None:
         """Runs on the host optimizer thread: updates the group in place, slab by slab, each as
         soon as it has landed (zero-copy views of the pinned buffers)."""
+        try:
+            self._update_slabs(name, out, scale, count)
+        except BaseException:
+            out.fail(self)
+            raise
+
+    def _update_slabs(self, name: str, out: _GradOut, scale: float, count: int) -> None:
         g = self.store[name]
         t0 = None
         whole = len(out.chunks) == 1

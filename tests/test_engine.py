@@ -183,3 +183,27 @@ def test_bf16_gradient_hold_tracks_fp32_hold():
     for name in f_w:
         df, db = f_w[name] - init[name].master, b_w[name] - init[name].master
         assert np.linalg.norm(df - db) < 0.05 * np.linalg.norm(df)
+
+
+def test_a_failing_host_update_raises_instead_of_holding_the_slab_pool():
+    """An exception on the optimizer thread returns its slabs: with a pool far smaller than one group,
+    the next step raises that exception (it used to wait forever for a slab)."""
+    import concurrent.futures
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48)
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    opt = build_host_optimizer(OptimConfig(), 3)
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    opt.update = boom
+    st = StreamedTrainer(parts, opt, compute_dtype="float32", store=store, clip_norm=1.0, grad_slab_elems=1000,
+                         grad_slabs=2)
+    batch = _batches(np.random.default_rng(0), 1, 2, 16, 256)[0]
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(lambda: [st.step(batch) for _ in range(3)])
+        with pytest.raises(OSError, match="No space"):
+            fut.result(timeout=120)
+    with pytest.raises(OSError):
+        st.close()
