@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -33,7 +34,7 @@ import numpy as np
 
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
-from megatrain_jax.templates import StreamedModel
+from megatrain_jax.templates import StreamedModel, block_rng
 from megatrain_jax.transfer import Transfers
 
 F32 = jnp.float32
@@ -58,13 +59,14 @@ class StepResult:
 
 
 def chunked_cross_entropy(normed: jax.Array, out_matrix: jax.Array, labels: jax.Array,
-                          mask: jax.Array, chunk: int) -> jax.Array:
+                          mask: jax.Array, chunk: int, softcap: float | None = None) -> jax.Array:
     """sum(mask * CE(normed @ out_matrix, labels)), computed ``chunk`` tokens at a time.
 
     normed: (B, S, H); out_matrix: (H, V); labels, mask: (B, S). Peak memory is one chunk of
     logits, forward and backward: the forward keeps only each token's log-sum-exp, and the backward
     recomputes a chunk's logits and forms softmax - onehot directly (a hand-written VJP: XLA's
     autodiff of the gather and logsumexp was 4x slower than the matmuls on an H200).
+    ``softcap``: logits are ``softcap * tanh(logits / softcap)`` (Gemma 2's final soft-capping).
     """
     h = normed.shape[-1]
     x, y, m = normed.reshape(-1, h), labels.reshape(-1), mask.reshape(-1).astype(F32)
@@ -74,18 +76,22 @@ def chunked_cross_entropy(normed: jax.Array, out_matrix: jax.Array, labels: jax.
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))
         y, m = jnp.pad(y, (0, pad)), jnp.pad(m, (0, pad))
-    return _ce_sum(x.reshape(-1, c, h), out_matrix, y.reshape(-1, c), m.reshape(-1, c))
+    return _ce_sum(x.reshape(-1, c, h), out_matrix, y.reshape(-1, c), m.reshape(-1, c), softcap)
 
 
-@jax.custom_vjp
-def _ce_sum(xs, w, ys, ms):
-    return _ce_forward(xs, w, ys, ms)[0]
+def _capped(logits: jax.Array, softcap: float | None) -> jax.Array:
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
-def _ce_forward(xs, w, ys, ms):
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ce_sum(xs, w, ys, ms, softcap):
+    return _ce_forward(xs, w, ys, ms, softcap)[0]
+
+
+def _ce_forward(xs, w, ys, ms, softcap):
     def body(total, inp):
         xc, yc, mc = inp
-        logits = jnp.dot(xc, w, preferred_element_type=F32)  # (c, V)
+        logits = _capped(jnp.dot(xc, w, preferred_element_type=F32), softcap)  # (c, V)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
         return total + jnp.sum((lse - picked) * mc), lse
@@ -94,14 +100,17 @@ def _ce_forward(xs, w, ys, ms):
     return total, (xs, w, ys, ms, lses)
 
 
-def _ce_backward(res, g):
+def _ce_backward(softcap, res, g):
     xs, w, ys, ms, lses = res
     vocab = w.shape[1]
 
     def body(dw, inp):
         xc, yc, mc, lse = inp
-        logits = jnp.dot(xc, w, preferred_element_type=F32)
+        raw = jnp.dot(xc, w, preferred_element_type=F32)
+        logits = _capped(raw, softcap)
         p = jnp.exp(logits - lse[:, None]) - jax.nn.one_hot(yc, vocab, dtype=F32)
+        if softcap is not None:  # through cap * tanh(raw / cap): times 1 - tanh^2
+            p = p * (1.0 - jnp.square(logits / softcap))
         p = (p * (mc * g)[:, None]).astype(xc.dtype)  # d total / d logits
         dx = jnp.dot(p, w.T, preferred_element_type=F32).astype(xc.dtype)
         return dw + jnp.dot(xc.T, p, preferred_element_type=F32), dx
@@ -204,7 +213,7 @@ class StreamedTrainer:
                  device: jax.Device | None = None, store: HostStore | None = None,
                  skip_nonfinite: bool = False, offload_activations: bool | None = None,
                  transfer_mode: str = "auto", tracer: Any = None, grad_hold: str = "gpu_fp32",
-                 grad_slab_elems: int | None = 32 << 20, grad_slabs: int | None = None):
+                 grad_slab_elems: int | None = 32 << 20, grad_slabs: int | None = None, rng_seed: int = 0):
         """``grad_hold``: where deferred gradients wait for the step's norm (``gpu_fp32``,
         ``gpu_bf16``: rounded to bf16 after the norm is taken, or ``pinned_host``). The streamed
         dtype follows the store: a store without a bf16 copy streams the fp32 master, which each
@@ -224,6 +233,7 @@ class StreamedTrainer:
         self.dtype = jnp.dtype(compute_dtype)
         self.micro_batches, self.clip_norm, self.loss_chunk = micro_batches, clip_norm, loss_chunk
         self.device = device or jax.devices()[0]
+        self.rng_seed, self._rng_step = rng_seed, 0  # blocks that take a key (dropout): see templates.block_rng
         bf16 = self.dtype == jnp.bfloat16
         self.store = store or HostStore.from_trees(parts.host_trees(), bf16_stream=bf16)
         self.xfer = Transfers(self.device, transfer_mode)
@@ -250,6 +260,7 @@ class StreamedTrainer:
 
     def step(self, batch: Batch) -> StepResult:
         L, M = self.num_layers, self.micro_batches
+        self._rng_step = self.count  # dropout keys: (updates done before this step, layer, micro-batch)
         mbs = self._micro_batches(batch)
         n_tokens = int(sum(mb["mask_sum"] for mb in mbs))
         inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)
@@ -270,11 +281,11 @@ class StreamedTrainer:
                 head_w = self._fetch("head")  # in flight while the last blocks compute
             saved.append(keep(hs))  # block i's input: the boundary checkpoint
             outs = []
-            for h, mb in zip(hs, mbs):
+            for m, (h, mb) in enumerate(zip(hs, mbs)):
                 # before each micro-batch's compute: copies issued here overlap it, and the host
                 # optimizer gets slabs back to work on several times per block
                 self._issue_grad_copies(through=f"block_{i + self.GRAD_LOOKAHEAD}", wait=False)
-                outs.append(self._block_fwd(w, h, mb["aux"]))
+                outs.append(self._block_fwd(i, w, h, mb["aux"], self._rng(i, m)))
             hs = outs
             self._trace("compute", f"fwd {i}", hs[-1])
             if i + 1 < L and nxt is None:
@@ -304,7 +315,7 @@ class StreamedTrainer:
             acts, acts_nxt = acts_nxt, bring(saved[i - 1]) if i > 0 else None
             g = self._zeros(f"block_{i}")
             for m in range(M):
-                dhs[m], g = self._block_bwd(w, acts[m], mbs[m]["aux"], dhs[m], g)
+                dhs[m], g = self._block_bwd(i, w, acts[m], mbs[m]["aux"], self._rng(i, m), dhs[m], g)
             saved[i] = acts = None  # free this block's boundary activations
             self._grad_ready(f"block_{i}", g, grads, sq)
             self._trace("compute", f"bwd {i}", sq[f"block_{i}"])  # (g itself may be donated later)
@@ -509,29 +520,38 @@ class StreamedTrainer:
         return out
 
     def _build_kernels(self) -> None:
-        """Jit the step's pieces. Every block shares ``_block_fwd`` / ``_block_bwd``: one executable."""
+        """Jit the step's pieces. Every block of a kind shares one ``_block_fwd`` / ``_block_bwd``
+        executable (one kind for a stack of identical blocks)."""
         p, dt, chunk = self.parts, self.dtype, self.loss_chunk
         lay_e, lay_h = self.store["embed"].layout, self.store["head"].layout
-        lay_b = self.store["block_0"].layout
-        tied = p.tied
+        tied, cap = p.tied, p.logit_softcap
+        stack = p.blocks
 
         # weights arrive as the host streams them: bf16, or the fp32 master cast here, on the device
         def embed_fwd(w, tokens):
             return p.embed_fn(lay_e.unflatten(w.astype(dt)), tokens).astype(dt)
 
-        def block_fwd(w, h, aux):
-            return p.blocks.template(lay_b.unflatten(w.astype(dt)), h, aux)
+        def block_kernels(template, lay):
+            if stack.takes_rng:
+                def block_fwd(w, h, aux, rng):
+                    return template(lay.unflatten(w.astype(dt)), h, aux, rng)
+            else:
+                def block_fwd(w, h, aux, rng):
+                    del rng
+                    return template(lay.unflatten(w.astype(dt)), h, aux)
 
-        def block_bwd(w, h, aux, dh, g):
-            _, vjp = jax.vjp(lambda w_, h_: block_fwd(w_, h_, aux), w, h)
-            dw, dh_in = vjp(dh)
-            return dh_in, g + dw.astype(F32)
+            def block_bwd(w, h, aux, rng, dh, g):
+                _, vjp = jax.vjp(lambda w_, h_: block_fwd(w_, h_, aux, rng), w, h)
+                dw, dh_in = vjp(dh)
+                return dh_in, g + dw.astype(F32)
+
+            return jax.jit(block_fwd), jax.jit(block_bwd, donate_argnums=(4, 5))
 
         def head_loss(wh, we, h, labels, mask, inv, gh, ge):
             def f(wh, we, h):
                 normed, out = p.head_fn(lay_h.unflatten(wh.astype(dt)), h,
                                         lay_e.unflatten(we.astype(dt)) if tied else None)
-                return chunked_cross_entropy(normed, out, labels, mask, chunk) * inv
+                return chunked_cross_entropy(normed, out, labels, mask, chunk, cap) * inv
 
             loss, (dwh, dwe, dh) = jax.value_and_grad(f, argnums=(0, 1, 2))(wh, we, h)
             if tied:
@@ -544,8 +564,11 @@ class StreamedTrainer:
             return ge + dw.astype(F32)
 
         self._embed_fwd = jax.jit(embed_fwd)
-        self._block_fwd = jax.jit(block_fwd)
-        self._block_bwd = jax.jit(block_bwd, donate_argnums=(3, 4))
+        kernels: dict[Any, tuple[Callable, Callable]] = {}
+        for i, kind in enumerate(stack.kinds):
+            if kind not in kernels:
+                kernels[kind] = block_kernels(stack.templates[kind], self.store[f"block_{i}"].layout)
+        self._kernels_of_layer = [kernels[k] for k in stack.kinds]
         self._head_loss = jax.jit(head_loss, donate_argnums=(6, 7))
         self._embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
         self._sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)))
@@ -558,6 +581,19 @@ class StreamedTrainer:
         on_device = jax.sharding.SingleDeviceSharding(self.device)
         self._zeros_fn = jax.jit(lambda n: jnp.zeros((n,), F32), static_argnums=0, out_shardings=on_device)
         self._aux = jax.jit(p.aux_fn)
+        self._rng_fn = jax.jit(block_rng, out_shardings=on_device) if stack.takes_rng else None
+
+    def _block_fwd(self, i: int, w, h, aux, rng):
+        return self._kernels_of_layer[i][0](w, h, aux, rng)
+
+    def _block_bwd(self, i: int, w, h, aux, rng, dh, g):
+        return self._kernels_of_layer[i][1](w, h, aux, rng, dh, g)
+
+    def _rng(self, layer: int, micro: int) -> jax.Array | None:
+        """The dropout key of (this step, layer, micro-batch); None for blocks without randomness."""
+        if self._rng_fn is None:
+            return None
+        return self._rng_fn(self.rng_seed, self._rng_step, layer, micro)
 
     # ------------------------------------------------------------------------------ views
 

@@ -69,35 +69,86 @@ class Layout:
 
 @dataclass
 class LayerStack:
-    """What the engine streams: one template and each layer's weights (host pytrees)."""
+    """What the engine streams: the blocks' templates and each layer's weights (host pytrees).
 
-    template: Template
+    Usually every layer is alike: one ``template``. Layers of several *kinds* (local and global
+    attention layers, dense and mixture-of-experts blocks) give ``kinds[i]``, a hashable tag per
+    layer, and ``templates[kind]``: the engine compiles one executable per kind, never per layer.
+    Layers of one kind must have the same weight structure; kinds may differ.
+
+    ``takes_rng``: templates are called as ``template(weights, hidden, aux, rng)`` with a key per
+    (step, layer, micro-batch) from ``block_rng`` (dropout); the backward's recompute gets the same key.
+    """
+
+    template: Template | None
     weights: list[Any]
+    kinds: list[Any] | None = None
+    templates: dict[Any, Template] | None = None
+    takes_rng: bool = False
 
     def __post_init__(self):
         if not self.weights:
             raise ValueError("a layer stack needs at least one layer")
-        sig = Layout(self.weights[0]).signature()
-        for i, w in enumerate(self.weights[1:], 1):
-            if Layout(w).signature() != sig:
-                raise ValueError(f"layer {i} has a different weight structure from layer 0; "
-                                 "a stack must be made of identical blocks")
+        if self.kinds is None:
+            if self.template is None:
+                raise ValueError("a layer stack needs a template (or kinds and templates)")
+            self.kinds = [0] * len(self.weights)
+            self.templates = {0: self.template}
+        if len(self.kinds) != len(self.weights):
+            raise ValueError(f"{len(self.kinds)} kinds for {len(self.weights)} layers")
+        missing = sorted({repr(k) for k in self.kinds if k not in (self.templates or {})})
+        if missing:
+            raise ValueError(f"no template for layer kind(s) {', '.join(missing)}")
+        first: dict[Any, tuple[int, tuple]] = {}
+        for i, (k, w) in enumerate(zip(self.kinds, self.weights)):
+            sig = Layout(w).signature()
+            j, ref = first.setdefault(k, (i, sig))
+            if sig != ref:
+                raise ValueError(f"layer {i} has a different weight structure from layer {j} of the same kind; "
+                                 "layers of one kind must be identical blocks")
+
+    def template_of(self, i: int) -> Template:
+        return self.templates[self.kinds[i]]
 
 
-def from_nnx(blocks: Sequence[nnx.Module]) -> LayerStack:
-    """NNX blocks -> (graphdef as template, per-layer pure-dict states)."""
-    graphdef, _ = nnx.split(blocks[0])
-    weights = []
-    for i, block in enumerate(blocks):
+def block_rng(seed: int | jax.Array, step: int, layer: int, micro: int) -> jax.Array:
+    """The key a block sees at optimizer step ``step`` (0-based: updates done before it), layer
+    ``layer`` and micro-batch ``micro``: ``fold_in`` of each into ``key(seed)``. A plain model
+    trained with the same keys sees the same dropout masks."""
+    is_key = isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key)
+    key = seed if is_key else jax.random.key(seed)
+    for x in (step, layer, micro):
+        key = jax.random.fold_in(key, x)
+    return key
+
+
+def from_nnx(blocks: Sequence[nnx.Module], takes_rng: bool = False) -> LayerStack:
+    """NNX blocks -> (graphdef as template, per-layer pure-dict states).
+
+    Blocks whose graphs differ (a static attribute such as a local/global attention window, or
+    another module structure) become separate kinds: one template, and one compiled executable,
+    per distinct graph. ``takes_rng``: the blocks are called as ``block(hidden, aux, rng)``.
+    """
+    graphs: list[Any] = []
+    kinds, weights = [], []
+    for block in blocks:
         g, state = nnx.split(block)
-        if g != graphdef:
-            raise ValueError(f"block {i} has a different graph from block 0")
+        for k, known in enumerate(graphs):
+            if g == known:
+                break
+        else:
+            k = len(graphs)
+            graphs.append(g)
+        kinds.append(k)
         weights.append(nnx.to_pure_dict(state))
 
-    def template(w, hidden, aux):
-        return nnx.merge(graphdef, w)(hidden, aux)
+    def make(graphdef):
+        if takes_rng:
+            return lambda w, hidden, aux, rng: nnx.merge(graphdef, w)(hidden, aux, rng)
+        return lambda w, hidden, aux: nnx.merge(graphdef, w)(hidden, aux)
 
-    return LayerStack(template, weights)
+    templates = {k: make(g) for k, g in enumerate(graphs)}
+    return LayerStack(templates[0], weights, kinds, templates, takes_rng)
 
 
 def from_linen(module: Any, params_per_layer: Sequence[Any], takes_aux: bool = True) -> LayerStack:
@@ -126,6 +177,7 @@ class StreamedModel:
       is computed by the engine in chunks from these two, so logits never exist all at once.
       ``embed_weights`` is the embedding group's pytree when ``tied``, else ``None``.
     - ``aux_fn(positions, segment_ids) -> aux``: per-sequence inputs shared by every block.
+    - ``logit_softcap``: final-logit soft-capping, applied chunk by chunk inside the loss.
     """
 
     embed_fn: Callable
@@ -135,6 +187,7 @@ class StreamedModel:
     embed_weights: Any
     head_weights: Any
     tied: bool
+    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap), inside the chunked loss (Gemma 2)
 
     def host_trees(self) -> dict[str, Any]:
         """The group name -> host pytree mapping that the host store is built from."""

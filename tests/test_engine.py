@@ -207,3 +207,23 @@ def test_a_failing_host_update_raises_instead_of_holding_the_slab_pool():
             fut.result(timeout=120)
     with pytest.raises(OSError):
         st.close()
+
+
+def test_soft_capped_chunked_cross_entropy_and_its_gradient_match_the_plain_formula():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 19, 8)).astype(np.float32)
+    w = (rng.standard_normal((8, 30)) * 3).astype(np.float32)
+    y = rng.integers(0, 30, (2, 19))
+    m = (rng.random((2, 19)) > 0.3).astype(np.float32)
+
+    def plain(x, w):
+        logits = 5.0 * jax.numpy.tanh(jax.numpy.einsum("bsh,hv->bsv", x, w) / 5.0)
+        return jax.numpy.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y) * m)
+
+    want, (gx, gw) = jax.value_and_grad(plain, argnums=(0, 1))(x, w)
+    got, (cx, cw) = jax.value_and_grad(lambda x, w: chunked_cross_entropy(x, w, y, m, 7, 5.0), argnums=(0, 1))(x, w)
+    assert abs(float(got) - float(want)) < 1e-5 * abs(float(want))
+    np.testing.assert_allclose(cx, gx, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(cw, gw, rtol=1e-4, atol=1e-6)
+    # and capping changes the result (the test would notice it being ignored)
+    assert abs(float(chunked_cross_entropy(x, w, y, m, 7)) - float(want)) > 1e-3

@@ -107,3 +107,111 @@ def test_linen_and_plain_function_doors_train_identically():
         st.close()
     np.testing.assert_allclose(losses["linen"], losses["fn"], rtol=1e-6)
     assert losses["fn"][-1] < losses["fn"][0]
+
+
+class _Windowed(linen.Module):
+    """A block whose behaviour depends on a static attribute (like a local/global attention window)."""
+
+    width: int
+    local: bool
+
+    @linen.compact
+    def __call__(self, x, aux):
+        y = linen.Dense(self.width, use_bias=False)(jnp.tanh(x))
+        return x + (0.5 * y if self.local else y)
+
+
+def test_layers_of_several_kinds_compile_once_per_kind_and_equal_a_plain_loop():
+    """Alternating local/global blocks (same weight structure, different static attribute) stream as
+    two kinds: compilations grow with the number of kinds, not with depth, and the training run
+    equals the same model written as one plain function over the layers."""
+    from megatrain_jax.templates import LayerStack
+
+    width, vocab = 8, 16
+    toks = np.random.default_rng(1).integers(0, vocab, (2, 7))
+    batch = Batch(toks[:, :-1], toks[:, 1:])
+
+    def run(layers):
+        kinds = [i % 2 for i in range(layers)]
+        mods = {k: _Windowed(width, local=bool(k)) for k in (0, 1)}
+        params = [mods[k].init(jax.random.key(i), jnp.zeros((1, 1, width)), {})["params"] for i, k in enumerate(kinds)]
+        templates = {k: (lambda m: lambda w, h, aux: m.apply({"params": w}, h, aux))(m) for k, m in mods.items()}
+        stack = LayerStack(None, params, kinds, templates)
+        jax.clear_caches()
+        before = len(_compiles)
+        st = StreamedTrainer(_toy_model(stack, width, vocab), build_host_optimizer(OptimConfig(lr=1e-2, clip_norm=None), 2),
+                             compute_dtype="float32")
+        losses = [st.step(batch).loss for _ in range(2)]
+        st.close()
+        plain = [{"k": np.asarray(p["Dense_0"]["kernel"])} for p in params]
+        return len(_compiles) - before, losses, plain, kinds
+
+    n2, _, _, _ = run(2)
+    n8, losses, plain, kinds = run(8)
+    assert n8 == n2, f"2 layers: {n2} compilations, 8 layers: {n8}"
+
+    # the same model as one function, differentiated whole: the first loss must agree
+    m = _toy_model(from_fn(lambda w, h, aux: h, [{}]), width, vocab)
+
+    def loss(ws):
+        h = jnp.take(m.embed_weights["table"], batch.tokens, axis=0)
+        for w, k in zip(ws, kinds):
+            y = jnp.tanh(h) @ w["k"]
+            h = h + (0.5 * y if k else y)
+        logits = h @ m.head_weights["out"]
+        return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch.labels[..., None], -1))
+
+    assert abs(float(loss(plain)) - losses[0]) <= 1e-5 * abs(losses[0])
+
+
+def test_stack_of_kinds_rejects_mismatched_layers_of_one_kind():
+    from megatrain_jax.templates import LayerStack
+
+    with pytest.raises(ValueError, match="same kind"):
+        LayerStack(None, [{"w": np.zeros(3)}, {"w": np.zeros(4)}, {"w": np.zeros(3)}], [0, 1, 1],
+                   {0: lambda w, h, a: h, 1: lambda w, h, a: h})
+    with pytest.raises(ValueError, match="no template"):
+        LayerStack(None, [{"w": np.zeros(3)}], ["local"], {"global": lambda w, h, a: h})
+
+
+def test_dropout_key_is_the_same_in_the_backward_recompute():
+    """A block that drops units with its per-(step, layer, micro-batch) key: the streamed gradient
+    equals the gradient of a plain model that uses the same keys (so the recompute in the backward
+    saw the same mask as the forward), and different steps see different masks."""
+    from megatrain_jax.templates import block_rng
+
+    width, vocab, layers, rate = 8, 16, 3, 0.5
+
+    def block(w, h, aux, rng):
+        keep = jax.random.bernoulli(rng, 1 - rate, h.shape)
+        return h + jnp.where(keep, jnp.tanh(h) @ w["k"], 0.0) / (1 - rate)
+
+    rng = np.random.default_rng(0)
+    ws = [{"k": rng.standard_normal((width, width)).astype(np.float32) * 0.3} for _ in range(layers)]
+    from megatrain_jax.templates import LayerStack
+    stack = LayerStack(block, [dict(w) for w in ws], takes_rng=True)
+    model = _toy_model(stack, width, vocab)
+    toks = rng.integers(0, vocab, (4, 7))
+    batch = Batch(toks[:, :-1], toks[:, 1:])
+    opt = build_host_optimizer(OptimConfig(lr=1e-2, clip_norm=1.0), 2)
+    st = StreamedTrainer(model, opt, compute_dtype="float32", micro_batches=2, clip_norm=1.0, rng_seed=7)
+    res = st.step(batch)
+
+    def loss(ws, emb, out):
+        total = 0.0
+        for m in range(2):
+            sl = slice(m * 2, m * 2 + 2)
+            h = jnp.take(emb, batch.tokens[sl], axis=0)
+            for i, w in enumerate(ws):
+                h = block(w, h, {}, block_rng(7, 0, i, m))
+            logits = h @ out
+            total += jnp.sum(-jnp.take_along_axis(jax.nn.log_softmax(logits), batch.labels[sl][..., None], -1))
+        return total / batch.tokens.size
+
+    want, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(ws, model.embed_weights["table"], model.head_weights["out"])
+    assert abs(float(want) - res.loss) <= 1e-5 * abs(res.loss)
+    norm = float(np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree_util.tree_leaves(grads))))
+    assert abs(norm - res.grad_norm) <= 1e-4 * norm
+    assert not np.array_equal(np.asarray(jax.random.key_data(block_rng(7, 0, 0, 0))),
+                              np.asarray(jax.random.key_data(block_rng(7, 1, 0, 0))))
+    st.close()
