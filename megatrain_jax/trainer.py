@@ -1,0 +1,235 @@
+"""``Trainer``: the streamed engine as a Python object, for research code and notebooks.
+
+    from megatrain_jax.trainer import Trainer
+    tr = Trainer(model, optax.adamw(3e-4), micro_batches=2, clip_norm=1.0)   # model: NNX (or Linen + params=)
+    for tokens in batches:                     # (B, S + 1) int arrays, or Batch / (tokens, labels[, mask])
+        res = tr.step(tokens)                  # StepResult(loss, grad_norm, tokens, skipped)
+    weights = tr.params()                      # fp32, in your model's own tree structure
+    tr.save("ckpt/"); tr.restore("ckpt/")      # checkpoint.py: orbax, per group, checked, exact resume
+    print(tr.plan(batch_size=16, seq_len=1024).table)   # the CLI's memory plan
+
+The model's weights and optimizer state live in host memory (``HostStore``); each step streams the
+blocks through the device exactly as ``megatrain-jax train`` does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from megatrain_jax import checkpoint as ck
+from megatrain_jax.config import OptimConfig
+from megatrain_jax.engine import Batch, StepResult, StreamedTrainer
+from megatrain_jax.errors import UserError
+from megatrain_jax.optim import HostOptimizer, OptaxHostOptimizer, build_host_optimizer
+from megatrain_jax.templates import StreamedModel
+
+
+class _Engine(StreamedTrainer):
+    """The engine, with the batch's positions handed to an embedding part that reads them
+    (``Streamed.embed_takes_positions``): its input is then the pair ``(tokens, positions)``."""
+
+    def _micro_batches(self, batch: Batch) -> list[dict[str, Any]]:
+        mbs = super()._micro_batches(batch)
+        if getattr(self.parts, "embed_takes_positions", False):
+            b, s = batch.tokens.shape
+            pos = batch.positions if batch.positions is not None else np.broadcast_to(
+                np.arange(s, dtype=np.int32), (b, s))
+            m = len(mbs)
+            for part, mb in enumerate(mbs):
+                sl = slice(part * b // m, (part + 1) * b // m)
+                mb["tokens"] = (mb["tokens"], jax.device_put(np.asarray(pos[sl], np.int32), self.device))
+        return mbs
+
+
+def host_optimizer(optimizer: Any, steps: int | None = None) -> HostOptimizer:
+    """``OptimConfig`` (the CLI's optimizer section), an ``optax.GradientTransformation`` (run per
+    group on the host, exactly as on the whole model for element-wise optimizers such as adamw), or
+    a ready ``HostOptimizer``."""
+    if optimizer is None:
+        optimizer = OptimConfig(clip_norm=None)
+    if isinstance(optimizer, OptimConfig):
+        if steps is None and (optimizer.schedule.kind != "constant" or optimizer.schedule.warmup_steps) \
+                and not optimizer.schedule.decay_steps:
+            raise UserError("steps", f"the {optimizer.schedule.kind} schedule needs the run's length",
+                            "pass Trainer(..., steps=N) or set optim.schedule.decay_steps")
+        return build_host_optimizer(optimizer, steps or 1)
+    if isinstance(optimizer, optax.GradientTransformation):
+        return OptaxHostOptimizer(optimizer)
+    if all(hasattr(optimizer, a) for a in ("init_state", "update", "state_to_arrays")):
+        return optimizer
+    raise UserError("optimizer", f"a {type(optimizer).__name__} is not an optimizer",
+                    "pass an OptimConfig, an optax.GradientTransformation or a HostOptimizer")
+
+
+def as_batch(batch: Any) -> Batch:
+    """``Batch``; ``(tokens, labels[, loss_mask])``; a dict with those keys; or one (B, S + 1) token
+    array (inputs ``[:, :-1]``, labels ``[:, 1:]``)."""
+    if isinstance(batch, Batch):
+        return batch
+    if isinstance(batch, dict):
+        return Batch(**{k: (None if v is None else np.asarray(v)) for k, v in batch.items()})
+    if isinstance(batch, (tuple, list)):
+        return Batch(*[None if v is None else np.asarray(v) for v in batch])
+    toks = np.asarray(batch)
+    if toks.ndim != 2 or toks.shape[1] < 2:
+        raise UserError("batch", f"a token array of shape {toks.shape}", "give (B, S + 1) tokens or a Batch")
+    return Batch(toks[:, :-1], toks[:, 1:])
+
+
+@dataclass
+class PlanView:
+    plan: Any  # memory.Plan
+    config: Any  # the Config it was made from
+
+    @property
+    def table(self) -> str:
+        from megatrain_jax.memory import plan_table
+
+        return plan_table(self.plan)
+
+    def verdict(self):
+        return self.plan.verdict()
+
+
+class Trainer:
+    """Streamed training of a Flax model (see the module docstring).
+
+    ``model``: a ``StreamedModel`` (from ``stream.stream`` or ``models.streamed_parts``), or an NNX
+    model / Linen module (``params=`` its params) with ``stream_kwargs`` passed on to ``stream``.
+    ``optimizer``: ``OptimConfig``, ``optax.GradientTransformation`` or ``HostOptimizer``.
+    ``clip_norm``: global-norm clipping ("auto": the ``OptimConfig``'s, else none).
+    ``steps``: the run's length, for schedules that decay over it. ``seed``: dropout keys
+    (``templates.block_rng(seed, step, layer, micro_batch)``).
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, *, params: Any = None, steps: int | None = None,
+                 micro_batches: int = 1, clip_norm: float | None | str = "auto", compute_dtype: str = "float32",
+                 loss_chunk: int = 1024, seed: int = 0, skip_nonfinite: bool = False,
+                 device: jax.Device | None = None, **stream_kwargs: Any):
+        if isinstance(model, StreamedModel):
+            if params is not None or stream_kwargs:
+                raise UserError("params", "a StreamedModel is already split", "pass params/stream options to stream()")
+            self.parts = model
+        else:
+            from megatrain_jax.stream import stream
+
+            self.parts = stream(model, params=params, **stream_kwargs)
+        if compute_dtype not in ("float32", "bfloat16"):
+            raise UserError("compute_dtype", f"{compute_dtype!r}", "use float32 or bfloat16")
+        if clip_norm == "auto":
+            clip_norm = optimizer.clip_norm if isinstance(optimizer, OptimConfig) else None
+        self.optimizer_spec, self.steps = optimizer, steps
+        self.settings = dict(micro_batches=micro_batches, clip_norm=clip_norm, compute_dtype=compute_dtype,
+                             loss_chunk=loss_chunk, seed=seed)
+        self.opt = host_optimizer(optimizer, steps)
+        self.engine = _Engine(self.parts, self.opt, compute_dtype=compute_dtype, micro_batches=micro_batches,
+                              clip_norm=clip_norm, loss_chunk=loss_chunk, device=device,
+                              skip_nonfinite=skip_nonfinite, rng_seed=seed)
+
+    # ---------------------------------------------------------------------------------- training
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer updates applied so far."""
+        return self.engine.count
+
+    def step(self, batch: Any) -> StepResult:
+        """One optimizer step; ``StepResult(loss, grad_norm, tokens, skipped)``."""
+        b = as_batch(batch)
+        if b.tokens.shape[0] % self.engine.micro_batches:
+            raise UserError("batch", f"{b.tokens.shape[0]} sequences do not split into "
+                            f"{self.engine.micro_batches} micro-batches", "use a batch size divisible by micro_batches")
+        return self.engine.step(b)
+
+    def params(self) -> Any:
+        """The current fp32 weights (copies), in the model's own tree structure (NNX: like
+        ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``; Linen: like ``params``)."""
+        self.engine.finish()
+        trees = {g.name: jax.tree.map(np.array, g.tree()) for g in self.engine.store}
+        assemble = getattr(self.parts, "assemble", None)
+        if assemble is not None:
+            return assemble(trees)
+        return {"embed": trees["embed"], "layers": {i: trees[f"block_{i}"] for i in range(self.engine.num_layers)},
+                "head": trees["head"]}
+
+    def update_model(self, model: Any) -> Any:
+        """Write the current weights into an NNX model (in place; returned); Linen: returns params."""
+        from flax import nnx
+
+        p = self.params()
+        if isinstance(model, nnx.Module):
+            nnx.update(model, nnx.State(p) if not isinstance(p, nnx.State) else p)
+            return model
+        return p
+
+    # ---------------------------------------------------------------------------------- checkpoints
+
+    def save(self, directory: str, *, keep_last: int = 2, meta: dict | None = None, log=lambda _: None) -> str:
+        """Checkpoint weights, optimizer state and step count to ``directory/step_<count>``
+        (checkpoint.py: atomic, checksummed; the ``keep_last`` newest are kept). Returns the path."""
+        saver = ck.CheckpointSaver(self.engine, directory, keep_last=keep_last, log=log)
+        info = {"trainer": {**self.settings, "optimizer": type(self.opt).__name__},
+                "model": getattr(self.parts, "summary", ""), **(meta or {})}
+        try:
+            return saver.save(self.engine.count, info, wait=True)
+        finally:
+            saver.close()
+
+    def restore(self, directory: str, log=lambda _: None) -> dict:
+        """Load the newest usable checkpoint in ``directory`` (weights, optimizer state, step count:
+        dropout keys and schedules continue where they were). Returns its state.json."""
+        self.engine.finish()
+        _, state = ck.restore_latest(directory, self.engine.store, self.opt, log)
+        for g in self.engine.store:
+            self.engine.xfer.host_written(g.name, g.stream_view())
+        self.engine.count = int(state["count"])
+        return state
+
+    # ---------------------------------------------------------------------------------- memory
+
+    def plan(self, batch_size: int, seq_len: int, *, num_heads: int | None = None, **train_overrides: Any) -> PlanView:
+        """The CLI's memory plan (``memory.make_plan``) for this model at ``batch_size`` x ``seq_len``.
+
+        The plan reads Llama-shaped sizes (``ModelConfig``); this model is described by one with the
+        same vocabulary, width, depth, tying and per-block parameter count (the MLP width is solved
+        for it), so weights, optimizer state and transfers are exact and the activation working set
+        is the calibrated Llama estimate. ``num_heads`` (default: width / 64) shapes the attention term.
+        """
+        from megatrain_jax.config import Config, ModelConfig, TrainConfig, DataConfig
+        from megatrain_jax.memory import make_plan
+
+        store = self.engine.store
+        H = int(np.shape(jax.eval_shape(self.parts.embed_fn, self.parts.embed_weights,
+                                        np.zeros((1, 2), np.int32)))[-1])
+        V = int(jax.eval_shape(lambda hw, h, ew: self.parts.head_fn(hw, h, ew)[1], self.parts.head_weights,
+                               jax.ShapeDtypeStruct((1, 2, H), np.float32),
+                               self.parts.embed_weights if self.parts.tied else None).shape[-1])
+        L = store.num_blocks
+        block = store["block_0"].size
+        heads = num_heads or max(1, H // 64)
+        F = max(1, round((block - 4 * H * H - 2 * H) / (3 * H)))
+        m = ModelConfig(vocab_size=V, hidden_size=H, num_layers=L, num_heads=heads, intermediate_size=F,
+                        tie_embeddings=self.parts.tied)
+        opt = self.optimizer_spec if isinstance(self.optimizer_spec, OptimConfig) else OptimConfig(kernel="optax")
+        t = TrainConfig(batch_size=batch_size, micro_batches=self.settings["micro_batches"],
+                        compute_dtype=self.settings["compute_dtype"], loss_chunk=self.settings["loss_chunk"],
+                        final_checkpoint=False)
+        for k, v in train_overrides.items():
+            if not hasattr(t, k):
+                raise UserError(f"train.{k}", "unknown train setting", "see config.TrainConfig")
+            setattr(t, k, v)
+        cfg = Config(model=m, optim=opt, data=DataConfig(seq_len=seq_len), train=t)
+        return PlanView(make_plan(cfg), cfg)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
