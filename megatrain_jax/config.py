@@ -18,7 +18,8 @@ from megatrain_jax.errors import UserError
 
 @dataclass
 class ModelConfig:
-    """A Llama-family decoder: Llama 2/3, Qwen2/2.5 (qkv_bias), Mistral."""
+    """A decoder of one of the registered families (``megatrain_jax/models/registry.py``): llama
+    (Llama 2/3, Qwen2/2.5 with qkv_bias, Mistral), qwen3, phi3, gemma2, gemma3."""
 
     vocab_size: int = 256
     hidden_size: int = 128
@@ -29,17 +30,27 @@ class ModelConfig:
     intermediate_size: int = 344
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # Llama 3.1 frequency scaling: {rope_type: llama3, factor, low_freq_factor,
-    #                                  high_freq_factor, original_max_position_embeddings}; None: plain RoPE
+    #                                  high_freq_factor, original_max_position_embeddings}, or {rope_type: linear,
+    #                                  factor} (Gemma 3's global layers); None: plain RoPE
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
     sliding_window: int | None = None  # causal sliding-window attention (Mistral): a token sees itself and the
-    #                                   W - 1 before it; None: full causal attention
+    #                                   W - 1 before it, on the layers layer_types marks sliding (all, by default);
+    #                                   None: full causal attention
     init_std: float = 0.02
     init: str = "normal"  # normal: nnx initialisers, equal to the in-memory model | fast: uniform with the same std,
     #                      drawn by a parallel host kernel (seconds for 7B instead of ~35 s; benchmarks, smoke runs)
     from_hf: str | None = None  # Hugging Face checkpoint directory to load instead of random init; its
     #                            config.json overrides the architecture fields above (see hf.py)
+    family: str = "llama"  # llama | qwen3 | phi3 | gemma2 | gemma3 (models/registry.py); from_hf sets it
+    layer_types: list | None = None  # per layer: sliding_attention | full_attention; None: the family's pattern
+    #                                 (gemma2: every 2nd layer full, from layer 1; gemma3: every 6th; others: all
+    #                                 sliding when sliding_window is set)
+    attn_softcap: float | None = None  # attention logits c * tanh(s / c) (Gemma 2: 50); None: off
+    final_softcap: float | None = None  # output logits c * tanh(z / c) (Gemma 2: 30); None: off
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) (Gemma); None: 1/sqrt(head_dim)
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3: 10000); None: rope_theta
 
     @property
     def kv_heads(self) -> int:
@@ -49,12 +60,31 @@ class ModelConfig:
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 
+    def _family(self):
+        from megatrain_jax.models.registry import get_family
+
+        return get_family(self.family)
+
+    def resolved_layer_types(self) -> list[str]:
+        """Each layer's attention type: ``layer_types``, else the family's default pattern."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        return self._family().layer_types(self)
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding window (None: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        return self.sliding_window if self.resolved_layer_types()[i] == "sliding_attention" else None
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The attention's score scale when it is not 1/sqrt(head_dim) (None otherwise)."""
+        return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
+
     def block_params(self) -> int:
-        """Parameters of one transformer block."""
-        h, d = self.hidden_size, self.dim_per_head
-        q, kv = self.num_heads * d, self.kv_heads * d
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        return attn + 3 * h * self.intermediate_size + 2 * h
+        """Parameters of one transformer block (per family: norms, q/k norms, biases)."""
+        return self._family().block_params(self)
 
     def non_embedding_params(self) -> int:
         """Parameters that the 6·N·T model-FLOPs convention counts (blocks and final norm)."""
@@ -119,8 +149,10 @@ class TrainConfig:
     # ---- memory (see memory.py: the plan decides what "auto" means, and refuses what cannot fit)
     host_memory_gb: float | None = None  # None: the machine's limit (cgroup memory.max, else MemTotal)
     gpu_memory_gb: float | None = None  # None: the whole device; a smaller budget shapes the plan to it
-    stream_copy: str = "host"  # host: a bf16 copy on the host streams (2 B/param); device: the fp32 master
-    #                            streams and is cast on the GPU (no host copy, twice the PCIe bytes)
+    stream_copy: str = "auto"  # host: a bf16 copy on the host streams (2 B/param); device: the fp32 master
+    #                            streams and is cast on the GPU (no host copy, twice the PCIe bytes); auto: device
+    #                            where the plan predicts the doubled transfer hides behind compute (or the copy
+    #                            does not fit), else host
     grad_hold: str = "auto"  # where gradients wait for the clipping norm: auto | gpu_fp32 | gpu_bf16 | pinned_host
     activations: str = "auto"  # boundary activations: auto | device | pinned_host
     grad_slabs: int | str = "auto"  # pinned 128 MiB gradient slabs: auto (24 where the host has room, down to 6)
@@ -278,10 +310,11 @@ def validate(cfg: Config) -> None:
     if m.dim_per_head % 2:
         raise UserError("model.head_dim", f"head dim {m.dim_per_head} is odd", "RoPE needs an even head dimension")
     if m.rope_scaling is not None and (not isinstance(m.rope_scaling, dict)
-                                       or m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) != "llama3"):
+                                       or m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) not in ("llama3", "linear")):
         raise UserError("model.rope_scaling", f"{m.rope_scaling!r} is not supported",
-                        "use null or {rope_type: llama3, factor, low_freq_factor, high_freq_factor, "
-                        "original_max_position_embeddings}")
+                        "use null, {rope_type: linear, factor} or {rope_type: llama3, factor, low_freq_factor, "
+                        "high_freq_factor, original_max_position_embeddings}")
+    validate_model(m)
     if t.micro_batches != "auto" and (isinstance(t.micro_batches, bool) or not isinstance(t.micro_batches, int)
                                       or t.micro_batches <= 0):
         raise UserError("train.micro_batches", f"must be a positive integer or auto, got {t.micro_batches!r}",
@@ -295,7 +328,7 @@ def validate(cfg: Config) -> None:
                         "set train.devices=all or a number of GPUs")
     for name, value, allowed in [("optim.moments", o.moments, ("float32", "bfloat16", "int8")),
                                  ("model.init", m.init, ("normal", "fast")),
-                                 ("train.stream_copy", t.stream_copy, ("host", "device")),
+                                 ("train.stream_copy", t.stream_copy, ("auto", "host", "device")),
                                  ("train.grad_hold", t.grad_hold, ("auto", "gpu_fp32", "gpu_bf16", "pinned_host")),
                                  ("train.activations", t.activations, ("auto", "device", "pinned_host"))]:
         if value not in allowed:
@@ -339,7 +372,9 @@ def validate(cfg: Config) -> None:
         ("train.gpu_memory_gb", t.gpu_memory_gb, lambda x: x > 0, "> 0 (or null)"),
     ]:
         _num(name, v, ok, rule)
-    if m.rope_scaling is not None:  # llama3 frequency scaling (models/llama.py divides by factor and by high - low)
+    if m.rope_scaling is not None and m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) == "linear":
+        _num("model.rope_scaling.factor", m.rope_scaling.get("factor", "missing"), lambda x: x > 0, "> 0")
+    elif m.rope_scaling is not None:  # llama3 frequency scaling (models/common.py divides by factor and by high - low)
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             _num(f"model.rope_scaling.{key}", m.rope_scaling.get(key, "missing"), lambda x: x > 0, "> 0")
         if not m.rope_scaling["high_freq_factor"] > m.rope_scaling["low_freq_factor"]:
@@ -354,3 +389,26 @@ def validate(cfg: Config) -> None:
     if m.from_hf is None and d.tokenizer == "byte" and m.vocab_size < 256:
         raise UserError("model.vocab_size", f"{m.vocab_size} is smaller than the byte tokenizer's 256 ids",
                         "set model.vocab_size >= 256")
+
+
+def validate_model(m: ModelConfig) -> None:
+    """The family and its feature fields (also called on configs read from checkpoints)."""
+    from megatrain_jax.models.registry import get_family
+
+    fam = get_family(m.family)  # UserError naming model.family and the families
+    for name, v in [("model.attn_softcap", m.attn_softcap), ("model.final_softcap", m.final_softcap),
+                    ("model.query_pre_attn_scalar", m.query_pre_attn_scalar),
+                    ("model.rope_local_theta", m.rope_local_theta)]:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            raise UserError(name, f"must be a positive number or null, got {v!r}", f"set {name} > 0, or null to turn it off")
+    if m.layer_types is not None:
+        types = m.layer_types
+        if (not isinstance(types, (list, tuple)) or len(types) != m.num_layers
+                or any(t not in ("sliding_attention", "full_attention") for t in types)):
+            raise UserError("model.layer_types", f"must list num_layers={m.num_layers} entries of sliding_attention or "
+                            f"full_attention, got {types!r}", "fix the list, or null for the family's pattern")
+        if m.sliding_window is None and "sliding_attention" in types:
+            raise UserError("model.layer_types", "names sliding_attention layers but model.sliding_window is null",
+                            "set model.sliding_window")
+    if fam.validate is not None:
+        fam.validate(m)

@@ -56,9 +56,13 @@ def _streamed_trainer(cfg: Config, parts, store, host_opt, plan) -> StreamedTrai
                            grad_slabs=d["grad_slabs"])
 
 
-def host_bf16_copy(cfg: Config) -> bool:
-    """Whether the host keeps a bf16 streaming copy (bf16 compute with ``train.stream_copy=host``)."""
-    return cfg.train.compute_dtype == "bfloat16" and cfg.train.stream_copy == "host"
+def host_bf16_copy(cfg: Config, plan=None) -> bool:
+    """Whether the host keeps a bf16 streaming copy (bf16 compute with ``train.stream_copy=host``,
+    or ``auto`` where the plan decided ``host``)."""
+    copy = cfg.train.stream_copy
+    if copy == "auto":
+        copy = plan.decisions["stream_copy"] if plan is not None else "host"
+    return cfg.train.compute_dtype == "bfloat16" and copy == "host"
 
 
 def plan_or_refuse(cfg: Config, log: Log = print):
@@ -101,7 +105,7 @@ def build_trainer(cfg: Config, model=None, plan=None):
         return ReferenceTrainer(model, build_reference_tx(cfg.optim, t.steps), compute_dtype=t.compute_dtype)
     plan = plan or plan_or_refuse(cfg, lambda _: None)
     host_opt = build_host_optimizer(cfg.optim, t.steps)
-    bf16 = host_bf16_copy(cfg)
+    bf16 = host_bf16_copy(cfg, plan)
     if model is not None:
         from megatrain_jax.hoststore import HostStore
 
@@ -127,7 +131,7 @@ def restore_trainer(cfg: Config, root: str, log: Log = print, plan=None) -> tupl
     t = cfg.train
     plan = plan or plan_or_refuse(cfg, lambda _: None)
     parts = streamed_parts(abstract_model(cfg.model))
-    store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, host_bf16_copy(cfg))
+    store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, host_bf16_copy(cfg, plan))
     host_opt = build_host_optimizer(cfg.optim, t.steps)
     path, state = ck.restore_latest(root, store, host_opt, log)
     trainer = _streamed_trainer(cfg, parts, store, host_opt, plan)

@@ -26,9 +26,26 @@ def test_store_rows_are_the_bytes_per_parameter_of_each_mode():
         p = _plan("configs/qwen2.5-7b.yaml", *sets)
         store = sum(r.bytes for r in p.rows if r.what.startswith(("fp32 master", "optimizer state")))
         assert abs(store / p.params - want) < 1e-6
-    full = _plan("configs/qwen2.5-7b.yaml")
+    full = _plan("configs/qwen2.5-7b.yaml", "train.stream_copy=host")
     copy = [r for r in full.rows if "bf16 streaming copy" in r.what][0]
     assert copy.bytes == 2 * (full.params - 2 * 152064 * 3584 - 3584)  # blocks only: embedding and head stream fp32
+
+
+def test_stream_copy_auto_casts_on_the_gpu_where_the_transfer_hides_behind_compute():
+    """auto: Qwen2.5-7B at 128 x 1024 (fp32 stream / forward ~0.18) and Llama-2-7B at 32 x 4096 drop the
+    host copy; Llama-2-7B at 16 x 4096 (~0.35, measured 4% slower when cast on the GPU) keeps it;
+    a host too small for the copy drops it whatever the ratio; fp32 compute has no copy to drop."""
+    def copy_rows(p):
+        return [r for r in p.rows if "bf16 streaming copy" in r.what]
+
+    for cfg, sets, want in [("configs/qwen2.5-7b.yaml", (), "device"), ("configs/7b.yaml", (), "host"),
+                            ("configs/7b.yaml", ("train.batch_size=32",), "device"),
+                            ("configs/7b.yaml", ("train.host_memory_gb=95",), "device"),
+                            ("configs/7b.yaml", ("train.compute_dtype=float32",), "host")]:
+        p = _plan(cfg, *sets)
+        assert p.decisions["stream_copy"] == want, (cfg, sets)
+        assert bool(copy_rows(p)) == (want == "host" and "train.compute_dtype=float32" not in sets)
+    assert _plan("configs/qwen2.5-7b.yaml").host_bytes_per_param <= 14.0
 
 
 def test_defaults_fit_the_h100_machine_and_keep_everything_on_the_gpu():
@@ -68,8 +85,12 @@ def test_refusals_name_the_component_the_bytes_and_the_fix(what, sets, machine, 
 
 
 def test_host_refusal_suggests_compact_state_and_the_override():
-    err = _plan("configs/7b.yaml", machine=Machine("cpu", 24 * GiB, 22 * GiB, "MemTotal", None, "", 0, "", 2, {})).verdict()
+    cpu24 = Machine("cpu", 24 * GiB, 22 * GiB, "MemTotal", None, "", 0, "", 2, {})
+    err = _plan("configs/7b.yaml", "train.stream_copy=host", machine=cpu24).verdict()
     assert "optim.moments=int8" in err.fix and "train.stream_copy=device" in err.fix and "train.host_memory_gb" in err.fix
+    # auto already dropped the copy (it cannot fit): not suggested again
+    err = _plan("configs/7b.yaml", machine=cpu24).verdict()
+    assert "optim.moments=int8" in err.fix and "train.stream_copy" not in err.fix
 
 
 def test_host_memory_override_is_used_and_named():
