@@ -165,3 +165,101 @@ def test_moments_config_errors():
     with pytest.raises(UserError) as e:
         CompactAdamW(1e-3, "int8").as_optax()
     assert e.value.field == "optim.moments"
+
+
+def _special_floats(code):
+    """Floats where a nearest-code lookup can go wrong: each code value and each midpoint (rounded
+    both ways) and a few ulps around them, zeros, +-1, the lookup's clamp bounds, denormals,
+    infinities, NaNs, values of every magnitude of both signs."""
+    f = np.float32
+    c = code.astype(np.float64)
+    mids = (c[1:] + c[:-1]) / 2
+    pts = np.concatenate([c, -c, mids, -mids]).astype(f)
+    pts = np.concatenate([pts, np.nextafter(pts.astype(f), f(np.inf)), np.nextafter(pts.astype(f), f(-np.inf)),
+                          mids.astype(np.float32), (mids * (1 + 1e-12)).astype(f), (mids * (1 - 1e-12)).astype(f)])
+    near = pts.view(np.int32)[:, None] + np.arange(-4, 5, dtype=np.int32)[None, :]
+    rng = np.random.default_rng(7)
+    extra = np.array([0.0, -0.0, 1.0, -1.0, 2.0 ** -24, -(2.0 ** -24), 2.0 ** -25, 1e-45, -1e-45, 1.17e-38,
+                      np.finfo(f).max, -np.finfo(f).max, np.inf, -np.inf, np.nan, -np.nan], np.float32)
+    denorm = (rng.integers(1, 1 << 23, 2000, dtype=np.uint32) | (rng.integers(0, 2, 2000, dtype=np.uint32) << 31))
+    mags = (rng.choice([-1, 1], 200000) * 10 ** rng.uniform(-12, 0.3, 200000)).astype(f)
+    return np.concatenate([near.ravel().view(np.float32), extra, denorm.view(np.float32), mags,
+                           rng.uniform(-1.2, 1.2, 200000).astype(f),
+                           np.frombuffer(bytes([0x01, 0x00, 0xC0, 0x7F, 0x01, 0x00, 0xC0, 0xFF]), np.float32)])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_table_lookup_equals_binary_search_on_special_and_random_floats(signed):
+    code = ca.CODE_SIGNED if signed else ca.CODE_UNSIGNED
+    tab = ca.lookup_tables()[0 if signed else 1]
+    x = _special_floats(code)
+    # plus every float32 in [0.5, 1] and [-1, -0.5] (the densest part of both codes) and a stride
+    # through all 2**32 bit patterns
+    dense = np.arange(0x3F000000, 0x3F800001, dtype=np.uint32)
+    x = np.concatenate([x, dense.view(np.float32), (dense | np.uint32(1 << 31)).view(np.float32),
+                        np.arange(0, 1 << 32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+    out = np.empty(x.size, np.uint8)
+    ca.nearest_index(tab, x, out)
+    with np.errstate(invalid="ignore"):  # inf - inf, NaN
+        want = ca._nearest_np(code, x)
+    bad = np.flatnonzero(out != want)
+    assert bad.size == 0, (x[bad[:5]], out[bad[:5]], want[bad[:5]])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_table_lookup_equals_binary_search_for_every_float(signed):
+    """A proof, not a sample: the nearest index is a monotone function of x (a binary search, then
+    one rounded compare of the two neighbours), and the table gives, per bucket, a two-valued step
+    function of x. Where both agree at the first and last float of a bucket and on both sides of the
+    table's step, they agree on every float of the bucket; the clamps cover the rest (all |x| below
+    the first bucket, all x beyond +-1, NaN)."""
+    code = ca.CODE_SIGNED if signed else ca.CODE_UNSIGNED
+    tab = ca.lookup_tables()[0 if signed else 1]
+    nb, low = ca.LOOKUP_BUCKETS, (1 << ca.LOOKUP_SHIFT) - 1
+    a0 = ca.LOOKUP_LO + (np.arange(nb, dtype=np.int64) << ca.LOOKUP_SHIFT)
+    a1 = np.minimum(a0 + low, ca.LOOKUP_HI)
+    for s in (0, 1):
+        thr = (tab[s * nb:(s + 1) * nb] & ((1 << 17) - 1)).astype(np.int64)
+        pts = [a0, a1]
+        inside = thr <= a1 - a0
+        pts += [np.where(inside, a0 + thr, a0), np.where(inside, a0 + thr - 1, a0)]
+        a = np.concatenate(pts).astype(np.uint32) | np.uint32(s << 31)
+        x = a.view(np.float32)
+        out = np.empty(x.size, np.uint8)
+        ca.nearest_index(tab, x, out)
+        np.testing.assert_array_equal(out, ca._nearest_np(code, x))
+    # the clamps: constant beyond them, by monotonicity of the reference
+    zero = int(np.flatnonzero(code == 0.0)[0])
+    lo = np.float32(np.uint32(ca.LOOKUP_LO).view(np.float32))
+    edge = np.array([-lo, -0.0, 0.0, lo], np.float32)
+    np.testing.assert_array_equal(ca._nearest_np(code, edge), zero)
+    big = np.array([1.0, np.finfo(np.float32).max, np.inf, np.nan], np.float32)
+    with np.errstate(invalid="ignore"):  # inf - inf, NaN
+        np.testing.assert_array_equal(ca._nearest_np(code, big), 255)
+        np.testing.assert_array_equal(ca._nearest_np(code, np.array([-1.0, -np.inf], np.float32)), 0)
+    out = np.empty(8, np.uint8)
+    ca.nearest_index(tab, np.concatenate([edge, big]), out)
+    np.testing.assert_array_equal(out, [zero] * 4 + [255] * 4)
+
+
+def test_int8_kernel_bit_exact_with_extreme_moments():
+    """Zero gradients (absmax 0), a block with one huge gradient, tiny ones near the code's smallest
+    values, eps_root > 0, no weight decay, more threads' worth of blocks: still the reference."""
+    rng = np.random.default_rng(8)
+    n = ca.BLOCK * 37 + 5
+    p = rng.standard_normal(n).astype(np.float32)
+    p_ref, st, st_ref = p.copy(), _int8_state(n), _int8_state(n)
+    kw = dict(KW, eps_root=1e-12, weight_decay=0.0)
+    for count in range(1, 5):
+        g = _grads(rng, n)
+        g[: ca.BLOCK] = 0.0
+        g[ca.BLOCK + 3] = 1e30
+        g[2 * ca.BLOCK: 3 * ca.BLOCK] *= np.float32(1e-7)
+        bits = np.zeros(n, np.uint16)
+        ca.adamw_int8_step(p, g, st, bits, count=count, **kw)
+        with np.errstate(over="ignore", invalid="ignore"):  # 1e30 squared: v is inf, then NaN codes
+            ref_bits = ca.reference_int8_step(p_ref, g, st_ref, count=count, **kw)
+        np.testing.assert_array_equal(p, p_ref)
+        np.testing.assert_array_equal(bits, ref_bits)
+        for k in st:
+            np.testing.assert_array_equal(st[k], st_ref[k], err_msg=k)

@@ -11,8 +11,11 @@ arithmetic in float32 (so the same bias corrections, learning rate, clipping fac
   2022): independent blocks of ``BLOCK`` values, one fp32 absmax scale per block and moment, the
   signed dynamic (nonlinear) code for the first moment and an unsigned dynamic code for the second.
   Per block: dequantize (code[q] * absmax), update, find the new absmax, requantize to the nearest
-  code value (binary search, ties to the lower code): the block's new moments live in a 2048-value
-  local buffer, so memory is still read and written once.
+  code value (ties to the lower code; what a binary search finds, here one table load and one
+  compare per value: ``_lookup_table``): the block's new moments live in 2048-value scratch rows in
+  cache, so memory is still read and written once. The passes over a block are separate loops that
+  LLVM vectorizes (SIMD update, sqrt and divide included; no fastmath, so every operation is the
+  IEEE one the reference does); only the code and table loads are scalar.
 
 ``reference_int8_step`` is a plain numpy implementation of the same scheme; the numba kernel equals
 it bit for bit (tests/test_compact_adamw.py).
@@ -51,94 +54,214 @@ CODE_SIGNED = dynamic_code(True)
 CODE_UNSIGNED = dynamic_code(False)
 
 
-TABLE_SHIFT = 16  # the top 16 bits of an order-preserving key of the float32 select a table entry
+# ---------------------------------------------------------------- nearest code index, by table
+
+# The nearest-code function is monotone in x (a binary search, then one rounded float32 comparison
+# between the two neighbours), so over an interval of floats it is a step function. Split |x| in
+# [2**-24, 1] into buckets by its top float32 bits (exponent and 7 mantissa bits): in every bucket the
+# nearest index of both codes changes at most once (``_lookup_table`` checks this when it builds the
+# table), so one table entry per bucket and sign, the index at the bucket's start and the low bits
+# where it steps, give the index with one compare and no loop. Outside the buckets the index is a
+# constant: every |x| < 2**-24 has code 0.0 nearest (the smallest nonzero code magnitude is 3.25e-7),
+# every x > 1 has code 1.0 (index 255) and every x < -1 index 0 (the clamp reproduces both), and a
+# NaN sorts last in the binary search (index 255), which the lookup treats as a positive x > 1.
+LOOKUP_SHIFT = 16
+LOOKUP_LO = 0x33800000  # float32 bits of 2**-24
+LOOKUP_HI = 0x3F800000  # float32 bits of 1.0
+LOOKUP_BUCKETS = ((LOOKUP_HI - LOOKUP_LO) >> LOOKUP_SHIFT) + 1  # per sign: 3073
+_LOW = (1 << LOOKUP_SHIFT) - 1
 
 
-def _start_table(code: np.ndarray) -> np.ndarray:
-    """For every bucket of float32 values (top 16 bits of an order-preserving key: a 128 KiB table that stays in cache), the first code
-    index whose value is >= the bucket's smallest value: every code before it is smaller than any x
-    in the bucket, so a short forward scan from there finds exactly what a binary search finds."""
-    keys = np.arange(1 << (32 - TABLE_SHIFT), dtype=np.uint64) << np.uint64(TABLE_SHIFT)
-    keys = keys.astype(np.uint32)
-    neg = keys < np.uint32(0x80000000)
-    bits = np.where(neg, ~keys, keys & np.uint32(0x7FFFFFFF))
-    # a negative bucket's smallest value is its most negative one: the key's largest member
-    bits = np.where(neg, bits - np.uint32((1 << TABLE_SHIFT) - 1), bits)
-    lows = bits.view(np.float32)
-    lows = np.where(np.isnan(lows), np.float32(0.0), lows)
-    return np.searchsorted(code, lows, side="left").astype(np.uint16)
+def _lookup_table(code: np.ndarray) -> np.ndarray:
+    """int32 entries, positive buckets first then negative ones: ``(base << 17) | thr``. For an x
+    whose clamped magnitude bits ``a`` fall in the bucket, with ``low = a & 0xFFFF`` and ``s`` the sign
+    (NaN counts as positive): nearest index = ``base + ((low >= thr) ^ s)``. ``thr`` is 0x10000 where
+    the index does not change inside the bucket. Built from ``_nearest_np`` itself (the reference):
+    the index at each bucket's first and last float and, where they differ, a binary search for the
+    float where it steps; monotonicity makes the two-valued step function equal to it everywhere."""
+    nb = LOOKUP_BUCKETS
+    tab = np.empty(2 * nb, np.int32)
+    for s in (0, 1):
+        a0 = LOOKUP_LO + (np.arange(nb, dtype=np.int64) << LOOKUP_SHIFT)
+        a1 = np.minimum(a0 + _LOW, LOOKUP_HI)
+
+        def f(a):
+            x = (a.astype(np.uint32) | np.uint32(s << 31)).view(np.float32)
+            return _nearest_np(code, x).astype(np.int64)
+
+        f0, f1 = f(a0), f(a1)
+        step = f1 - f0 if s == 0 else f0 - f1  # a grows away from zero: the index falls for x < 0
+        if not np.all((step == 0) | (step == 1)):
+            raise AssertionError("a lookup bucket holds more than one step of the nearest index")
+        lo, hi = a0.copy(), a1.copy()  # where step: f(lo) == f0 != f(hi); find the first a with f(a) != f0
+        while True:
+            active = (step == 1) & (hi - lo > 1)
+            if not active.any():
+                break
+            mid = (lo + hi) // 2
+            same = f(mid) == f0
+            lo = np.where(active & same, mid, lo)
+            hi = np.where(active & ~same, mid, hi)
+        thr = np.where(step == 1, hi - a0, _LOW + 1)
+        base = f0 if s == 0 else f0 - 1  # x < 0: f = (f0 - 1) + ((low >= thr) ^ 1)
+        tab[s * nb:(s + 1) * nb] = ((base << 17) | thr).astype(np.int32)
+    return tab
+
+
+def _clamped_magnitude(builder, x):
+    """LLVM IR: float32 x -> (clamped magnitude bits a, sign as i1 with NaN positive), all i32."""
+    i32 = ir.IntType(32)
+    b = builder.bitcast(x, i32)
+    a = builder.and_(b, ir.Constant(i32, 0x7FFFFFFF))
+    neg = builder.and_(builder.icmp_signed("<", b, ir.Constant(i32, 0)),
+                       builder.icmp_unsigned("<=", a, ir.Constant(i32, 0x7F800000)))
+    lo, hi = ir.Constant(i32, LOOKUP_LO), ir.Constant(i32, LOOKUP_HI)
+    a = builder.select(builder.icmp_unsigned("<", a, lo), lo, a)
+    a = builder.select(builder.icmp_unsigned(">", a, hi), hi, a)
+    return a, neg
 
 
 @intrinsic
-def _f32_bits(typingctx, x):
+def _lookup_slot(typingctx, x):
+    """float32 -> the table slot of x (uint32; see ``_lookup_table``), in 32-bit integer IR."""
     if x != types.float32:
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
+        i32 = ir.IntType(32)
+        a, neg = _clamped_magnitude(builder, args[0])
+        k = builder.lshr(builder.sub(a, ir.Constant(i32, LOOKUP_LO)), ir.Constant(i32, LOOKUP_SHIFT))
+        k = builder.add(k, builder.select(neg, ir.Constant(i32, LOOKUP_BUCKETS), ir.Constant(i32, 0)))
+        return k
 
     return types.uint32(types.float32), codegen
 
 
+@intrinsic
+def _lookup_index(typingctx, x, entry):
+    """(float32 x, table entry of its slot: int32, or the same bits as uint32) -> the nearest code
+    index (uint8)."""
+    if x != types.float32 or entry not in (types.int32, types.uint32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        a, neg = _clamped_magnitude(builder, args[0])
+        e = args[1]
+        ge = builder.icmp_unsigned(">=", builder.and_(a, ir.Constant(i32, _LOW)),
+                                   builder.and_(e, ir.Constant(i32, (1 << 17) - 1)))
+        step = builder.zext(builder.xor(ge, neg), i32)
+        return builder.trunc(builder.add(builder.ashr(e, ir.Constant(i32, 17)), step), ir.IntType(8))
+
+    return types.uint8(types.float32, entry), codegen
+
+
 @njit(inline="always")
-def _nearest(code, table, x):
-    """Index of the code value nearest ``x`` (ties: the lower one); ``code`` sorted ascending.
-    Equal to a binary search for the first code >= x followed by the neighbour comparison."""
-    b = _f32_bits(x)
-    key = ~b if (b >> np.uint32(31)) else (b | np.uint32(0x80000000))
-    lo = np.int64(table[key >> np.uint32(TABLE_SHIFT)])
-    n = code.shape[0]
-    while lo < n and code[lo] < x:
-        lo += 1
-    if lo == n:
-        return lo - 1
-    if lo > 0 and (x - code[lo - 1]) <= (code[lo] - x):
-        return lo - 1
-    return lo
+def _nearest(tab, x):
+    """Index of the code value nearest ``x`` (ties: the lower one), ``tab = _lookup_table(code)``:
+    equal to ``_nearest_np`` for every float32."""
+    return _lookup_index(x, tab[_lookup_slot(x)])
+
+
+@njit(cache=True, nogil=True)
+def nearest_index(tab, x, out):
+    """``out[i] = _nearest(tab, x[i])`` (uint8): the kernel's lookup, callable from Python (tests)."""
+    for i in range(x.shape[0]):
+        out[i] = _nearest(tab, x[i])
+
+
+@intrinsic
+def _abs_bits(typingctx, x):
+    """float32 -> its bits without the sign (uint32): for non-NaN values, ordered as |x| is."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        return builder.and_(builder.bitcast(args[0], i32), ir.Constant(i32, 0x7FFFFFFF))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, bits):
+    if bits != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@njit(inline="always")
+def _requantize(s, si, r, tab, q, lo, cnt):
+    """``q[lo + j] = _nearest(tab, s[j] * r)`` in three passes: the scaled values and their table
+    slots (vector code), the table loads (a gather: scalar where the CPU has no fast gathers), the
+    final compare (vector code)."""
+    for j in range(cnt):
+        x = s[j] * r
+        s[j] = x
+        si[j] = _lookup_slot(x)
+    for j in range(cnt):
+        si[j] = tab[si[j]]
+    for j in range(cnt):
+        q[lo + j] = _lookup_index(s[j], si[j])
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _int8_block(param, grad, mq, ms, vq, vs, bf16_out, write_bf16, code_s, code_u, tab_s, tab_u, sm, sv, si, b, n,
+                nlr, b1, omb1, b2, omb2, rbc1, rbc2, eps, eps_root, wd, gs):
+    """One block, in passes over it that LLVM can vectorize (unsigned indices: no negative-index
+    fix-ups): gather the old codes into the scratch rows, the AdamW update (the new moments stay in
+    the scratch rows, their absmax is an integer max over the magnitude bits), the bf16 copy, then
+    the requantization by table."""
+    decay = wd != np.float32(0.0)
+    lo = np.uint64(b) * np.uint64(BLOCK)
+    cnt = min(np.uint64(BLOCK), np.uint64(n) - lo)
+    for j in range(cnt):
+        sm[j] = code_s[mq[lo + j]]
+        sv[j] = code_u[vq[lo + j]]
+    am, av = ms[b], vs[b]
+    mx_m = np.uint32(0)
+    mx_v = np.uint32(0)
+    for j in range(cnt):
+        p, m, v = _adamw_elem(param[lo + j], grad[lo + j], sm[j] * am, sv[j] * av, gs, nlr, b1, omb1, b2, omb2,
+                              rbc1, rbc2, eps, eps_root, wd, decay)
+        param[lo + j] = p
+        sm[j] = m
+        sv[j] = v
+        mx_m = max(mx_m, _abs_bits(m))
+        mx_v = max(mx_v, _abs_bits(v))
+    if write_bf16:
+        for j in range(cnt):
+            bf16_out[lo + j] = _bf16_rne(param[lo + j])
+    am, av = _bits_f32(mx_m), _bits_f32(mx_v)
+    zero = np.float32(0.0)
+    rm = np.float32(1.0) / am if am > zero else zero
+    rv = np.float32(1.0) / av if av > zero else zero
+    _requantize(sm, si, rm, tab_s, mq, lo, cnt)
+    _requantize(sv, si, rv, tab_u, vq, lo, cnt)
+    ms[b], vs[b] = am, av
 
 
 @njit(parallel=True, fastmath=False, cache=True, nogil=True)
-def _adamw_int8_core(param, grad, mq, ms, vq, vs, bf16_out, code_s, code_u, tab_s, tab_u, scratch, nlr, b1, omb1,
+def _adamw_int8_core(param, grad, mq, ms, vq, vs, bf16_out, code_s, code_u, tab_s, tab_u, nthreads, nlr, b1, omb1,
                      b2, omb2, rbc1, rbc2, eps, eps_root, wd, gs):
-    """Per block: update the params and keep the block's new moments in this thread's scratch row
-    (2 x 2048 float32, in cache), then quantize them against the block's new absmax. Memory is
-    read and written once."""
+    """Blocks in a few contiguous runs per thread; each run has its own scratch rows (2 x 2048
+    float32, in cache). No array views per block: a view increfs its parent's shared refcount
+    atomically, and sixteen threads doing that per block serialise on one cache line."""
     n = param.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
-    decay = wd != np.float32(0.0)
     write_bf16 = bf16_out.shape[0] == n
-    zero = np.float32(0.0)
-    one = np.float32(1.0)
-    for b in prange(nblocks):
-        # no array views in this loop: each view increfs its parent's shared refcount atomically,
-        # and sixteen threads doing that serialise on one cache line (measured: no scaling at all)
-        t = numba.get_thread_id()
-        lo = b * BLOCK
-        cnt = min(BLOCK, n - lo)
-        am, av = ms[b], vs[b]
-        for j in range(cnt):  # dequantize into this thread's scratch rows (a gather)
-            scratch[t, 0, j] = code_s[mq[lo + j]] * am
-            scratch[t, 1, j] = code_u[vq[lo + j]] * av
-        for j in range(cnt):  # the AdamW update, as the fp32 kernel does it
-            p, m, v = _adamw_elem(param[lo + j], grad[lo + j], scratch[t, 0, j], scratch[t, 1, j], gs, nlr, b1,
-                                  omb1, b2, omb2, rbc1, rbc2, eps, eps_root, wd, decay)
-            param[lo + j] = p
-            scratch[t, 0, j] = m
-            scratch[t, 1, j] = v
-        if write_bf16:
-            for j in range(cnt):
-                bf16_out[lo + j] = _bf16_rne(param[lo + j])
-        mx_m = zero
-        mx_v = zero
-        for j in range(cnt):
-            mx_m = max(mx_m, abs(scratch[t, 0, j]))
-            mx_v = max(mx_v, scratch[t, 1, j])
-        rm = one / mx_m if mx_m > zero else zero
-        rv = one / mx_v if mx_v > zero else zero
-        for j in range(cnt):
-            mq[lo + j] = _nearest(code_s, tab_s, scratch[t, 0, j] * rm)
-            vq[lo + j] = _nearest(code_u, tab_u, scratch[t, 1, j] * rv)
-        ms[b], vs[b] = mx_m, mx_v
+    nruns = min(nblocks, 4 * nthreads)
+    for r in prange(nruns):
+        sm = np.empty(BLOCK, np.float32)
+        sv = np.empty(BLOCK, np.float32)
+        si = np.empty(BLOCK, np.uint32)
+        for b in range(r * nblocks // nruns, (r + 1) * nblocks // nruns):
+            _int8_block(param, grad, mq, ms, vq, vs, bf16_out, write_bf16, code_s, code_u, tab_s, tab_u, sm, sv,
+                        si, b, n, nlr, b1, omb1, b2, omb2, rbc1, rbc2, eps, eps_root, wd, gs)
 
 
 @intrinsic
@@ -184,15 +307,14 @@ def _scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale):
 
 
 _EMPTY_U16 = np.zeros(0, np.uint16)
-_TABLES = (_start_table(CODE_SIGNED), _start_table(CODE_UNSIGNED))
-_SCRATCH: list[np.ndarray] = []
+_TABLES: list[np.ndarray] = []
 
 
-def _scratch() -> np.ndarray:
-    """One (2, BLOCK) float32 row per numba thread (indexed by ``numba.get_thread_id()``)."""
-    if not _SCRATCH:
-        _SCRATCH.append(np.zeros((numba.config.NUMBA_NUM_THREADS + 1, 2, BLOCK), np.float32))
-    return _SCRATCH[0]
+def lookup_tables() -> tuple[np.ndarray, np.ndarray]:
+    """``_lookup_table`` of CODE_SIGNED and CODE_UNSIGNED, built on first use (a few ms)."""
+    if not _TABLES:
+        _TABLES.extend((_lookup_table(CODE_SIGNED), _lookup_table(CODE_UNSIGNED)))
+    return _TABLES[0], _TABLES[1]
 
 
 def adamw_int8_step(param, grad, state, bf16_out, *, lr, b1, b2, eps, eps_root, weight_decay, count,
@@ -201,11 +323,10 @@ def adamw_int8_step(param, grad, state, bf16_out, *, lr, b1, b2, eps, eps_root, 
     (ceil(n / BLOCK),). ``param`` must start at a block boundary of the group (slices from the
     engine are BLOCK-aligned: ``chunk_align``)."""
     with launch:
-        scratch = _scratch()
+        tab_s, tab_u = lookup_tables()
         _adamw_int8_core(param, grad, state["mu_q"], state["mu_scale"], state["nu_q"], state["nu_scale"],
-                         _EMPTY_U16 if bf16_out is None else bf16_out, CODE_SIGNED, CODE_UNSIGNED, _TABLES[0], _TABLES[1],
-                         scratch,
-                         *_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale))
+                         _EMPTY_U16 if bf16_out is None else bf16_out, CODE_SIGNED, CODE_UNSIGNED, tab_s, tab_u,
+                         numba.get_num_threads(), *_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale))
 
 
 def adamw_bf16_step(param, grad, state, bf16_out, *, lr, b1, b2, eps, eps_root, weight_decay, count,
