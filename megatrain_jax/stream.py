@@ -175,7 +175,7 @@ def _block_states(block, where: str):
         path, var = next(iter(flat))
         kind = type(var).__name__
         what = ("a plain array attribute (not an nnx.Param): it would be a constant the optimizer never sees"
-                if kind in ("Variable", "ArrayRef") or _is_array(getattr(var, "value", None)) and kind == "Variable"
+                if not isinstance(var, nnx.Variable) or type(var) is nnx.Variable
                 else f"{kind} state, which changes in the forward (batch statistics, caches) and cannot be "
                      "carried between streamed steps")
         raise UserError(f"{where}.{'.'.join(map(str, path))}", f"holds {what}",
@@ -183,6 +183,18 @@ def _block_states(block, where: str):
                         "or compute constants inside __call__")
     tags = sorted({s.key.tag for _, s in nnx.iter_graph(block) if isinstance(s, nnx.RngStream)})
     return g, nnx.to_pure_dict(params), nnx.to_pure_dict(keys), nnx.to_pure_dict(counts), tags
+
+
+def _uses_rng(block) -> bool:
+    """Whether the block draws random numbers: an active nnx.Dropout, or another module holding RNG
+    streams (an inactive dropout, rate 0 or deterministic, needs no key)."""
+    for _, m in nnx.iter_graph(block):
+        if isinstance(m, nnx.Dropout):
+            if m.rate > 0 and not m.deterministic:
+                return True
+        elif isinstance(m, nnx.Module) and any(isinstance(v, (nnx.Rngs, nnx.RngStream)) for v in vars(m).values()):
+            return True
+    return False
 
 
 def _structure(tree) -> tuple:
@@ -232,7 +244,7 @@ def _stream_nnx(model, *, blocks, embed, head, embed_fn, head_fn, aux_fn, block_
             graphs.append(st[0])
         kinds.append(k)
     tags = states[0][4]
-    takes_rng = bool(tags)
+    takes_rng = bool(tags) and _uses_rng(block_mods[0])
 
     # ---- the other parts, by top-level attribute
     full = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -272,14 +284,15 @@ def _stream_nnx(model, *, blocks, embed, head, embed_fn, head_fn, aux_fn, block_
     keys_pd, counts_pd = _placeholders(nnx.to_pure_dict(keys_all)), nnx.to_pure_dict(counts_all)
     embed_w = {k: full[k] for k in embed_names}
     head_w = {k: full[k] for k in head_names}
-    block_ph = _placeholders(full[blocks])
+    block_ph = _placeholders(full.get(blocks, {}))
 
     def shell(ew=None, hw=None):
         """The user's model object with the given parts' weights in it; the rest are shape-only
         placeholders (touching one is an error) and the blocks are left for recorders."""
         params = {k: (ew[k] if ew is not None and k in ew else hw[k] if hw is not None and k in hw
                       else _placeholders(full[k])) for k in full if k != blocks}
-        params[blocks] = block_ph
+        if blocks in full:
+            params[blocks] = block_ph
         return nnx.merge(graphdef, params, keys_pd, counts_pd, rest_all)
 
     def run_to_blocks(m, tokens, stop_at_first):
@@ -339,8 +352,8 @@ def _stream_nnx(model, *, blocks, embed, head, embed_fn, head_fn, aux_fn, block_
         # the recorded inputs must not depend on the token values (they are rebuilt from the shape)
         t1 = np.zeros((1, 4), np.int32)
         t2 = (np.arange(4, dtype=np.int32)[None] * 7 + 1) % max(2, _vocab_guess(model, embed_names, vocab_size))
-        d1 = _aux_from_tokens(run_to_blocks, shell, embed_w, t1)
-        d2 = _aux_from_tokens(run_to_blocks, shell, embed_w, t2)
+        aux_of = _aux_from_tokens(run_to_blocks, shell)
+        d1, d2 = aux_of(embed_w, jnp.asarray(t1)), aux_of(embed_w, jnp.asarray(t2))
         for j, (a, b) in enumerate(zip(d1, d2)):
             if not np.array_equal(np.asarray(a), np.asarray(b)):
                 raise UserError(f"{blocks}[0] argument {j + 1}", "depends on the token values (a padding mask?): "
@@ -444,11 +457,11 @@ def _vocab_guess(model, embed_names, vocab_size) -> int:
     return max(sizes) if sizes else 2
 
 
-def _aux_from_tokens(run_to_blocks, shell, embed_w, toks):
+def _aux_from_tokens(run_to_blocks, shell):
     def f(ew, t):
         calls = run_to_blocks(shell(ew), t, stop_at_first=True)[1]
         return _split_call(calls[0][2], calls[0][3])[1]
-    return jax.jit(f)(embed_w, jnp.asarray(toks))
+    return jax.jit(f)
 
 
 def _hidden_probe(embed_call, embed_w):
@@ -682,7 +695,7 @@ def stream_linen(module, params, *, blocks, embed_fn, head_fn, aux_fn, block_fn,
                         "build the blocks as a list attribute or with name=f'block_{i}', and pass blocks='block'")
     if blocks is None:  # automatic names (Dense_0, LayerNorm_1) are parts of blocks, not blocks
         named = {k: v for k, v in groups.items() if k[1] != k[2].__name__}
-        groups = named or groups
+        groups = named or {k: v for k, v in groups.items() if len(v) >= 2}
     best = max(len(v) for v in groups.values())
     top = [k for k, v in groups.items() if len(v) == best]
     shallow = min(len(k[0]) for k in top)
