@@ -36,7 +36,7 @@ def test_dropout_streamed_equals_plain_run_with_the_same_keys():
     batches = _toks(cfg.vocab_size, steps)
     model = build_model(cfg)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = nnx.to_pure_dict(params)
+    params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
     def loss_fn(p, toks, step):
         total = 0.0
@@ -51,8 +51,9 @@ def test_dropout_streamed_equals_plain_run_with_the_same_keys():
 
     state = tx.init(params)
     want = []
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn))  # the step is traced: one compilation
     for step, toks in enumerate(batches):
-        loss, g = jax.value_and_grad(loss_fn)(params, jnp.asarray(toks), step)
+        loss, g = grad_fn(params, jnp.asarray(toks), jnp.asarray(step, jnp.uint32))
         upd, state = tx.update(g, state, params)
         params = optax.apply_updates(params, upd)
         want.append(float(loss))
@@ -81,9 +82,10 @@ def test_rope_decoder_streams_by_the_documented_contract():
     params = nnx.to_pure_dict(params)
     state = tx.init(params)
     want = []
+    grad_fn = jax.jit(jax.value_and_grad(
+        lambda p, toks, pos: ce_mean(nnx.merge(graphdef, p, rest)(toks[:, :-1], pos), toks[:, 1:])))
     for toks, pos in zip(batches, positions):
-        loss, g = jax.value_and_grad(lambda p: ce_mean(nnx.merge(graphdef, p, rest)(toks[:, :-1], pos), toks[:, 1:]))(
-            params)
+        loss, g = grad_fn(params, toks, pos)
         upd, state = tx.update(g, state, params)
         params = optax.apply_updates(params, upd)
         want.append(float(loss))
