@@ -696,6 +696,9 @@ def stream_linen(module, params, *, blocks, embed_fn, head_fn, aux_fn, block_fn,
     if blocks is None:  # automatic names (Dense_0, LayerNorm_1) are parts of blocks, not blocks
         named = {k: v for k, v in groups.items() if k[1] != k[2].__name__}
         groups = named or {k: v for k, v in groups.items() if len(v) >= 2}
+    if not groups:
+        raise UserError("blocks", f"{type(module).__name__} calls no numbered submodules (<name>_<i>)",
+                        "build the blocks as a list attribute or with name=f'block_{i}', and pass blocks='block'")
     best = max(len(v) for v in groups.values())
     top = [k for k, v in groups.items() if len(v) == best]
     shallow = min(len(k[0]) for k in top)

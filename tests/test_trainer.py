@@ -96,4 +96,3 @@ def test_batch_forms_and_errors():
             kind="cosine")))
     with pytest.raises(UserError, match="not an optimizer"):
         host_optimizer("adam")
-    del jnp
