@@ -7,13 +7,14 @@ tensor from the files, so host memory peaks at the store plus one tensor (never 
 the model). Export (``export_hf``) is the mirror image: safetensors shards written tensor by tensor
 from the fp32 master, plus a ``config.json`` that ``from_pretrained`` loads unchanged.
 
-Supported architectures: ``LlamaForCausalLM`` (Llama 2/3, including Llama 3.1 RoPE scaling),
-``Qwen2ForCausalLM`` (q/k/v bias) and ``MistralForCausalLM``; a ``sliding_window`` (Mistral's, or
-Qwen2's when every layer uses it) becomes ``model.sliding_window``. Conventions: Hugging Face
-``Linear`` weights are ``(out, in)``, our kernels are ``(in, out)``, so every projection is
-transposed on the way in and out. Q/K weights are *not* permuted: the ``transformers`` format
-already uses the rotate-half RoPE layout that ``apply_rope`` implements (the parity tests against
-``transformers`` check this).
+This module is generic: which architectures exist, how their ``config.json`` maps to a
+``ModelConfig`` and back, and what their blocks look like live in the family modules
+(``megatrain_jax/models/<family>.py``), found through the registry (``models/registry.py``) by
+``architectures`` (else ``model_type``). Supported: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+``MistralForCausalLM`` (family ``llama``), ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``,
+``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` (see docs/families.md). Tensor names follow our module
+tree (``hf_name``); Hugging Face ``Linear`` weights are ``(out, in)``, our kernels are ``(in, out)``,
+so every projection is transposed on the way in and out.
 
 ``model.from_hf`` wins over the YAML for the architecture fields (sizes, heads, RoPE, norms, tied
 embeddings, biases): they are overwritten in place on the ``ModelConfig`` from ``config.json``, with
@@ -51,11 +52,11 @@ import yaml
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 # ModelConfig fields that a Hugging Face config.json determines (from_hf wins over the YAML for these)
 STRUCTURAL = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings", "qkv_bias",
-              "sliding_window")
+              "sliding_window", "family", "layer_types", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
+              "rope_local_theta")
 SHARD_BYTES = 5 * 10**9  # like transformers' "5GB" max_shard_size
 INDEX = "model.safetensors.index.json"
 
@@ -209,103 +210,34 @@ def _read_json(path: str, field: str) -> dict:
         raise UserError(field, f"{path} is not valid JSON ({e})", "fix or re-download the file") from None
 
 
+def supported() -> dict[str, str]:
+    """Every importable/exportable architecture -> its model_type (from the family registry)."""
+    from megatrain_jax.models.registry import supported_architectures
+
+    return supported_architectures()
+
+
 def _architecture(hf: dict, where: str) -> str:
-    archs = hf.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch is None:
-        by_type = {v: k for k, v in SUPPORTED.items()}
-        arch = by_type.get(hf.get("model_type"))
-    if arch not in SUPPORTED:
-        shown = arch or f"model_type {hf.get('model_type')!r}"
-        raise UserError("model.from_hf", f"architecture {shown} in {where} is not supported",
-                        f"use a checkpoint of one of: {', '.join(SUPPORTED)}")
-    return arch
+    from megatrain_jax.models.registry import architecture_of
+
+    return architecture_of(hf, where)
 
 
-def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, llama3 rope_scaling or None) from either the transformers 4 keys
-    (``rope_theta``, ``rope_scaling``) or the transformers 5 ``rope_parameters``."""
-    params = hf.get("rope_parameters") or {}
-    if params and not ("rope_theta" in params or "rope_type" in params):
-        raise UserError("model.from_hf", f"per-layer-type rope_parameters in {where} are not supported",
-                        "use a checkpoint with one RoPE setting for all layers")
-    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
-    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    if hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UserError("model.from_hf", f"partial_rotary_factor in {where} is not supported",
-                        "use a checkpoint that rotates the whole head dimension")
-    if not scaling:
-        return theta, None
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return theta, None
-    if kind != "llama3":
-        raise UserError("model.from_hf", f"rope scaling type {kind!r} in {where} is not supported",
-                        "only Llama 3.1-style rope_type 'llama3' scaling is implemented")
-    try:
-        out = {"rope_type": "llama3", "factor": float(scaling["factor"]),
-               "low_freq_factor": float(scaling["low_freq_factor"]),
-               "high_freq_factor": float(scaling["high_freq_factor"]),
-               "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}
-    except KeyError as e:
-        raise UserError("model.from_hf", f"llama3 rope scaling in {where} lacks {e.args[0]!r}", "fix config.json") from None
-    return theta, out
+def _family_of(arch: str):
+    from megatrain_jax.models.registry import family_of_architecture
 
-
-def _layer_windows(hf: dict) -> list[int | None]:
-    """Each layer's attention window as ``transformers`` builds it (None: full causal attention).
-    Mistral: ``sliding_window`` on every layer. Qwen2: ``layer_types`` if given, else sliding on
-    layers from ``max_window_layers`` on, and only with ``use_sliding_window``."""
-    window = int(hf["sliding_window"]) if hf.get("sliding_window") else None
-    layers = int(hf.get("num_hidden_layers") or 0)
-    arch = _architecture(hf, "config.json")
-    if arch != "Qwen2ForCausalLM":
-        return [window if arch == "MistralForCausalLM" else None] * layers  # Llama has no window
-    if not hf.get("use_sliding_window", False) or window is None:
-        return [None] * layers
-    types = hf.get("layer_types") or ["sliding_attention" if i >= int(hf.get("max_window_layers", layers)) else
-                                      "full_attention" for i in range(layers)]
-    return [window if t == "sliding_attention" else None for t in types]
-
-
-def sliding_window(hf: dict) -> int | None:
-    """The one attention window of every layer (None: full causal attention). A mix of windowed
-    and full layers (some Qwen2 configs) cannot be expressed by ``model.sliding_window``: None, and
-    the importer warns."""
-    windows = set(_layer_windows(hf))
-    return windows.pop() if len(windows) == 1 else None
+    return family_of_architecture(arch)
 
 
 def hf_config_to_model_config(hf: dict, base: ModelConfig | None = None, where: str = "config.json") -> ModelConfig:
-    """A ``ModelConfig`` from a Hugging Face ``config.json`` dict; non-structural fields
-    (``init_std``, ``from_hf``) come from ``base``. Raises ``UserError`` for what we cannot run."""
+    """A ``ModelConfig`` from a Hugging Face ``config.json`` dict, by the architecture's family;
+    non-structural fields (``init_std``, ``from_hf``) come from ``base``. Raises ``UserError`` for
+    what we cannot run, naming the config field."""
+    from megatrain_jax.config import validate_model
+
     arch = _architecture(hf, where)
-    base = base or ModelConfig()
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act not in ("silu", "swish"):
-        raise UserError("model.from_hf", f"hidden_act {act!r} in {where} is not supported", "only SwiGLU (silu) MLPs are implemented")
-    if arch == "LlamaForCausalLM" and hf.get("attention_bias"):
-        raise UserError("model.from_hf", f"attention_bias in {where} (a bias on q/k/v and o_proj) is not supported",
-                        "use a checkpoint without attention biases (Qwen2-style q/k/v-only biases are supported)")
-    if hf.get("mlp_bias"):
-        raise UserError("model.from_hf", f"mlp_bias in {where} is not supported", "use a checkpoint without MLP biases")
-    theta, scaling = _rope_from_hf(hf, where)
-    try:
-        heads = int(hf["num_attention_heads"])
-        out = dataclasses.replace(
-            base,
-            vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-            num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf["head_dim"]) if hf.get("head_dim") else None,
-            intermediate_size=int(hf["intermediate_size"]), rope_theta=theta, rope_scaling=scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM", sliding_window=sliding_window(hf))
-    except KeyError as e:
-        raise UserError("model.from_hf", f"{where} lacks {e.args[0]!r}", "use a complete transformers config.json") from None
-    if out.head_dim == out.hidden_size // out.num_heads and out.hidden_size % out.num_heads == 0:
-        out.head_dim = None  # the default: keeps YAML round trips and comparisons simple
+    out = _family_of(arch).config_from_hf(hf, base or ModelConfig(), where, arch)
+    validate_model(out)
     return out
 
 
@@ -339,21 +271,28 @@ def resolve_hf_model_config(model_cfg: ModelConfig) -> ModelConfig:
 # ======================================================================================== name maps
 
 
-def hf_name(group: str, leaf_path: str) -> tuple[str, bool]:
-    """Our (group, leaf path) -> (Hugging Face tensor name, transposed?)."""
+def hf_name(group: str, leaf_path: str, family: str | None = None) -> tuple[str, bool]:
+    """Our (group, leaf path) -> (Hugging Face tensor name, transposed?). Names follow the module
+    tree; a family whose modules are named otherwise gives its own ``hf_name`` in the registry."""
+    if family is not None:
+        from megatrain_jax.models.registry import get_family
+
+        own = get_family(family).hf_name
+        if own is not None:
+            return own(group, leaf_path)
     if group == "embed" and leaf_path == "embedding":
         return "model.embed_tokens.weight", False
     if group == "head":
         if leaf_path == "lm_head":
             return "lm_head.weight", True
-        if leaf_path == "norm/scale":
+        if leaf_path in ("norm/scale", "norm/weight"):
             return "model.norm.weight", False
     if group.startswith("block_"):
         *mods, kind = leaf_path.split("/")
         prefix = f"model.layers.{int(group[6:])}." + ".".join(mods)
         if kind == "kernel":
             return prefix + ".weight", True
-        if kind == "scale":
+        if kind in ("scale", "weight"):  # RMSNorm scales; Gemma's (1 + weight) norms
             return prefix + ".weight", False
         if kind == "bias":
             return prefix + ".bias", False
@@ -361,7 +300,7 @@ def hf_name(group: str, leaf_path: str) -> tuple[str, bool]:
 
 
 def _layouts(cfg: ModelConfig):
-    from megatrain_jax.models.llama import abstract_model, streamed_parts
+    from megatrain_jax.models.common import abstract_model, streamed_parts
     from megatrain_jax.templates import Layout
 
     parts = streamed_parts(abstract_model(cfg))
@@ -413,7 +352,7 @@ def _plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig
     plan, used = [], set()
     for group, layout in layouts.items():
         for leaf in layout.leaves:
-            name, transpose = hf_name(group, leaf.path)
+            name, transpose = hf_name(group, leaf.path, cfg.family)
             info = tensors.get(name)
             if info is None:
                 hint = " (config.json says tie_word_embeddings is false)" if name == "lm_head.weight" else ""
@@ -469,8 +408,8 @@ def load_hf_into_store(model_cfg: ModelConfig, bf16_stream: bool, *, seq_len: in
     ``model_cfg``'s architecture fields are overwritten from the checkpoint's ``config.json``
     (see ``resolve_hf_model_config``). Files are read shard by shard, tensor by tensor, straight into
     the store's fp32 master (bf16/fp16 upcast exactly); each group's bf16 streaming copy is made once
-    the group is complete. A Mistral ``sliding_window`` (Qwen2's, when every layer uses it) becomes
-    ``model.sliding_window``; ``seq_len`` (the training length) only words the log line about it.
+    the group is complete. ``seq_len`` (the training length) only words the family's log lines
+    (e.g. about a sliding window longer than the sequences).
     """
     from megatrain_jax.hoststore import HostStore
 
@@ -479,20 +418,9 @@ def load_hf_into_store(model_cfg: ModelConfig, bf16_stream: bool, *, seq_len: in
         raise UserError("model.from_hf", "is not set", "point it at a Hugging Face model directory")
     hf = read_hf_config(hf_dir)
     resolve_hf_model_config(model_cfg)
-    windows = set(_layer_windows(hf))
-    if len(windows) > 1:
-        window = max(w for w in windows if w is not None)
-        if seq_len is None or seq_len > window:
-            _warn(f"model.from_hf: the checkpoint mixes full and sliding-window (sliding_window={window}) layers, "
-                  "which megatrain-jax does not implement: every layer uses full causal attention, so the windowed "
-                  "layers attend further back than in the original model")
-        else:
-            _say(log, f"hf import: the windowed layers (sliding_window={window}) are treated as full attention "
-                      f"(identical for sequences of up to {window} tokens)")
-    elif model_cfg.sliding_window is not None:
-        longer = seq_len is None or seq_len > model_cfg.sliding_window
-        _say(log, f"hf import: sliding_window={model_cfg.sliding_window}: each token attends to itself and the "
-                  f"{model_cfg.sliding_window - 1} before it" + ("" if longer else f" (all of a {seq_len}-token sequence)"))
+    family = _family_of(_architecture(hf, "config.json"))
+    if family.on_import is not None:
+        family.on_import(hf, model_cfg, seq_len, lambda msg: _say(log, msg))
     tensors = index_checkpoint(hf_dir)
     parts, layouts = _layouts(model_cfg)
     plan = _plan_import(layouts, tensors, model_cfg, hf_dir)  # every check before allocating anything
@@ -522,11 +450,11 @@ def load_hf_into_store(model_cfg: ModelConfig, bf16_stream: bool, *, seq_len: in
 
 
 def model_from_store(store, cfg: ModelConfig):
-    """The whole ``Llama`` NNX module (on the default device) with the store's fp32 master weights."""
+    """The whole decoder NNX module (on the default device) with the store's fp32 master weights."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from megatrain_jax.models.llama import abstract_model
+    from megatrain_jax.models.common import abstract_model
 
     graphdef, state = nnx.split(abstract_model(cfg))
     tree = {"embed": store["embed"].tree(), "head": store["head"].tree(),
@@ -594,31 +522,15 @@ def _hf_config_out(cfg: ModelConfig, arch: str, dtype: str, base: dict | None) -
         keep = {k: v for k, v in base.items() if k not in (
             "rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype", "transformers_version",
             "layer_types", "head_dim", "architectures", "model_type", "quantization_config", "auto_map", "_name_or_path")}
-    rope_params = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling:
-        rope_params = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    from megatrain_jax.models.hfconfig import base_to_hf
+
     out = {
-        "architectures": [arch], "model_type": SUPPORTED[arch],
+        "architectures": [arch], "model_type": supported()[arch],
         "bos_token_id": None, "eos_token_id": None, "max_position_embeddings": 4096,
         "initializer_range": cfg.init_std, "use_cache": True, "attention_dropout": 0.0,
-        **keep,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_per_head, "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_theta": cfg.rope_theta, "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
-        "rope_parameters": rope_params, "torch_dtype": dtype, "dtype": dtype,
+        **keep, **base_to_hf(cfg), "torch_dtype": dtype, "dtype": dtype,
     }
-    if arch == "LlamaForCausalLM":
-        out.update(attention_bias=False, mlp_bias=False)
-    if arch == "MistralForCausalLM":  # explicit null: transformers' default is 4096
-        out["sliding_window"] = cfg.sliding_window
-    if arch == "Qwen2ForCausalLM" and cfg.sliding_window is not None:  # every layer windowed
-        out.update(use_sliding_window=True, sliding_window=cfg.sliding_window, max_window_layers=0)
-    if arch == "Qwen2ForCausalLM":  # (a source's mixed layers, imported as full attention, are kept as they were)
-        out.setdefault("use_sliding_window", False)
-        out.setdefault("sliding_window", None)
-        out.setdefault("max_window_layers", cfg.num_layers)
+    _family_of(arch).config_to_hf(cfg, arch, out)
     if out.get("max_position_embeddings") is None:
         out["max_position_embeddings"] = 4096
     return out
@@ -669,18 +581,23 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
     out_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     if hf_config is None and model_cfg.from_hf and os.path.isfile(os.path.join(model_cfg.from_hf, "config.json")):
         hf_config = read_hf_config(model_cfg.from_hf)
+    from megatrain_jax.models.registry import get_family
+
+    family = get_family(model_cfg.family)
+    if architecture is None and hf_config:
+        architecture = _architecture(hf_config, "hf_config")
+        if architecture not in family.architectures:  # the source was another family: ours decides
+            architecture = None
     if architecture is None:
-        architecture = _architecture(hf_config, "hf_config") if hf_config else (
-            "Qwen2ForCausalLM" if model_cfg.qkv_bias else
-            "MistralForCausalLM" if model_cfg.sliding_window is not None else "LlamaForCausalLM")
-    if architecture not in SUPPORTED:
-        raise UserError("architecture", f"{architecture!r} is not supported", f"use one of: {', '.join(SUPPORTED)}")
-    if model_cfg.qkv_bias and architecture != "Qwen2ForCausalLM":
-        raise UserError("architecture", f"{architecture} has no q/k/v biases but the model does",
-                        "export as Qwen2ForCausalLM")
-    if model_cfg.sliding_window is not None and architecture == "LlamaForCausalLM":
-        raise UserError("architecture", f"LlamaForCausalLM has no sliding window but the model has "
-                        f"sliding_window={model_cfg.sliding_window}", "export as MistralForCausalLM")
+        architecture = (family.export_architecture(model_cfg) if family.export_architecture
+                        else family.architectures[0])
+    if architecture not in supported():
+        raise UserError("architecture", f"{architecture!r} is not supported", f"use one of: {', '.join(supported())}")
+    if architecture not in family.architectures:
+        raise UserError("architecture", f"{architecture} is not an architecture of the model's family "
+                        f"{model_cfg.family!r}", f"use one of: {', '.join(family.architectures)}")
+    if family.check_export is not None:
+        family.check_export(model_cfg, architecture)
     _check_out_dir(out_dir, overwrite)
     src = _source(source)
     _, layouts = _layouts(model_cfg)
@@ -694,12 +611,11 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
     entries = []
     for group, layout in layouts.items():
         for leaf in layout.leaves:
-            name, transpose = hf_name(group, leaf.path)
+            name, transpose = hf_name(group, leaf.path, model_cfg.family)
             entries.append((name, group, leaf, transpose, tuple(reversed(leaf.shape)) if transpose else leaf.shape))
-        if architecture == "Qwen2ForCausalLM" and not model_cfg.qkv_bias and group.startswith("block_"):
-            i, d = int(group[6:]), model_cfg.dim_per_head  # Qwen2 always has q/k/v biases: write zeros
-            for proj, n in (("q_proj", model_cfg.num_heads), ("k_proj", model_cfg.kv_heads), ("v_proj", model_cfg.kv_heads)):
-                entries.append((f"model.layers.{i}.self_attn.{proj}.bias", group, None, False, (n * d,)))
+        if family.export_extras is not None and group.startswith("block_"):  # tensors the format has, we not
+            for name, shape in family.export_extras(model_cfg, architecture, int(group[6:])):
+                entries.append((name, group, None, False, shape))
     shards: list[list] = [[]]
     size = 0
     for e in entries:
@@ -939,7 +855,7 @@ def convert_main(argv: Iterable[str]) -> int:
     b.add_argument("src", metavar="MT_DIR")
     b.add_argument("out", metavar="OUT")
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    b.add_argument("--architecture", default=None, choices=list(SUPPORTED))
+    b.add_argument("--architecture", default=None, choices=list(supported()))
     b.add_argument("--max-shard-gb", type=float, default=SHARD_BYTES / 1e9, help="shard size limit (default 5)")
     b.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = p.parse_args(list(argv))

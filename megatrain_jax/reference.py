@@ -1,6 +1,7 @@
 """The plain in-memory trainer: whole-model ``jax.grad`` and optax, all on one device.
 
-It is the yardstick the streamed engine is tested against (same model, same optimizer, none of
+Model-agnostic: any family's ``Decoder`` (its logits are soft-capped where the family's are, and
+so is the chunked loss). It is the yardstick the streamed engine is tested against (same model, same optimizer, none of
 the streaming machinery) and the baseline the 1B benchmark compares with. It keeps the batch whole
 (no micro-batches): the loss is normalised by the step's token count either way, so gradient
 accumulation in the streamed engine must reproduce this exactly.
@@ -16,7 +17,7 @@ import optax
 from flax import nnx
 
 from megatrain_jax.engine import Batch, StepResult, chunked_cross_entropy
-from megatrain_jax.models.llama import Llama
+from megatrain_jax.models.common import Decoder
 
 
 def _cast(tree: Any, dtype) -> Any:
@@ -24,7 +25,7 @@ def _cast(tree: Any, dtype) -> Any:
 
 
 class ReferenceTrainer:
-    def __init__(self, model: Llama, tx: optax.GradientTransformation, compute_dtype: str = "float32",
+    def __init__(self, model: Decoder, tx: optax.GradientTransformation, compute_dtype: str = "float32",
                  remat: bool = False, device: jax.Device | None = None, loss_chunk: int | None = None):
         """``remat`` recomputes each block in the backward and ``loss_chunk`` computes the loss in
         chunks, as the streamed engine does (the fair in-memory baseline for benchmarks); by default
@@ -44,7 +45,7 @@ class ReferenceTrainer:
                 x = model.final_hidden(tokens, positions, segment_ids, dtype=dtype, remat=remat)
                 emb = model.embed.embedding[...] if model.cfg.tie_embeddings else None
                 normed, out = model.head.norm(x), model.head.output_matrix(emb).astype(dtype)
-                return chunked_cross_entropy(normed, out, labels, mask, loss_chunk) / denom
+                return chunked_cross_entropy(normed, out, labels, mask, loss_chunk, model.cfg.final_softcap) / denom
             logits = model(tokens, positions, segment_ids, dtype=dtype, remat=remat)
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
             return jnp.sum(ce * mask) / denom

@@ -9,6 +9,8 @@ exists), and compares with what megatrain-jax computes.
         in OUT_DIR/<variant>/hf, and OUT_DIR/<variant>/ref.npz with the input tokens, the logits,
         the loss (labels = the tokens, shifted inside transformers) and every parameter's gradient
         (``grad:<name>``) after ``loss.backward()``.
+    python tests/hf_reference.py make-families OUT_DIR
+        The same for the ``FAMILIES`` variants (Qwen3, Phi-3, Gemma 2, Gemma 3; tests/test_families.py).
     python tests/hf_reference.py logits TOKENS.npy OUT.npz DIR [DIR ...]
         Loads each checkpoint directory with AutoModelForCausalLM.from_pretrained(DIR) (no
         arguments: config.json must be enough), records the loaded class and dtype, and writes the
@@ -43,6 +45,37 @@ VARIANTS = {
     "mistral_untied_mqa_window7": ("MistralConfig", "MistralForCausalLM", dict(
         num_key_value_heads=1, tie_word_embeddings=False, sliding_window=7, rms_norm_eps=1e-5)),
 }
+_G3_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+_G3_LINEAR = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}
+FAMILIES = {
+    # head_dim 32 != hidden / heads = 16: the explicit head_dim is honoured
+    "qwen3_untied_gqa_headdim32": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6)),
+    # layer 0 full, layer 1 sliding (window 7 < 24 tokens)
+    "qwen3_tied_mqa_window7_mixed": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_key_value_heads=1, tie_word_embeddings=True, use_sliding_window=True, sliding_window=7,
+        max_window_layers=1, rms_norm_eps=1e-6)),
+    "phi3_untied_gqa": ("Phi3Config", "Phi3ForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0, rms_norm_eps=1e-5)),
+    "phi3_tied_window7": ("Phi3Config", "Phi3ForCausalLM", dict(
+        tie_word_embeddings=True, sliding_window=7, pad_token_id=0, rms_norm_eps=1e-5, rope_theta=250000.0)),
+    # 3 layers: local, global, local (window 7); both soft-caps small enough to bite
+    "gemma2_tied_gqa_softcaps_window7": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=7,
+        attn_logit_softcapping=1.5, final_logit_softcapping=2.5, tie_word_embeddings=True)),
+    "gemma2_untied_mqa_nocaps": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=4096,
+        attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=False)),
+    "gemma3_tied_gqa_window7": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=7,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_parameters=_G3_ROPE,
+        final_logit_softcapping=2.5, tie_word_embeddings=True)),
+    "gemma3_untied_linear_rope": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_key_value_heads=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
+        layer_types=["full_attention", "sliding_attention"], rope_parameters=_G3_LINEAR, tie_word_embeddings=False)),
+}
 BATCH, SEQ = 2, 24
 
 
@@ -59,11 +92,11 @@ def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(0.08 * noise)
 
 
-def make(out_dir: str) -> None:
+def make(out_dir: str, variants: dict = VARIANTS) -> None:
     torch.manual_seed(0)
     tokens = torch.randint(0, SMALL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(99))
-    for k, (name, (cfg_cls, model_cls, over)) in enumerate(VARIANTS.items()):
-        cfg = getattr(transformers, cfg_cls)(**SMALL, **over)
+    for k, (name, (cfg_cls, model_cls, over)) in enumerate(variants.items()):
+        cfg = getattr(transformers, cfg_cls)(**{**SMALL, **over})
         cfg._attn_implementation = "eager"
         model = getattr(transformers, model_cls)(cfg).float().eval()
         gen = torch.Generator().manual_seed(1234 + k)
@@ -100,6 +133,8 @@ if __name__ == "__main__":
     transformers.utils.logging.disable_progress_bar()
     if sys.argv[1] == "make":
         make(sys.argv[2])
+    elif sys.argv[1] == "make-families":
+        make(sys.argv[2], FAMILIES)
     elif sys.argv[1] == "logits":
         logits(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:

@@ -1,274 +1,171 @@
-"""A Llama-family decoder as Flax NNX modules: Llama 2/3, Qwen2/2.5 (qkv bias), Mistral.
+"""The Llama family: Llama 2/3 (incl. Llama 3.1 RoPE scaling), Qwen2/2.5 (q/k/v biases), Mistral
+(sliding window). Pre-norm blocks: x + attn(norm(x)), then + mlp(norm(x)), SwiGLU MLP.
 
-The model is three kinds of parts, and that split is what the streaming engine sees:
-``Embed`` (tokens -> hidden), a stack of identical ``Block``s (hidden -> hidden), and ``Head``
-(final RMSNorm + LM head, or the tied embedding). Each ``Block`` is called as
-``block(hidden, aux)`` where ``aux`` carries what every layer shares (RoPE tables, the document
-mask); that is the signature of a layer template (see ``templates.py``).
+Hugging Face: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``; tensor names
+follow the module tree (``registry.py``). Q/K weights are *not* permuted: the ``transformers``
+format already uses the rotate-half RoPE layout that ``apply_rope`` implements.
 
-Weights are kept in ``param_dtype`` (fp32 master); compute happens in the dtype of the incoming
-weights and hidden state, so the same module serves fp32 and bf16 compute. Kernels are stored
-``(in, out)`` (the Flax convention); the Hugging Face converter transposes.
+This module also re-exports the generic decoder (``Llama`` is ``common.Decoder``, which builds any
+family's blocks from ``cfg.family``) and its helpers, where older code imports them from.
 """
 from __future__ import annotations
 
-from typing import Any
-
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from megatrain_jax.attention import attention
 from megatrain_jax.config import ModelConfig
+from megatrain_jax.errors import UserError
+from megatrain_jax.models import hfconfig
+from megatrain_jax.models.common import (Attention, Aux, Decoder, Embed, Head, MLP, RMSNorm, abstract_model,  # noqa: F401
+                                         apply_rope, dense_block_params, dot_product_attention, init_host_store,
+                                         init_model, init_part, llama3_scale_frequencies, make_aux, part_names,
+                                         rope_tables, streamed_parts)
+from megatrain_jax.models.registry import Family, register
 
-Aux = dict[str, Any]
-
-
-def rope_tables(positions: jax.Array, head_dim: int, theta: float,
-                scaling: dict | None = None) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape (B, S, head_dim // 2) in fp32 for integer positions (B, S)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if scaling is not None:
-        inv_freq = llama3_scale_frequencies(inv_freq, scaling)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, S, D/2)
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def llama3_scale_frequencies(inv_freq: jax.Array, scaling: dict) -> jax.Array:
-    """Llama 3.1 RoPE scaling (as ``transformers``' ``_compute_llama3_parameters``): long
-    wavelengths are divided by ``factor``, short ones kept, the band between interpolated."""
-    if scaling.get("rope_type", scaling.get("type")) != "llama3":
-        raise ValueError(f"unsupported rope_scaling {scaling!r}; only rope_type llama3 is implemented")
-    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * jnp.pi / inv_freq
-    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return jnp.where(medium, smoothed, scaled)
-
-
-def make_aux(positions: jax.Array, cfg: ModelConfig, segment_ids: jax.Array | None = None) -> Aux:
-    """Per-sequence inputs every block shares: RoPE tables and (optionally) document segment ids."""
-    cos, sin = rope_tables(positions, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
-    aux = {"cos": cos, "sin": sin}
-    if segment_ids is not None:
-        aux["segment_ids"] = segment_ids
-    return aux
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face Llama layout). x: (B, S, N, D); cos/sin: (B, S, D/2)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
-
-
-def _linear(din: int, dout: int, bias: bool, std: float, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, kernel_init=nnx.initializers.normal(std),
-                      bias_init=nnx.initializers.zeros_init(), param_dtype=jnp.float32, rngs=rngs)
-
-
-class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE; causal, optionally inside document boundaries."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        h, d = cfg.hidden_size, cfg.dim_per_head
-        self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, d
-        self.window = cfg.sliding_window
-        self.q_proj = _linear(h, cfg.num_heads * d, cfg.qkv_bias, cfg.init_std, rngs)
-        self.k_proj = _linear(h, cfg.kv_heads * d, cfg.qkv_bias, cfg.init_std, rngs)
-        self.v_proj = _linear(h, cfg.kv_heads * d, cfg.qkv_bias, cfg.init_std, rngs)
-        self.o_proj = _linear(cfg.num_heads * d, h, False, cfg.init_std, rngs)
-
-    def __call__(self, x: jax.Array, aux: Aux) -> jax.Array:
-        b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
-        q, k = apply_rope(q, aux["cos"], aux["sin"]), apply_rope(k, aux["cos"], aux["sin"])
-        out = dot_product_attention(q, k, v, aux.get("segment_ids"), window=self.window)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
-
-
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-                          window: int | None = None) -> jax.Array:
-    """Causal GQA attention, inside document boundaries when ``segment_ids`` is given, through the
-    one entry point that picks cuDNN / padded cuDNN / XLA / blockwise per shape (``attention.py``)."""
-    return attention(q, k, v, causal=True, segment_ids=segment_ids, window=window)
-
-
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        h, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(h, f, False, cfg.init_std, rngs)
-        self.up_proj = _linear(h, f, False, cfg.init_std, rngs)
-        self.down_proj = _linear(f, h, False, cfg.init_std, rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+Llama = Decoder  # the whole model of any family (the name predates the other families)
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)).
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    Subclasses (Qwen3, Phi-3) change the class attributes: ``QK_NORM`` (per-head q/k norm class)
+    and ``FUSED`` (one qkv_proj and one gate_up_proj kernel)."""
+
+    QK_NORM = None
+    FUSED = False
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rngs)
+        self.self_attn = Attention(cfg, rngs, window=cfg.layer_window(layer), bias=cfg.qkv_bias,
+                                   qk_norm=self.QK_NORM, fused=self.FUSED, scale=cfg.attention_scale)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs, fused=self.FUSED)
 
-    def __call__(self, x: jax.Array, aux: Aux) -> jax.Array:
+    def __call__(self, x, aux: Aux):
         x = x + self.self_attn(self.input_layernorm(x), aux)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Embed(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        init = nnx.initializers.normal(cfg.init_std)
-        self.embedding = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32))
+# ------------------------------------------------------------------------------- Hugging Face
 
-    def __call__(self, tokens: jax.Array, dtype=None) -> jax.Array:
-        table = self.embedding[...]
-        if dtype is not None:
-            table = table.astype(dtype)
-        return jnp.take(table, tokens, axis=0)
+ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
-class Head(nnx.Module):
-    """Final RMSNorm and the LM head (absent when embeddings are tied: the head uses Embed's table)."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.tied = cfg.tie_embeddings
-        if not self.tied:
-            init = nnx.initializers.normal(cfg.init_std)
-            self.lm_head = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), jnp.float32))
-
-    def output_matrix(self, embedding: jax.Array | None = None) -> jax.Array:
-        """(H, V) matrix mapping normed hidden states to logits."""
-        return embedding.T if self.tied else self.lm_head[...]
-
-    def __call__(self, x: jax.Array, embedding: jax.Array | None = None) -> jax.Array:
-        w = self.output_matrix(embedding).astype(x.dtype)
-        return jnp.einsum("bsh,hv->bsv", self.norm(x), w, preferred_element_type=jnp.float32)
+def layer_windows(hf: dict, arch: str) -> list[int | None]:
+    """Each layer's attention window as ``transformers`` builds it (None: full causal attention).
+    Mistral: ``sliding_window`` on every layer. Qwen2: ``layer_types`` if given, else sliding on
+    layers from ``max_window_layers`` on, and only with ``use_sliding_window``."""
+    window = int(hf["sliding_window"]) if hf.get("sliding_window") else None
+    layers = int(hf.get("num_hidden_layers") or 0)
+    if arch != "Qwen2ForCausalLM":
+        return [window if arch == "MistralForCausalLM" else None] * layers  # Llama has no window
+    if not hf.get("use_sliding_window", False) or window is None:
+        return [None] * layers
+    types = hf.get("layer_types") or ["sliding_attention" if i >= int(hf.get("max_window_layers", layers)) else
+                                      "full_attention" for i in range(layers)]
+    return [window if t == "sliding_attention" else None for t in types]
 
 
-class Llama(nnx.Module):
-    """The whole decoder, for the in-memory reference trainer and for inference."""
-
-    def __init__(self, cfg: ModelConfig, seed: int = 0):
-        self.cfg = cfg
-        self.embed = init_part(cfg, seed, "embed")
-        self.layers = nnx.List([init_part(cfg, seed, f"block_{i}") for i in range(cfg.num_layers)])
-        self.head = init_part(cfg, seed, "head")
-
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, dtype=jnp.float32, remat: bool = False) -> jax.Array:
-        """Logits (B, S, V) in fp32. ``remat`` recomputes each block in the backward."""
-        x = self.final_hidden(tokens, positions, segment_ids, dtype, remat)
-        emb = self.embed.embedding[...].astype(dtype) if self.cfg.tie_embeddings else None
-        return self.head(x, emb)
-
-    def final_hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
-                     segment_ids: jax.Array | None = None, dtype=jnp.float32, remat: bool = False) -> jax.Array:
-        """The last block's output (B, S, H), before the final norm."""
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        aux = make_aux(positions, self.cfg, segment_ids)
-        x = self.embed(tokens, dtype)
-        call = nnx.remat(_call_block) if remat else _call_block
-        for layer in self.layers:
-            x = call(layer, x, aux)
-        return x
+def sliding_window(hf: dict, arch: str) -> int | None:
+    """The one attention window of every layer (None: full causal attention). A mix of windowed
+    and full layers (some Qwen2 configs) cannot be expressed by the llama family: None, and the
+    importer warns."""
+    windows = set(layer_windows(hf, arch))
+    return windows.pop() if len(windows) == 1 else None
 
 
-def _call_block(layer: Block, x: jax.Array, aux: Aux) -> jax.Array:
-    return layer(x, aux)
+def config_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> ModelConfig:
+    hfconfig.check_act(hf, where, ("hidden_act", "hidden_activation"), ("silu", "swish"), "silu", "SwiGLU (silu)")
+    if arch == "LlamaForCausalLM" and hf.get("attention_bias"):
+        raise UserError("model.from_hf", f"attention_bias in {where} (a bias on q/k/v and o_proj) is not supported",
+                        "use a checkpoint without attention biases (Qwen2-style q/k/v-only biases are supported)")
+    if hf.get("mlp_bias"):
+        raise UserError("model.from_hf", f"mlp_bias in {where} is not supported", "use a checkpoint without MLP biases")
+    theta, scaling = hfconfig.rope_from_hf(hf, where)
+    return hfconfig.base_from_hf(hf, base, where, "llama", rope_theta=theta, rope_scaling=scaling,
+                                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                                 qkv_bias=arch == "Qwen2ForCausalLM", sliding_window=sliding_window(hf, arch))
 
 
-def init_part(cfg: ModelConfig, seed: int, name: str) -> nnx.Module:
-    """One part (``embed``, ``block_i`` or ``head``) with its own RNG stream.
-
-    Each part's key depends only on (seed, name), so the host store can be initialised one part
-    at a time (never the whole model in memory at once) and still equal ``init_model``.
-    """
-    base = jax.random.key(seed)
-    if name == "embed":
-        return Embed(cfg, nnx.Rngs(params=jax.random.fold_in(base, 1 << 20)))
-    if name == "head":
-        return Head(cfg, nnx.Rngs(params=jax.random.fold_in(base, (1 << 20) + 1)))
-    index = int(name.split("_")[1])
-    return Block(cfg, nnx.Rngs(params=jax.random.fold_in(base, index)))
-
-
-def part_names(cfg: ModelConfig) -> list[str]:
-    return ["embed"] + [f"block_{i}" for i in range(cfg.num_layers)] + ["head"]
+def config_to_hf(cfg: ModelConfig, arch: str, out: dict) -> None:
+    out["hidden_act"] = "silu"
+    if arch == "LlamaForCausalLM":
+        out.update(attention_bias=False, mlp_bias=False)
+    if arch == "MistralForCausalLM":  # explicit null: transformers' default is 4096
+        out["sliding_window"] = cfg.sliding_window
+    if arch == "Qwen2ForCausalLM" and cfg.sliding_window is not None:  # every layer windowed
+        out.update(use_sliding_window=True, sliding_window=cfg.sliding_window, max_window_layers=0)
+    if arch == "Qwen2ForCausalLM":  # (a source's mixed layers, imported as full attention, are kept as they were)
+        out.setdefault("use_sliding_window", False)
+        out.setdefault("sliding_window", None)
+        out.setdefault("max_window_layers", cfg.num_layers)
 
 
-def init_model(cfg: ModelConfig, seed: int) -> Llama:
-    return Llama(cfg, seed)
+def export_architecture(cfg: ModelConfig) -> str:
+    return ("Qwen2ForCausalLM" if cfg.qkv_bias else
+            "MistralForCausalLM" if cfg.sliding_window is not None else "LlamaForCausalLM")
 
 
-def abstract_model(cfg: ModelConfig) -> Llama:
-    """The model's structure with ``ShapeDtypeStruct`` leaves: templates without allocating weights."""
-    return nnx.eval_shape(lambda: Llama(cfg, 0))
+def check_export(cfg: ModelConfig, arch: str) -> None:
+    if cfg.qkv_bias and arch != "Qwen2ForCausalLM":
+        raise UserError("architecture", f"{arch} has no q/k/v biases but the model does", "export as Qwen2ForCausalLM")
+    if cfg.sliding_window is not None and arch == "LlamaForCausalLM":
+        raise UserError("architecture", f"LlamaForCausalLM has no sliding window but the model has "
+                        f"sliding_window={cfg.sliding_window}", "export as MistralForCausalLM")
 
 
-def streamed_parts(model: Llama) -> "StreamedModel":
-    """Split a ``Llama`` into the engine's parts, through the same door a user's NNX model uses."""
-    from megatrain_jax.templates import StreamedModel, from_nnx
-
-    cfg = model.cfg
-    embed_graph, embed_state = nnx.split(model.embed)
-    head_graph, head_state = nnx.split(model.head)
-
-    def embed_fn(w, tokens):
-        return nnx.merge(embed_graph, w)(tokens)
-
-    def head_fn(w, hidden, embed_w):
-        head = nnx.merge(head_graph, w)
-        emb = embed_w["embedding"] if embed_w is not None else None
-        return head.norm(hidden), head.output_matrix(emb).astype(hidden.dtype)
-
-    def aux_fn(positions, segment_ids=None):
-        return make_aux(positions, cfg, segment_ids)
-
-    return StreamedModel(embed_fn=embed_fn, blocks=from_nnx(list(model.layers)), head_fn=head_fn,
-                         aux_fn=aux_fn, embed_weights=nnx.to_pure_dict(embed_state),
-                         head_weights=nnx.to_pure_dict(head_state), tied=cfg.tie_embeddings)
+def export_extras(cfg: ModelConfig, arch: str, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen2 always has q/k/v biases: zeros for a model without them."""
+    if arch != "Qwen2ForCausalLM" or cfg.qkv_bias:
+        return []
+    d = cfg.dim_per_head
+    return [(f"model.layers.{layer}.self_attn.{proj}.bias", (n * d,))
+            for proj, n in (("q_proj", cfg.num_heads), ("k_proj", cfg.kv_heads), ("v_proj", cfg.kv_heads))]
 
 
-def init_host_store(cfg: ModelConfig, seed: int, bf16_stream: bool):
-    """Abstract parts plus a host store initialised part by part (peak memory: one part).
+def on_import(hf: dict, cfg: ModelConfig, seq_len: int | None, say) -> None:
+    import warnings
 
-    Returns ``(parts, store)``; equal to ``streamed_parts(init_model(cfg, seed))`` in value.
-    """
-    from megatrain_jax.hoststore import HostStore
-    from megatrain_jax.templates import Layout
+    from megatrain_jax.hf import HFWarning
 
-    parts = streamed_parts(abstract_model(cfg))
-    store = HostStore({n: Layout(t) for n, t in parts.host_trees().items()}, bf16_stream)
-    if cfg.init == "fast":
-        store.fill_fast(seed, cfg.init_std)
-        return parts, store
-    for name in part_names(cfg):
-        module = init_part(cfg, seed, name)
-        store.load_group(name, nnx.to_pure_dict(nnx.state(module)))
-        del module
-    return parts, store
+    windows = set(layer_windows(hf, hfconfig_arch(hf)))
+    if len(windows) > 1:
+        window = max(w for w in windows if w is not None)
+        if seq_len is None or seq_len > window:
+            warnings.warn(f"model.from_hf: the checkpoint mixes full and sliding-window (sliding_window={window}) "
+                          "layers, which megatrain-jax does not implement: every layer uses full causal attention, so "
+                          "the windowed layers attend further back than in the original model", HFWarning, stacklevel=4)
+        else:
+            say(f"hf import: the windowed layers (sliding_window={window}) are treated as full attention "
+                f"(identical for sequences of up to {window} tokens)")
+    elif cfg.sliding_window is not None:
+        longer = seq_len is None or seq_len > cfg.sliding_window
+        say(f"hf import: sliding_window={cfg.sliding_window}: each token attends to itself and the "
+            f"{cfg.sliding_window - 1} before it" + ("" if longer else f" (all of a {seq_len}-token sequence)"))
+
+
+def hfconfig_arch(hf: dict) -> str:
+    from megatrain_jax.models.registry import architecture_of
+
+    return architecture_of(hf, "config.json")
+
+
+def validate(cfg: ModelConfig) -> None:
+    if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1:
+        raise UserError("model.layer_types", "the llama family uses model.sliding_window on every layer",
+                        "set layer_types to null (or use a family with mixed layers, e.g. gemma2)")
+    _no_gemma_fields(cfg)
+
+
+def _no_gemma_fields(cfg: ModelConfig) -> None:
+    for name in ("attn_softcap", "final_softcap", "rope_local_theta"):
+        if getattr(cfg, name) is not None:
+            raise UserError(f"model.{name}", f"the {cfg.family} family has no {name}",
+                            "set it to null, or use model.family gemma2/gemma3")
+
+
+register(Family(
+    name="llama", architectures=ARCHS, model_types=("llama", "qwen2", "mistral"), block=Block,
+    block_params=lambda cfg: dense_block_params(cfg, qkv_bias=cfg.qkv_bias),
+    config_from_hf=config_from_hf, config_to_hf=config_to_hf, validate=validate,
+    export_architecture=export_architecture, check_export=check_export, export_extras=export_extras,
+    on_import=on_import))
