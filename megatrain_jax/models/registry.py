@@ -5,7 +5,7 @@ How to add a family (say ``foo``): write ``megatrain_jax/models/foo.py`` holding
 class (called as ``Block(cfg, rngs, layer)``, computing ``block(hidden, aux) -> hidden``; reuse the
 parts in ``models/common.py``: norms, RoPE, a configurable ``Attention``, the gated MLPs), its
 Hugging Face config translation (``config_from_hf(hf, base, where, arch) -> ModelConfig`` and
-``config_to_hf(cfg, arch) -> dict``) and its parameter count, then call ``register(Family(...))``
+``config_to_hf(cfg, arch, out)``, which adds its keys to the config.json dict ``out``) and its parameter count, then call ``register(Family(...))``
 at the end of the module and add ``"foo"`` to ``FAMILY_MODULES`` below. Nothing else changes: the
 generic decoder (embedding, the stack of blocks, the head), the streamed engine's parts, the host
 store, the memory planner's ``block_params``, and Hugging Face import/export all go through the
@@ -39,7 +39,7 @@ class Family:
     block: Callable[..., Any]  # Block(cfg, rngs, layer) -> nnx.Module with __call__(hidden, aux)
     block_params: Callable[[Any], int]  # parameters of one block, from the ModelConfig
     config_from_hf: Callable[[dict, Any, str, str], Any]  # (hf config.json, base ModelConfig, where, arch)
-    config_to_hf: Callable[[Any, str], dict]  # the family's config.json keys for an architecture
+    config_to_hf: Callable[[Any, str, dict], None]  # (cfg, arch, out): add the family's config.json keys to out
     norm: Callable[..., Any] | None = None  # the final norm's class (RMSNorm when None)
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the compute dtype (Gemma)
     default_layer_types: Callable[[Any], list[str]] | None = None  # None: every layer windowed iff sliding_window
