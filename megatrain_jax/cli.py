@@ -14,7 +14,10 @@ def _train(args: argparse.Namespace) -> int:
     from megatrain_jax.config import load_config
 
     cfg = load_config(args.config, args.set or [])  # before importing jax: config errors come fast
+    from megatrain_jax.distributed import initialize_from_env
     from megatrain_jax.train import train
+
+    initialize_from_env()  # MEGATRAIN_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID: one of several processes
 
     train(cfg, resume=args.resume)
     return 0
@@ -33,6 +36,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     p = make_plan(cfg, devices=args.devices)
     print(plan_json(p) if args.json else plan_table(p))
+    if args.scaling and not args.json:
+        from megatrain_jax.memory import scaling_table
+
+        print(scaling_table(cfg, p.machine))
     err = p.verdict()
     if err is not None:
         print(f"error: {err}", file=sys.stderr)
@@ -55,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--devices", type=int, default=None, help="plan for N GPUs (default: train.devices)")
+    p.add_argument("--scaling", action="store_true", help="also predict 1, 2, 4 and 8 GPUs (data parallel)")
     p.set_defaults(func=_plan)
 
     # these parse their own arguments (see main); listed here for --help

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
 from megatrain_jax.templates import StreamedModel, block_rng
@@ -162,7 +164,7 @@ class _GradOut:
         else:
             if not engine._slabs.acquire(blocking=wait):
                 return False
-            g = self.grad
+            g = engine._local_shard(self.grad, j)  # one device's copy of the (replicated) gradient
             piece = g if (len(self.chunks) == 1 and g.dtype == F32) else engine._chunk_fn(g, lo, hi - lo)
             arr = engine.xfer.to_host(piece)
             with self._lock:
@@ -213,13 +215,21 @@ class StreamedTrainer:
                  device: jax.Device | None = None, store: HostStore | None = None,
                  skip_nonfinite: bool = False, offload_activations: bool | None = None,
                  transfer_mode: str = "auto", tracer: Any = None, grad_hold: str = "gpu_fp32",
-                 grad_slab_elems: int | None = 32 << 20, grad_slabs: int | None = None, rng_seed: int = 0):
+                 grad_slab_elems: int | None = 32 << 20, grad_slabs: int | None = None, rng_seed: int = 0,
+                 devices: list[jax.Device] | None = None):
         """``grad_hold``: where deferred gradients wait for the step's norm (``gpu_fp32``,
         ``gpu_bf16``: rounded to bf16 after the norm is taken, or ``pinned_host``). The streamed
         dtype follows the store: a store without a bf16 copy streams the fp32 master, which each
         jitted piece casts to ``compute_dtype`` on the device (``train.stream_copy=device``).
         ``offload_activations``: boundary activations in pinned host memory (None: decided per
-        step from free device memory; the memory plan always decides it)."""
+        step from free device memory; the memory plan always decides it).
+
+        ``devices`` (data parallel): every device of the run, in every process (``jax.devices()``
+        order); this process drives those it can address. Each receives every block, computes its
+        share of each micro-batch (the batch dimension is split over the devices), and each group's
+        gradient is summed over all of them by a collective on the devices (``psum`` in a
+        ``shard_map`` over a one-axis mesh) before one copy goes to the host, where every process
+        applies the same deterministic update to its own replica of the host store."""
         if grad_hold not in ("gpu_fp32", "gpu_bf16", "pinned_host"):
             raise ValueError(f"grad_hold must be gpu_fp32, gpu_bf16 or pinned_host, got {grad_hold!r}")
         self.parts, self.opt = parts, host_opt
@@ -232,11 +242,17 @@ class StreamedTrainer:
         self.before_update: Callable[[str, int], None] | None = None
         self.dtype = jnp.dtype(compute_dtype)
         self.micro_batches, self.clip_norm, self.loss_chunk = micro_batches, clip_norm, loss_chunk
-        self.device = device or jax.devices()[0]
+        devices = list(devices) if devices else [device or jax.local_devices()[0]]
+        self.local_devices = [d for d in devices if d.process_index == jax.process_index()]
+        if not self.local_devices:
+            raise ValueError("none of the given devices belongs to this process")
+        self.device = self.local_devices[0]
+        self.num_devices = len(devices)
+        self.mesh = Mesh(np.array(devices), ("data",))
         self.rng_seed, self._rng_step = rng_seed, 0  # blocks that take a key (dropout): see templates.block_rng
         bf16 = self.dtype == jnp.bfloat16
         self.store = store or HostStore.from_trees(parts.host_trees(), bf16_stream=bf16)
-        self.xfer = Transfers(self.device, transfer_mode)
+        self.xfer = Transfers(self.local_devices, transfer_mode, mesh=self.mesh)
         for g in self.store:
             if g.opt_state is None:
                 g.opt_state = host_opt.init_state(g.master, g.layout.unflatten)
@@ -324,7 +340,7 @@ class StreamedTrainer:
         self._grad_ready("embed", g_emb, grads, sq)
 
         # ---- norm, clipping and the deferred updates (queued in the order the forward needs them)
-        loss, sq_total = (float(x) for x in jax.device_get(self._totals(losses, list(sq.values()))))
+        loss, sq_total = (float(np.asarray(self._local_shard(x))) for x in self._totals(losses, list(sq.values())))
         grad_norm = float(np.sqrt(sq_total))
         self.last_step_info = {"offload_activations": offload, "transfer_mode": self.xfer.mode}
         if self._deferred:
@@ -376,13 +392,16 @@ class StreamedTrainer:
         return fut is None or fut.done()
 
     def _grad_ready(self, name: str, grad: jax.Array, grads: dict, sq: dict) -> None:
-        """A group's gradient is complete on the device: keep it (deferred) or send it to be applied."""
+        """A group's gradient is complete on the device: summed over the devices, then kept
+        (deferred) or sent to be applied."""
+        if self._reduce is not None:
+            grad = self._reduce(grad)  # one collective per group; every device holds the sum
         sq[name] = self._sqnorm(grad)
         if self._deferred:
             if self.grad_hold == "gpu_bf16":
                 grad = self._to_bf16(grad)  # the norm above was taken in fp32
             elif self.grad_hold == "pinned_host":
-                grad = self.xfer.to_host(grad)  # issued before the next block's backward: they overlap
+                grad = self.xfer.to_host(self._local_shard(grad))  # issued before the next block's backward: they overlap
                 self._trace("d2h", name, grad)
             grads[name] = grad
             return
@@ -500,52 +519,99 @@ class StreamedTrainer:
         return self._zeros_fn(self.store[name].size)
 
     def _micro_batches(self, batch: Batch) -> list[dict[str, Any]]:
+        """The step's micro-batches as device arrays, each split over the devices by sequence."""
         b, s = batch.tokens.shape
-        m = self.micro_batches
+        m, n = self.micro_batches, self.num_devices
         if b % m:
             raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
+        if (b // m) % n:
+            raise ValueError(f"micro-batches of {b // m} sequences do not split over {n} devices "
+                             f"(batch_size must be a multiple of micro_batches x devices = {m * n})")
         mask = batch.loss_mask if batch.loss_mask is not None else np.ones((b, s), np.float32)
         pos = batch.positions if batch.positions is not None else np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+        sharding = self._batch_sharding
+
+        def put(x, dtype):
+            x = np.ascontiguousarray(x, dtype)
+            return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
         out = []
         for part in range(m):
             sl = slice(part * b // m, (part + 1) * b // m)
-            seg = None if batch.segment_ids is None else jax.device_put(batch.segment_ids[sl], self.device)
+            seg = None if batch.segment_ids is None else put(batch.segment_ids[sl], np.int32)
+            tokens, positions = put(batch.tokens[sl], np.int32), put(pos[sl], np.int32)
             out.append({
-                "tokens": jax.device_put(np.asarray(batch.tokens[sl], np.int32), self.device),
-                "labels": jax.device_put(np.asarray(batch.labels[sl], np.int32), self.device),
-                "mask": jax.device_put(np.asarray(mask[sl], np.float32), self.device),
+                # the embedding's input: tokens, or (tokens, positions) for learned position embeddings
+                "tokens": (tokens, positions) if self.parts.embed_takes_positions else tokens,
+                "labels": put(batch.labels[sl], np.int32),
+                "mask": put(mask[sl], np.float32),
                 "mask_sum": float(np.asarray(mask[sl], np.float64).sum()),
-                "aux": self._aux(jax.device_put(np.asarray(pos[sl], np.int32), self.device), seg),
+                "aux": self._aux_of(positions, seg),
             })
         return out
 
+    def _local_shard(self, x: jax.Array, j: int = 0) -> jax.Array:
+        """One local device's copy of a replicated array (chunk ``j`` of a gradient leaves through
+        local device ``j mod n``: each device's own link carries a share)."""
+        shards = x.addressable_shards
+        if len(shards) == 1:
+            return shards[0].data
+        return shards[j % len(shards)].data
+
+    def _aux_of(self, positions: jax.Array, segment_ids: jax.Array | None) -> Any:
+        """``aux_fn`` on each device's share of the micro-batch. Leaves that carry the batch
+        dimension stay split over the devices; any other leaf is replicated."""
+        key = (positions.shape, segment_ids is None)
+        fn = self._aux_cache.get(key)
+        if fn is None:
+            local = jax.ShapeDtypeStruct((positions.shape[0] // self.num_devices,) + positions.shape[1:], jnp.int32)
+            shapes = jax.eval_shape(self.parts.aux_fn, local, None if segment_ids is None else local)
+            specs = jax.tree_util.tree_map(
+                lambda a: P("data") if (a.ndim >= 1 and a.shape[0] == local.shape[0]) else P(), shapes)
+            self._aux_specs[key[0][0]] = specs
+            in_specs = (P("data"), None if segment_ids is None else P("data"))
+            fn = jax.jit(self._smap(self.parts.aux_fn, in_specs, specs))
+            self._aux_cache[key] = fn
+        return fn(positions, segment_ids)
+
+    def _smap(self, f: Callable, in_specs: Any, out_specs: Any) -> Callable:
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
     def _build_kernels(self) -> None:
         """Jit the step's pieces. Every block of a kind shares one ``_block_fwd`` / ``_block_bwd``
-        executable (one kind for a stack of identical blocks)."""
+        executable (one kind for a stack of identical blocks).
+
+        Each piece is the single-device computation inside a ``shard_map`` over the devices'
+        one-axis mesh: weights replicated, activations and data split by sequence, and the
+        accumulated weight gradients per device (a ``(devices x size,)`` array, each device's
+        share its own partial sum) until ``_reduce`` sums them with one collective per group. On
+        one device the map is the identity and ``_reduce`` is skipped.
+        """
         p, dt, chunk = self.parts, self.dtype, self.loss_chunk
         lay_e, lay_h = self.store["embed"].layout, self.store["head"].layout
         tied, cap = p.tied, p.logit_softcap
         stack = p.blocks
+        rep, dat = P(), P("data")
+        multi = self.num_devices > 1
 
         # weights arrive as the host streams them: bf16, or the fp32 master cast here, on the device
         def embed_fwd(w, tokens):
             return p.embed_fn(lay_e.unflatten(w.astype(dt)), tokens).astype(dt)
 
-        def block_kernels(template, lay):
-            if stack.takes_rng:
-                def block_fwd(w, h, aux, rng):
+        def block_fns(template, lay):
+            def block_fwd(w, h, aux, rng):
+                if stack.takes_rng:
+                    if multi:  # each device's sequences get their own masks
+                        rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
                     return template(lay.unflatten(w.astype(dt)), h, aux, rng)
-            else:
-                def block_fwd(w, h, aux, rng):
-                    del rng
-                    return template(lay.unflatten(w.astype(dt)), h, aux)
+                return template(lay.unflatten(w.astype(dt)), h, aux)
 
             def block_bwd(w, h, aux, rng, dh, g):
                 _, vjp = jax.vjp(lambda w_, h_: block_fwd(w_, h_, aux, rng), w, h)
                 dw, dh_in = vjp(dh)
                 return dh_in, g + dw.astype(F32)
 
-            return jax.jit(block_fwd), jax.jit(block_bwd, donate_argnums=(4, 5))
+            return block_fwd, block_bwd
 
         def head_loss(wh, we, h, labels, mask, inv, gh, ge):
             def f(wh, we, h):
@@ -556,6 +622,8 @@ class StreamedTrainer:
             loss, (dwh, dwe, dh) = jax.value_and_grad(f, argnums=(0, 1, 2))(wh, we, h)
             if tied:
                 ge = ge + dwe.astype(F32)
+            if multi:
+                loss = jax.lax.psum(loss, "data")
             return loss, dh, gh + dwh.astype(F32), ge
 
         def embed_bwd(we, tokens, dh, ge):
@@ -563,31 +631,51 @@ class StreamedTrainer:
             (dw,) = vjp(dh)
             return ge + dw.astype(F32)
 
-        self._embed_fwd = jax.jit(embed_fwd)
-        kernels: dict[Any, tuple[Callable, Callable]] = {}
-        for i, kind in enumerate(stack.kinds):
-            if kind not in kernels:
-                kernels[kind] = block_kernels(stack.templates[kind], self.store[f"block_{i}"].layout)
-        self._kernels_of_layer = [kernels[k] for k in stack.kinds]
-        self._head_loss = jax.jit(head_loss, donate_argnums=(6, 7))
-        self._embed_bwd = jax.jit(embed_bwd, donate_argnums=(3,))
+        smap = self._smap
+        self._embed_fwd = jax.jit(smap(embed_fwd, (rep, dat), dat))
+        self._block_fns = {k: block_fns(stack.templates[k], self.store[f"block_{stack.kinds.index(k)}"].layout)
+                           for k in dict.fromkeys(stack.kinds)}
+        self._block_jits: dict[Any, tuple[Callable, Callable]] = {}
+        self._aux_cache: dict[Any, Callable] = {}
+        self._aux_specs: dict[Any, Any] = {}
+        self._head_loss = jax.jit(smap(head_loss, (rep, rep, dat, dat, dat, rep, dat, dat), (rep, dat, dat, dat)),
+                                  donate_argnums=(6, 7))
+        self._embed_bwd = jax.jit(smap(embed_bwd, (rep, dat, dat, dat), dat), donate_argnums=(3,))
+        self._reduce = jax.jit(smap(lambda g: jax.lax.psum(g, "data"), (dat,), rep)) if multi else None
         self._sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)))
         self._to_bf16 = jax.jit(lambda g: g.astype(jnp.bfloat16))
         self._chunk_fn = jax.jit(lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32),
                                  static_argnums=2)
         self._totals = jax.jit(lambda losses, sqs: (sum(losses), sum(sqs)))  # one fetch per step
-        # committed to the device like every other operand, so the first micro-batch's call
+        # committed to the devices like every other operand, so the first micro-batch's call
         # (fresh zeros) and later ones (accumulated outputs) share one executable
-        on_device = jax.sharding.SingleDeviceSharding(self.device)
-        self._zeros_fn = jax.jit(lambda n: jnp.zeros((n,), F32), static_argnums=0, out_shardings=on_device)
-        self._aux = jax.jit(p.aux_fn)
+        self._batch_sharding = NamedSharding(self.mesh, dat)
+        n_dev = self.num_devices
+        self._zeros_fn = jax.jit(lambda n: jnp.zeros((n * n_dev,), F32), static_argnums=0,
+                                 out_shardings=self._batch_sharding)
+        on_device = NamedSharding(self.mesh, rep)
         self._rng_fn = jax.jit(block_rng, out_shardings=on_device) if stack.takes_rng else None
 
+    def _block_kernels(self, i: int, aux: Any) -> tuple[Callable, Callable]:
+        """Layer ``i``'s (forward, backward) executables, for ``aux`` laid out as it is."""
+        kind = self.parts.blocks.kinds[i]
+        specs = jax.tree_util.tree_map(lambda a: a.sharding.spec, aux)
+        key = (kind, jax.tree_util.tree_structure(aux), tuple(jax.tree_util.tree_leaves(
+            specs, is_leaf=lambda x: isinstance(x, P))))
+        fns = self._block_jits.get(key)
+        if fns is None:
+            fwd, bwd = self._block_fns[kind]
+            rep, dat = P(), P("data")
+            fns = (jax.jit(self._smap(fwd, (rep, dat, specs, rep), dat)),
+                   jax.jit(self._smap(bwd, (rep, dat, specs, rep, dat, dat), (dat, dat)), donate_argnums=(4, 5)))
+            self._block_jits[key] = fns
+        return fns
+
     def _block_fwd(self, i: int, w, h, aux, rng):
-        return self._kernels_of_layer[i][0](w, h, aux, rng)
+        return self._block_kernels(i, aux)[0](w, h, aux, rng)
 
     def _block_bwd(self, i: int, w, h, aux, rng, dh, g):
-        return self._kernels_of_layer[i][1](w, h, aux, rng, dh, g)
+        return self._block_kernels(i, aux)[1](w, h, aux, rng, dh, g)
 
     def _rng(self, layer: int, micro: int) -> jax.Array | None:
         """The dropout key of (this step, layer, micro-batch); None for blocks without randomness."""

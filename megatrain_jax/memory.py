@@ -51,8 +51,11 @@ GRAD_SLABS = (6, 24)  # pinned slabs in the pool (fewest, most): transfers of la
 WS_PER_TOKEN = {"hidden": 26.0, "mlp": 8.0, "qkv": 4.0}
 LOSS_BYTES_PER_LOGIT = 10.0  # fp32 logits + fp32 softmax - onehot + bf16 copy of one chunk, fwd/bwd
 # floor rates for the predicted step (H100 measurements, DESIGN.md §1 and RESULTS.md)
-RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9,
-         "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 2.0e9, "optax": 1.0e9}}  # int8: 0.3 G/s on 2 cores, linear in cores
+# host_read: all GPUs' host->GPU streams together (an assumption, not a measurement: the 2-H200 machine
+# streamed 103.9 GB/s to both at once, so two links are not host-bound; beyond that DDR bandwidth is the cap)
+RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9, "host_read": 200e9,
+         # 16 threads of the H100 machine's host (experiments/bench_compact_adamw.py, 2026-11-23: int8 2.20)
+         "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 2.2e9, "optax": 1.0e9}}
 MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
 
 
@@ -306,6 +309,15 @@ def _gpu_phases(s: _Shapes, *, M: int, stream_bytes: int, device_cast: bool, act
     return phases, rows
 
 
+def _process_count() -> int:
+    """Processes of a multi-host run (distributed.py's MEGATRAIN_NUM_PROCESSES), read without
+    starting a JAX backend (the plan must run before XLA is configured)."""
+    try:
+        return max(int(os.environ.get("MEGATRAIN_NUM_PROCESSES", "1")), 1)
+    except ValueError:
+        return 1
+
+
 STREAM_HIDDEN_RATIO = 0.25  # fp32 stream time / block forward compute below which the device cast is free
 
 
@@ -333,7 +345,7 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     t, o, m = cfg.train, cfg.optim, cfg.model
     out_dir = t.out_dir
     machine = machine or detect_machine((out_dir,) + ((t.export,) if t.export else ()))
-    n_dev = devices or (machine.gpu_count if t.devices == "all" else int(t.devices)) or 1
+    n_dev = devices or ((machine.gpu_count if t.devices == "all" else int(t.devices)) or 1) * _process_count()
     host_limit = t.host_memory_gb * GB if t.host_memory_gb else machine.host_bytes
     host_source = "train.host_memory_gb" if t.host_memory_gb else machine.host_source
     host_avail = host_limit if t.host_memory_gb else machine.host_available
@@ -479,7 +491,10 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     rate = RATES["matmul_bf16" if bf16 else "matmul_fp32"] * n_dev
     h2d_bytes = 2 * s.L * s.block * stream_bytes + 4 * (s.embed + s.head)  # blocks twice, embedding/head once
     opt_rate = RATES["adamw_elems"]["optax" if o.kernel == "optax" else o.moments] * min(machine.cpu_cores, 16) / 16
-    step = {"compute_s": hw_flops / rate, "h2d_s": h2d_bytes / RATES["h2d"], "d2h_s": 4 * s.P / RATES["d2h"],
+    # N GPUs: each receives every block over its own link, but all of them read the one host
+    # memory at once; the summed gradient leaves once, its chunks spread over the N links
+    h2d_s = max(h2d_bytes / RATES["h2d"], n_dev * h2d_bytes / RATES["host_read"])
+    step = {"compute_s": hw_flops / rate, "h2d_s": h2d_s, "d2h_s": 4 * s.P / (RATES["d2h"] * n_dev),
             "optimizer_s": s.P / opt_rate}
     step["predicted_step_s"] = max(step.values())
     step["binding"] = max(("compute_s", "h2d_s", "d2h_s", "optimizer_s"), key=lambda k: step[k])
@@ -577,6 +592,27 @@ def plan_table(p: Plan) -> str:
     lines.extend(f"note: {n}" for n in p.notes)
     v = p.verdict()
     lines.append("verdict: fits" if v is None else f"verdict: does not fit: {v}")
+    return "\n".join(lines)
+
+
+def scaling_table(cfg: Config, machine: Machine | None = None, counts=(1, 2, 4, 8)) -> str:
+    """Predictions for the same config on N GPUs (data parallel, the global batch split over them):
+    per-GPU peak, the host's total, and the step's floor terms. Predictions, until measured."""
+    machine = machine or detect_machine((cfg.train.out_dir,))
+    lines = ["data parallel (predictions from the plan's rates, not measurements):",
+             f"{'GPUs':>4} | {'per-GPU peak GB':>15} | {'host GB':>7} | {'step s':>6} | {'bound by':>9} | "
+             f"{'tokens/s':>9} | {'optimizer s':>11} | {'GPU->host s':>11}"]
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    for n in counts:
+        if cfg.train.batch_size % n:
+            lines.append(f"{n:>4} | batch_size {cfg.train.batch_size} does not split over {n} GPUs")
+            continue
+        p = make_plan(cfg, machine, devices=n)
+        st = p.step
+        gpu = f"{p.gpu_need / GB:.1f}" if p.gpu_need else "-"
+        lines.append(f"{n:>4} | {gpu:>15} | {p.host_need / GB:>7.1f} | {st['predicted_step_s']:>6.2f} | "
+                     f"{st['binding'][:-2]:>9} | {tokens / st['predicted_step_s']:>9,.0f} | "
+                     f"{st['optimizer_s']:>11.2f} | {st['d2h_s']:>11.2f}")
     return "\n".join(lines)
 
 

@@ -55,13 +55,11 @@ class Streamed(StreamedModel):
 
     - ``assemble(trees)``: host trees by group (``embed``, ``block_i``, ``head``) -> the model's own
       params pytree (NNX: ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``; Linen: ``params``).
-    - ``embed_takes_positions``: the embedding part reads the batch's positions; the engine's
-      embedding input is then the pair ``(tokens, positions)`` (``trainer.Trainer`` passes it; a plain
-      ``StreamedTrainer`` gives tokens only, and positions ``0..S-1`` are used).
+    - ``embed_takes_positions`` (``StreamedModel``'s field): the embedding part reads the batch's
+      positions; the engine's embedding input is then the pair ``(tokens, positions)``.
     """
 
     assemble: Callable[[dict], Any] | None = None
-    embed_takes_positions: bool = False
     summary: str = ""
 
 

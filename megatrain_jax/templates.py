@@ -171,7 +171,8 @@ def from_fn(fn: Template, weights_per_layer: Sequence[Any]) -> LayerStack:
 class StreamedModel:
     """A decoder as the engine sees it: embedding, a stack of identical blocks, and a head.
 
-    - ``embed_fn(weights, tokens) -> hidden``
+    - ``embed_fn(weights, tokens) -> hidden`` (``embed_fn(weights, (tokens, positions))`` with
+      ``embed_takes_positions``: the batch's positions, for learned position embeddings)
     - ``blocks``: the ``LayerStack`` (template + per-layer weights)
     - ``head_fn(weights, hidden, embed_weights) -> (normed_hidden, out_matrix (H, V))``: the loss
       is computed by the engine in chunks from these two, so logits never exist all at once.
@@ -188,6 +189,7 @@ class StreamedModel:
     head_weights: Any
     tied: bool
     logit_softcap: float | None = None  # logits = cap * tanh(logits / cap), inside the chunked loss (Gemma 2)
+    embed_takes_positions: bool = False  # embed_fn(weights, (tokens, positions)): learned position embeddings
 
     def host_trees(self) -> dict[str, Any]:
         """The group name -> host pytree mapping that the host store is built from."""

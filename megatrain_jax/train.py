@@ -38,6 +38,7 @@ import yaml
 
 from megatrain_jax import checkpoint as ck
 from megatrain_jax.config import Config
+from megatrain_jax.distributed import is_main, run_devices
 from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
 from megatrain_jax.memory import memory_snapshot
@@ -53,7 +54,7 @@ def _streamed_trainer(cfg: Config, parts, store, host_opt, plan) -> StreamedTrai
                            clip_norm=cfg.optim.clip_norm, loss_chunk=cfg.train.loss_chunk, store=store,
                            skip_nonfinite=True, offload_activations=d["activations"] == "pinned_host",
                            grad_hold=d["grad_hold"], grad_slab_elems=d["grad_slab_elems"],
-                           grad_slabs=d["grad_slabs"])
+                           grad_slabs=d["grad_slabs"], devices=run_devices(cfg.train.devices))
 
 
 def host_bf16_copy(cfg: Config, plan=None) -> bool:
@@ -296,6 +297,9 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
 
     t, d = cfg.train, cfg.data
     _check_fields(cfg)
+    main = is_main()  # process 0 writes checkpoints, metrics and logs; the others only train
+    if not main:
+        log = lambda _msg: None  # noqa: E731
     if cfg.model.from_hf:
         from megatrain_jax.hf import resolve_hf_model_config
 
@@ -309,29 +313,30 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
                         "set train.engine=streamed (or train without --resume)")
     plan = plan_or_refuse(cfg, log) if streamed else None  # before anything is allocated or written
     if resume:
-        trainer, path, state = restore_trainer(cfg, root, log, plan)
+        trainer, path, state = restore_trainer(cfg, root, log, plan)  # every process reads the checkpoint
         start_step = int(state["step"])
         _resume_checks(cfg, dataset, state, log)
         log(f"resumed from {path}: step {start_step}, optimizer count {trainer.count}")
     else:
-        existing = ck.list_checkpoints(root)
+        existing = ck.list_checkpoints(root) if main else []
         if existing:
             raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
                             "pass --resume to continue that run, or choose another train.out_dir "
                             f"(or delete {root})")
         trainer = build_trainer(cfg, plan=plan)
 
-    os.makedirs(t.out_dir, exist_ok=True)
-    with open(os.path.join(t.out_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-    metrics_path = os.path.join(t.out_dir, "metrics.jsonl")
-    if resume:
+    if main:
+        os.makedirs(t.out_dir, exist_ok=True)
+        with open(os.path.join(t.out_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    metrics_path = os.path.join(t.out_dir, "metrics.jsonl") if main else os.devnull
+    if main and resume:
         _truncate_metrics(metrics_path, start_step, log)
-    elif os.path.isfile(metrics_path):
+    elif main and os.path.isfile(metrics_path):
         old = f"{metrics_path}.old-{int(time.time())}"
         os.replace(metrics_path, old)
         log(f"metrics: a fresh run; the previous {metrics_path} was moved to {old}")
-    metrics = MetricsWriter(metrics_path, log=log)
+    metrics = MetricsWriter(metrics_path, tensorboard=main, log=log)
     tokens_per_step = t.batch_size * d.seq_len
     fpt = model_flops_per_token(cfg.model)
     fpt_attn = fpt + attention_flops_per_token(cfg.model, d.seq_len)
@@ -340,7 +345,7 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
         f"compute={t.compute_dtype}, {tokens_per_step} tokens/step")
 
     saver = ck.CheckpointSaver(trainer, root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
-        if streamed else None
+        if (streamed and main) else None
     loop = state.get("loop", {})
     skipped = int(loop.get("skipped_total", 0))
     bad_streak = int(loop.get("bad_streak", 0))
@@ -454,7 +459,7 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
                 if not aborted:
                     raise
             metrics.close()
-    if t.export and streamed and stopped_by is None:
+    if t.export and streamed and stopped_by is None and main:
         from megatrain_jax.hf import export_hf
 
         export_hf(trainer.store, cfg.model, t.export, t.export_dtype, overwrite=True, log=log)
@@ -467,8 +472,9 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
                "mean_last10": float(np.mean(losses[-10:])) if losses else None, "wall_s": wall,
                "skipped_steps": skipped, "resumed_from": start_step if resume else None,
                "checkpoint": final_path, "stopped_by": stopped_by}
-    with open(os.path.join(t.out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+    if main:
+        with open(os.path.join(t.out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=str)
     if stopped_by:
         log(f"stopped by {stopped_by} after step {step_done}: " + (
             f"checkpoint saved to {final_path}; continue with `megatrain-jax train ... --resume` "

@@ -28,23 +28,6 @@ from megatrain_jax.optim import HostOptimizer, OptaxHostOptimizer, build_host_op
 from megatrain_jax.templates import StreamedModel
 
 
-class _Engine(StreamedTrainer):
-    """The engine, with the batch's positions handed to an embedding part that reads them
-    (``Streamed.embed_takes_positions``): its input is then the pair ``(tokens, positions)``."""
-
-    def _micro_batches(self, batch: Batch) -> list[dict[str, Any]]:
-        mbs = super()._micro_batches(batch)
-        if getattr(self.parts, "embed_takes_positions", False):
-            b, s = batch.tokens.shape
-            pos = batch.positions if batch.positions is not None else np.broadcast_to(
-                np.arange(s, dtype=np.int32), (b, s))
-            m = len(mbs)
-            for part, mb in enumerate(mbs):
-                sl = slice(part * b // m, (part + 1) * b // m)
-                mb["tokens"] = (mb["tokens"], jax.device_put(np.asarray(pos[sl], np.int32), self.device))
-        return mbs
-
-
 def host_optimizer(optimizer: Any, steps: int | None = None) -> HostOptimizer:
     """``OptimConfig`` (the CLI's optimizer section), an ``optax.GradientTransformation`` (run per
     group on the host, exactly as on the whole model for element-wise optimizers such as adamw), or
@@ -126,7 +109,7 @@ class Trainer:
         self.settings = dict(micro_batches=micro_batches, clip_norm=clip_norm, compute_dtype=compute_dtype,
                              loss_chunk=loss_chunk, seed=seed)
         self.opt = host_optimizer(optimizer, steps)
-        self.engine = _Engine(self.parts, self.opt, compute_dtype=compute_dtype, micro_batches=micro_batches,
+        self.engine = StreamedTrainer(self.parts, self.opt, compute_dtype=compute_dtype, micro_batches=micro_batches,
                               clip_norm=clip_norm, loss_chunk=loss_chunk, device=device,
                               skip_nonfinite=skip_nonfinite, rng_seed=seed)
 

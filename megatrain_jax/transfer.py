@@ -15,25 +15,39 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 
 class Transfers:
     """Moves streamed buffers to the device and gradients back to host memory."""
 
-    def __init__(self, device: jax.Device, mode: str = "auto"):
+    def __init__(self, device: jax.Device | Sequence[jax.Device], mode: str = "auto", mesh: Mesh | None = None):
         """``mode``: ``auto`` (dma_map on GPU, plain device_put on CPU), ``dma_map``, ``pinned``
-        (the fallback, forced), or ``plain`` (numpy device_put, for comparison only)."""
-        self.device = device
-        self.on_gpu = device.platform == "gpu"
-        kinds = {m.kind for m in device.addressable_memories()}
-        self.device_sharding = SingleDeviceSharding(device, memory_kind="device") if "device" in kinds \
-            else SingleDeviceSharding(device)
-        self.host_sharding = SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in kinds else None
+        (the fallback, forced), or ``plain`` (numpy device_put, for comparison only).
+
+        Several local devices (data parallel): each streamed buffer is copied to every one of them
+        (each GPU over its own PCIe link) and the copies form one array replicated over ``mesh``
+        (whose other devices, in a multi-process run, belong to other processes)."""
+        devices = [device] if isinstance(device, jax.Device) else list(device)
+        self.devices, self.device, self.mesh = devices, devices[0], mesh
+        self.on_gpu = self.device.platform == "gpu"
+        kinds = {m.kind for m in self.device.addressable_memories()}
+        self.device_shardings = [SingleDeviceSharding(d, memory_kind="device") if "device" in kinds
+                                 else SingleDeviceSharding(d) for d in devices]
+        self.host_shardings = {d: SingleDeviceSharding(d, memory_kind="pinned_host") for d in devices} \
+            if "pinned_host" in kinds else None
+        self.device_sharding = self.device_shardings[0]
+        self.host_sharding = self.host_shardings[self.device] if self.host_shardings else None
+        if mesh is not None:
+            self.replicated = NamedSharding(mesh, PartitionSpec(), memory_kind="device" if "device" in kinds else None)
+            self.batch_device = NamedSharding(mesh, PartitionSpec("data"),
+                                              memory_kind="device" if "device" in kinds else None)
+            self.batch_host = NamedSharding(mesh, PartitionSpec("data"), memory_kind="pinned_host") \
+                if "pinned_host" in kinds else None
         mode = os.environ.get("MEGATRAIN_TRANSFER_MODE", mode)
         if mode == "auto":
             mode = "dma_map" if self.on_gpu else "plain"
@@ -75,15 +89,20 @@ class Transfers:
                 self._pinned[name] = arr
 
     def to_device(self, name: str, buf: np.ndarray) -> jax.Array:
-        """Start copying a streamed buffer to the device; returns at once (async dispatch).
+        """Start copying a streamed buffer to the device(s); returns at once (async dispatch).
 
-        The caller must not write ``buf`` until the returned array is ready.
+        With a mesh: one copy per local device, issued one after the other (each device's own
+        link), assembled into one array replicated over the mesh. The caller must not write
+        ``buf`` until the returned array is ready.
         """
+        src = buf
         if name in self._fallback:
             with self._lock:
                 src = self._pinned[name]
+        if self.mesh is None:
             return jax.device_put(src, self.device_sharding)
-        return jax.device_put(buf, self.device_sharding)
+        parts = [jax.device_put(src, sh) for sh in self.device_shardings]
+        return jax.make_array_from_single_device_arrays(buf.shape, self.replicated, parts)
 
     # ------------------------------------------------------------------ device -> host
 
@@ -93,9 +112,10 @@ class Transfers:
         A ``device_put`` (its own copy stream), not a jit with a pinned output: measured on an
         H200, the jit copy runs on the compute stream and never overlaps compute.
         """
-        if self.host_sharding is None:
+        if self.host_shardings is None:
             return x
-        return jax.device_put(x, self.host_sharding)
+        (dev,) = x.devices()
+        return jax.device_put(x, self.host_shardings[dev])
 
     def host_view(self, x: jax.Array) -> np.ndarray:
         """Zero-copy numpy view of an array in host memory; waits until it has landed."""
@@ -103,10 +123,12 @@ class Transfers:
 
     def offload(self, x: jax.Array) -> jax.Array:
         """Park an activation in pinned host memory."""
-        return jax.device_put(x, self.host_sharding) if self.host_sharding is not None else x
+        if self.host_sharding is None:
+            return x
+        return jax.device_put(x, self.batch_host if self.mesh is not None else self.host_sharding)
 
     def reload(self, x: jax.Array) -> jax.Array:
-        return jax.device_put(x, self.device_sharding)
+        return jax.device_put(x, self.batch_device if self.mesh is not None else self.device_sharding)
 
     def close(self) -> None:
         """Unregister the host buffers: their memory may be unmapped and the range reused next."""

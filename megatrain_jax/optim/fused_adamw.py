@@ -172,7 +172,7 @@ def _cpu_device():
     import jax
 
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
     except RuntimeError:  # JAX_PLATFORMS excludes cpu
         return None
 

@@ -94,7 +94,7 @@ class HostOptimizer(Protocol):
 
 
 def _cpu(device=None):
-    return device if device is not None else jax.devices("cpu")[0]
+    return device if device is not None else jax.local_devices(backend="cpu")[0]
 
 
 class _ScheduleOnCpu:

@@ -1,0 +1,74 @@
+"""Which devices a run uses, and the multi-process (multi-host) runtime: JAX's own.
+
+One process per host drives that host's GPUs; the processes join through
+``jax.distributed.initialize`` (its coordination service; NCCL collectives on GPUs, gloo on CPUs).
+Every process keeps a full replica of the host store and applies the same update to it: the
+gradient every process receives is the result of one all-reduce (the same bits on every member),
+and the host update is a deterministic element-wise kernel of (weights, gradient, state, step), so
+the replicas stay bit-identical without ever being compared or broadcast. Process 0 writes the
+checkpoints, metrics and logs.
+
+Launch (each process gets the same command and config; only the id differs):
+
+    MEGATRAIN_COORDINATOR=host0:12355 MEGATRAIN_NUM_PROCESSES=2 MEGATRAIN_PROCESS_ID=0 megatrain-jax train CFG
+    MEGATRAIN_COORDINATOR=host0:12355 MEGATRAIN_NUM_PROCESSES=2 MEGATRAIN_PROCESS_ID=1 megatrain-jax train CFG
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+from megatrain_jax.errors import UserError
+
+ENV = ("MEGATRAIN_COORDINATOR", "MEGATRAIN_NUM_PROCESSES", "MEGATRAIN_PROCESS_ID")
+
+
+def initialize_from_env() -> bool:
+    """Join the run described by the MEGATRAIN_* variables (before any JAX backend starts); False
+    when none is set (one process). A half-set or malformed description is refused in one line."""
+    given = {k: os.environ.get(k) for k in ENV}
+    if not any(given.values()):
+        return False
+    missing = [k for k, v in given.items() if not v]
+    if missing:
+        raise UserError(missing[0], "is not set, but the other multi-process variables are",
+                        "set all of " + ", ".join(ENV) + " (or none, for one process)")
+    coord = given["MEGATRAIN_COORDINATOR"]
+    if ":" not in coord:
+        raise UserError("MEGATRAIN_COORDINATOR", f"must be host:port, got {coord!r}", "e.g. MEGATRAIN_COORDINATOR=node0:12355")
+    try:
+        n, i = int(given["MEGATRAIN_NUM_PROCESSES"]), int(given["MEGATRAIN_PROCESS_ID"])
+    except ValueError:
+        raise UserError("MEGATRAIN_NUM_PROCESSES", "and MEGATRAIN_PROCESS_ID must be integers",
+                        "e.g. MEGATRAIN_NUM_PROCESSES=2 MEGATRAIN_PROCESS_ID=0") from None
+    if n < 1 or not 0 <= i < n:
+        raise UserError("MEGATRAIN_PROCESS_ID", f"must be in 0..{n - 1} for {n} processes, got {i}",
+                        "number the processes 0..N-1")
+    if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=i)
+    return True
+
+
+def run_devices(spec: int | str = "all") -> list[jax.Device]:
+    """The devices of the run: ``all`` of each process's local devices, or the first N of each
+    (``train.devices``), in process order: the mesh the engine builds over them."""
+    per_process: dict[int, list[jax.Device]] = {}
+    for d in jax.devices():
+        per_process.setdefault(d.process_index, []).append(d)
+    out = []
+    for p in sorted(per_process):
+        local = sorted(per_process[p], key=lambda d: d.id)
+        if spec != "all":
+            if int(spec) > len(local):
+                raise UserError("train.devices", f"asks for {spec} devices, process {p} has {len(local)}",
+                                f"set train.devices={len(local)} or all")
+            local = local[:int(spec)]
+        out.extend(local)
+    return out
+
+
+def is_main() -> bool:
+    """Process 0 writes checkpoints, metrics and logs."""
+    return jax.process_index() == 0

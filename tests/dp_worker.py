@@ -1,0 +1,86 @@
+"""Data-parallel training runs for tests/test_data_parallel.py, in their own processes (the device
+count of a CPU backend is fixed when it starts; jax.distributed needs one process per member).
+
+    python tests/dp_worker.py local --counts 1,2,4 --out result.npz     (under --xla_force_host_platform_device_count=4)
+    python tests/dp_worker.py dist --process-id I --num-processes 2 --port P --out result.npz
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STEPS = 5
+
+
+def run(devices, steps: int = STEPS, options: dict | None = None):
+    """Five steps of a tiny Llama through the streamed engine on ``devices``; (losses, grad norms,
+    final fp32 parameters as one flat vector)."""
+    import numpy as np
+
+    from megatrain_jax.config import ModelConfig, OptimConfig, ScheduleConfig
+    from megatrain_jax.engine import Batch, StreamedTrainer
+    from megatrain_jax.models.llama import init_host_store
+    from megatrain_jax.optim import build_host_optimizer
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=48, tie_embeddings=False)
+    ocfg = OptimConfig(lr=1e-3, b2=0.95, weight_decay=0.1, clip_norm=1.0,
+                       schedule=ScheduleConfig(kind="warmup_cosine", warmup_steps=2))
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(ocfg, steps), compute_dtype="float32", micro_batches=2,
+                         clip_norm=1.0, loss_chunk=40, store=store, skip_nonfinite=True, devices=devices,
+                         **(options or {}))
+    rng = np.random.default_rng(3)
+    batches = []
+    for _ in range(2):  # two batches in turn: the loss on each falls as it trains
+        toks = rng.integers(0, cfg.vocab_size, (8, 17))
+        batches.append(Batch(toks[:, :-1], toks[:, 1:], (rng.random((8, 16)) > 0.2).astype(np.float32)))
+    losses, norms = [], []
+    for i in range(steps):
+        r = st.step(batches[i % 2])
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    st.finish()
+    flat = np.concatenate([st.store[g.name].master for g in st.store])
+    st.close()
+    return np.asarray(losses), np.asarray(norms), flat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["local", "dist"])
+    ap.add_argument("--counts", default="1,2,4")
+    ap.add_argument("--process-id", type=int, default=0)
+    ap.add_argument("--num-processes", type=int, default=2)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import jax
+    import numpy as np
+
+    if args.mode == "local":
+        out = {}
+        for n in [int(c) for c in args.counts.split(",")]:
+            losses, norms, flat = run(jax.devices()[:n])
+            out[f"losses_{n}"], out[f"norms_{n}"], out[f"params_{n}"] = losses, norms, flat
+        # slabs through a small pool, gradients held in pinned host memory, activations parked there
+        losses, norms, flat = run(jax.devices()[:4], options=dict(grad_slab_elems=1000, grad_slabs=2,
+                                                                  grad_hold="pinned_host",
+                                                                  offload_activations=True))
+        out["losses_4opts"], out["norms_4opts"], out["params_4opts"] = losses, norms, flat
+        np.savez(args.out, **out)
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=args.num_processes,
+                               process_id=args.process_id, initialization_timeout=120)
+    losses, norms, flat = run(jax.devices())
+    np.savez(args.out, losses=losses, norms=norms, params=flat, devices=len(jax.devices()),
+             local=len(jax.local_devices()))
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

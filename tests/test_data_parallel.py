@@ -1,0 +1,153 @@
+"""Data parallel: N devices (and 2 processes through jax.distributed) train exactly what one device
+trains on the same global batch (fp32: losses and final parameters within 1e-5 relative).
+
+Each configuration runs in its own process (tests/dp_worker.py): a CPU backend's device count is
+fixed when it starts, and jax.distributed needs one process per member.
+"""
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "dp_worker.py")
+RTOL = 1e-5
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.pop("MEGATRAIN_TRANSFER_MODE", None)
+    return env
+
+
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+@pytest.fixture(scope="module")
+def local_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp") / "local.npz"
+    subprocess.run([sys.executable, WORKER, "local", "--counts", "1,2,4", "--out", str(out)], env=_env(4),
+                   check=True, timeout=600)
+    return np.load(out)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_n_devices_train_what_one_device_trains(local_runs, n):
+    r = local_runs
+    np.testing.assert_allclose(r[f"losses_{n}"], r["losses_1"], rtol=RTOL)
+    np.testing.assert_allclose(r[f"norms_{n}"], r["norms_1"], rtol=RTOL)
+    assert _rel(r[f"params_{n}"], r["params_1"]) < RTOL
+    assert r["losses_1"][-1] < r["losses_1"][0]  # it trains at all
+
+
+def test_slabs_pinned_gradients_and_parked_activations_over_4_devices(local_runs):
+    r = local_runs
+    np.testing.assert_allclose(r["losses_4opts"], r["losses_1"], rtol=RTOL)
+    assert _rel(r["params_4opts"], r["params_1"]) < RTOL
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_through_jax_distributed_train_what_one_process_trains(local_runs, tmp_path):
+    """Two real processes (one CPU device each, gloo collectives): both end with the same
+    parameters (each applied the same update to its own replica), equal to the one-device run."""
+    port = _free_port()
+    outs = [tmp_path / f"p{i}.npz" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, WORKER, "dist", "--process-id", str(i), "--num-processes", "2",
+                               "--port", str(port), "--out", str(outs[i])], env=_env(1),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=600)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    r0, r1 = (np.load(o) for o in outs)
+    assert int(r0["devices"]) == 2 and int(r0["local"]) == 1
+    np.testing.assert_array_equal(r0["params"], r1["params"])  # replicas stay bit-identical
+    np.testing.assert_array_equal(r0["losses"], r1["losses"])
+    np.testing.assert_allclose(r0["losses"], local_runs["losses_1"], rtol=RTOL)
+    assert _rel(r0["params"], local_runs["params_1"]) < RTOL
+
+
+def _cli(args, env, cwd):
+    return subprocess.Popen([sys.executable, "-m", "megatrain_jax", *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _losses(out_dir):
+    import json
+
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_the_train_command_as_two_processes_equals_one_process(tmp_path):
+    """`megatrain-jax train` launched twice with the MEGATRAIN_* variables (the README's command):
+    only process 0 writes (metrics, checkpoint, summary), and its losses equal a one-process run."""
+    repo = os.path.dirname(HERE)
+    sets = ["--set", "train.steps=3", "--set", "train.batch_size=4", "--set", "data.seq_len=32",
+            "--set", "model.num_layers=2", "--set", "train.log_every=1"]
+    one = tmp_path / "one"
+    p = _cli(["train", "configs/tiny.yaml", *sets, "--set", f"train.out_dir={one}"], _env(1), repo)
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, log[-2000:]
+    two = tmp_path / "two"
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = dict(_env(1), MEGATRAIN_COORDINATOR=f"localhost:{port}", MEGATRAIN_NUM_PROCESSES="2",
+                   MEGATRAIN_PROCESS_ID=str(i))
+        procs.append(_cli(["train", "configs/tiny.yaml", *sets, "--set", f"train.out_dir={two}"], env, repo))
+    logs = [q.communicate(timeout=300)[0] for q in procs]
+    for q, log in zip(procs, logs):
+        assert q.returncode == 0, log[-3000:]
+    assert "step      3/3" in logs[0] and "step" not in logs[1]  # process 1 trains silently
+    np.testing.assert_allclose(_losses(two), _losses(one), rtol=RTOL)
+    assert os.path.isfile(two / "summary.json") and os.listdir(two / "checkpoints")
+
+
+def test_multi_process_variables_are_checked_in_one_line(tmp_path):
+    repo = os.path.dirname(HERE)
+    for env, field in [(dict(MEGATRAIN_COORDINATOR="localhost:1"), "MEGATRAIN_NUM_PROCESSES"),
+                       (dict(MEGATRAIN_COORDINATOR="nohostport", MEGATRAIN_NUM_PROCESSES="2",
+                             MEGATRAIN_PROCESS_ID="0"), "MEGATRAIN_COORDINATOR"),
+                       (dict(MEGATRAIN_COORDINATOR="localhost:1", MEGATRAIN_NUM_PROCESSES="2",
+                             MEGATRAIN_PROCESS_ID="2"), "MEGATRAIN_PROCESS_ID")]:
+        p = _cli(["train", "configs/tiny.yaml", "--set", f"train.out_dir={tmp_path / 'x'}"], dict(_env(1), **env), repo)
+        out = p.communicate(timeout=120)[0]
+        assert p.returncode == 2, out
+        assert out.strip().splitlines()[-1].startswith(f"error: {field}"), out
+        assert not os.path.exists(tmp_path / "x")
+
+
+def test_plan_predicts_1_2_4_8_gpus_without_them():
+    """The plan for N GPUs (no GPU here: a simulated 2-GPU H200 host): the per-GPU batch and peak
+    shrink with N, GPU->host spreads over N links, the step's compute term divides by N."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.memory import GiB, Machine, make_plan, scaling_table
+
+    m = Machine("gpu", 256 * GiB, 250 * GiB, "MemTotal", 141 * 10 ** 9, "sim", 2, "H200", 32, {})
+    cfg = load_config(os.path.join(os.path.dirname(HERE), "configs/7b.yaml"), ["train.batch_size=32"])
+    plans = {n: make_plan(cfg, m, devices=n) for n in (1, 2, 4, 8)}
+    for n in (2, 4, 8):
+        assert plans[n].decisions["devices"] == n
+        assert plans[n].gpu_need < plans[1].gpu_need
+        assert abs(plans[n].step["compute_s"] * n - plans[1].step["compute_s"]) < 1e-9
+        assert abs(plans[n].step["d2h_s"] * n - plans[1].step["d2h_s"]) < 1e-9
+    table = scaling_table(cfg, m)
+    assert "predictions" in table and all(f"\n{n:>4} |" in table for n in (1, 2, 4, 8))
+    # train.devices=all counts every GPU of the host
+    assert make_plan(cfg, m).decisions["devices"] == 2
