@@ -141,15 +141,18 @@ def main(argv=None) -> list[float]:
     tr = Trainer(model, optax.adamw(args.lr, b1=0.9, b2=0.95, weight_decay=0.1), clip_norm=1.0,
                  micro_batches=args.micro_batches, compute_dtype=args.compute, loss_chunk=1024)
     n_params = sum(g.size for g in tr.engine.store)
-    print(f"GPT-2 NNX, {n_params / 1e6:.2f}M parameters; streamed: {tr.parts.summary}")
+    n_blocks = sum(g.size for g in tr.engine.store if g.name.startswith("block_"))  # 6 N T counts these
+    print(f"GPT-2 NNX, {n_params / 1e6:.2f}M parameters ({n_blocks / 1e6:.2f}M in blocks); "
+          f"streamed: {tr.parts.summary}")
     losses = []
     t_last = time.perf_counter()
     for step, toks in enumerate(batches(args.steps, args.batch, seq, cfg.vocab_size), 1):
         res = tr.step(toks)
         now = time.perf_counter()
         losses.append(res.loss)
+        tps = toks[:, :-1].size / (now - t_last)
         print(f"step {step:4d}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  "
-              f"tokens/s {toks[:, :-1].size / (now - t_last):,.0f}", flush=True)
+              f"tokens/s {tps:,.0f}  model TFLOPS {6 * n_blocks * tps / 1e12:.1f}", flush=True)
         t_last = now
     tr.close()
     return losses

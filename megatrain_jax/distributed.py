@@ -70,5 +70,7 @@ def run_devices(spec: int | str = "all") -> list[jax.Device]:
 
 
 def is_main() -> bool:
-    """Process 0 writes checkpoints, metrics and logs."""
-    return jax.process_index() == 0
+    """Process 0 writes checkpoints, metrics and logs. Read from the launch variables, not from
+    ``jax.process_index()``: asking JAX would start its backend before the memory plan has given
+    XLA its budgets (a backend started early takes XLA's default 75% of the GPU)."""
+    return os.environ.get("MEGATRAIN_PROCESS_ID", "0").strip() in ("", "0")
