@@ -19,7 +19,8 @@ from megatrain_jax.errors import UserError
 @dataclass
 class ModelConfig:
     """A decoder of one of the registered families (``megatrain_jax/models/registry.py``): llama
-    (Llama 2/3, Qwen2/2.5 with qkv_bias, Mistral), qwen3, phi3, gemma2, gemma3."""
+    (Llama 2/3, Qwen2/2.5 with qkv_bias, Mistral), qwen3, phi3, gemma2, gemma3, and the
+    mixture-of-experts mixtral, qwen3_moe."""
 
     vocab_size: int = 256
     hidden_size: int = 128
@@ -43,7 +44,7 @@ class ModelConfig:
     #                      drawn by a parallel host kernel (seconds for 7B instead of ~35 s; benchmarks, smoke runs)
     from_hf: str | None = None  # Hugging Face checkpoint directory to load instead of random init; its
     #                            config.json overrides the architecture fields above (see hf.py)
-    family: str = "llama"  # llama | qwen3 | phi3 | gemma2 | gemma3 (models/registry.py); from_hf sets it
+    family: str = "llama"  # llama | qwen3 | phi3 | gemma2 | gemma3 | mixtral | qwen3_moe (models/registry.py); from_hf sets it
     layer_types: list | None = None  # per layer: sliding_attention | full_attention; None: the family's pattern
     #                                 (gemma2: every 2nd layer full, from layer 1; gemma3: every 6th; others: all
     #                                 sliding when sliding_window is set)
@@ -51,6 +52,14 @@ class ModelConfig:
     final_softcap: float | None = None  # output logits c * tanh(z / c) (Gemma 2: 30); None: off
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) (Gemma); None: 1/sqrt(head_dim)
     rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3: 10000); None: rope_theta
+    # ---- mixture of experts (families mixtral, qwen3_moe; models/moe.py); None/defaults for dense families
+    num_experts: int | None = None  # experts per layer; None: a dense MLP
+    experts_per_token: int | None = None  # top-k: experts each token is routed to
+    moe_intermediate_size: int | None = None  # each expert's MLP width; None: intermediate_size
+    norm_topk_prob: bool = True  # renormalise the k chosen router weights to sum to 1 (Mixtral: always)
+    moe_impl: str = "dense"  # expert computation: dense (every expert on every token, weighted by the router; the
+    #                         faster on CPU and H100 with JAX 0.11) | sorted (tokens sorted by expert, ragged_dot)
+    router_aux_loss_coef: float = 0.0  # the router's load-balancing loss: not implemented (must stay 0)
 
     @property
     def kv_heads(self) -> int:
@@ -93,6 +102,19 @@ class ModelConfig:
     def total_params(self) -> int:
         emb = self.vocab_size * self.hidden_size
         return self.non_embedding_params() + emb * (1 if self.tie_embeddings else 2)
+
+    def active_non_embedding_params(self) -> int:
+        """``non_embedding_params`` counting only the ``experts_per_token`` experts a token uses (MoE);
+        the same as ``non_embedding_params`` for a dense model."""
+        if not self.num_experts:
+            return self.non_embedding_params()
+        from megatrain_jax.models.moe import inactive_block_params
+
+        return self.non_embedding_params() - self.num_layers * inactive_block_params(self)
+
+    def active_params(self) -> int:
+        """``total_params`` counting only the experts a token uses (MoE; e.g. OLMoE-1B-7B: ~1.3B of ~6.9B)."""
+        return self.total_params() - (self.non_embedding_params() - self.active_non_embedding_params())
 
 
 @dataclass
@@ -410,5 +432,32 @@ def validate_model(m: ModelConfig) -> None:
         if m.sliding_window is None and "sliding_attention" in types:
             raise UserError("model.layer_types", "names sliding_attention layers but model.sliding_window is null",
                             "set model.sliding_window")
+    _validate_moe(m, fam)
     if fam.validate is not None:
         fam.validate(m)
+
+
+def _validate_moe(m: ModelConfig, fam) -> None:
+    """The mixture-of-experts fields: only on MoE families, sizes positive, top-k <= experts."""
+    from megatrain_jax.models.moe import MOE_IMPLS
+
+    moe = bool(fam.extra.get("moe"))
+    for name in ("num_experts", "experts_per_token", "moe_intermediate_size"):
+        v = getattr(m, name)
+        if v is None:
+            continue
+        if not moe:
+            raise UserError(f"model.{name}", f"the {m.family} family is dense (no experts)",
+                            "set it to null, or use model.family mixtral / qwen3_moe")
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise UserError(f"model.{name}", f"must be a positive integer, got {v!r}", f"set model.{name} > 0")
+    if m.num_experts is not None and m.experts_per_token is not None and m.experts_per_token > m.num_experts:
+        raise UserError("model.experts_per_token", f"{m.experts_per_token} is more than num_experts={m.num_experts}",
+                        "route each token to at most num_experts experts")
+    if m.moe_impl not in MOE_IMPLS:
+        raise UserError("model.moe_impl", f"{m.moe_impl!r} is not supported", f"use one of: {', '.join(MOE_IMPLS)}")
+    if m.router_aux_loss_coef:
+        raise UserError("model.router_aux_loss_coef", f"the router's auxiliary load-balancing loss "
+                        f"(coefficient {m.router_aux_loss_coef}) is not implemented: it couples every layer's routing "
+                        "into one loss term, which the streamed engine cannot add",
+                        "set model.router_aux_loss_coef: 0 (train on the language-model loss only)")

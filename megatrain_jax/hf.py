@@ -12,9 +12,11 @@ This module is generic: which architectures exist, how their ``config.json`` map
 (``megatrain_jax/models/<family>.py``), found through the registry (``models/registry.py``) by
 ``architectures`` (else ``model_type``). Supported: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
 ``MistralForCausalLM`` (family ``llama``), ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``,
-``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` (see docs/families.md). Tensor names follow our module
-tree (``hf_name``); Hugging Face ``Linear`` weights are ``(out, in)``, our kernels are ``(in, out)``,
-so every projection is transposed on the way in and out.
+``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``, ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` (see
+docs/families.md). Tensor names follow our module tree (``hf_name``); Hugging Face ``Linear``
+weights are ``(out, in)``, our kernels are ``(in, out)``, so every projection is transposed on the
+way in and out. A name with ``*`` (``hf_tensors``) marks a leaf stacked along its first axis that
+the checkpoint holds as one tensor per slice (MoE experts: ``...experts.*.w1.weight``).
 
 ``model.from_hf`` wins over the YAML for the architecture fields (sizes, heads, RoPE, norms, tied
 embeddings, biases): they are overwritten in place on the ``ModelConfig`` from ``config.json``, with
@@ -56,7 +58,7 @@ from megatrain_jax.errors import UserError
 STRUCTURAL = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings", "qkv_bias",
               "sliding_window", "family", "layer_types", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
-              "rope_local_theta")
+              "rope_local_theta", "num_experts", "experts_per_token", "moe_intermediate_size", "norm_topk_prob")
 SHARD_BYTES = 5 * 10**9  # like transformers' "5GB" max_shard_size
 INDEX = "model.safetensors.index.json"
 
@@ -299,6 +301,19 @@ def hf_name(group: str, leaf_path: str, family: str | None = None) -> tuple[str,
     raise ValueError(f"no Hugging Face name for {group}/{leaf_path}")
 
 
+def hf_tensors(group: str, leaf_path: str, shape: tuple[int, ...],
+               family: str | None = None) -> list[tuple[str, bool, int | None, tuple[int, ...]]]:
+    """The checkpoint tensors of one leaf: ``(name, transposed, index, hf shape)``. ``index`` is None
+    for a leaf that is one tensor; a leaf whose ``hf_name`` holds ``*`` (stacked MoE experts) is one
+    tensor per slice along axis 0, ``*`` replaced by the slice's index."""
+    name, transposed = hf_name(group, leaf_path, family)
+    if "*" not in name:
+        return [(name, transposed, None, tuple(reversed(shape)) if transposed else tuple(shape))]
+    inner = tuple(shape[1:])
+    hf_shape = tuple(reversed(inner)) if transposed else inner
+    return [(name.replace("*", str(e)), transposed, e, hf_shape) for e in range(shape[0])]
+
+
 def _layouts(cfg: ModelConfig):
     from megatrain_jax.models.common import abstract_model, streamed_parts
     from megatrain_jax.templates import Layout
@@ -345,27 +360,27 @@ class _Item:
     leaf: Any  # templates.Leaf
     info: TensorInfo
     transpose: bool
+    index: int | None = None  # a slice along axis 0 of a stacked leaf (hf_tensors)
 
 
 def _plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig, hf_dir: str) -> list[_Item]:
     """Match every leaf of the store with a checkpoint tensor; check names, shapes, dtypes up front."""
     plan, used = [], set()
     for group, layout in layouts.items():
-        for leaf in layout.leaves:
-            name, transpose = hf_name(group, leaf.path, cfg.family)
+        for leaf, (name, transpose, index, want) in ((lf, t) for lf in layout.leaves
+                                                      for t in hf_tensors(group, lf.path, lf.shape, cfg.family)):
             info = tensors.get(name)
             if info is None:
                 hint = " (config.json says tie_word_embeddings is false)" if name == "lm_head.weight" else ""
                 raise UserError("model.from_hf", f"tensor {name} is missing from the checkpoint in {hf_dir}{hint}",
                                 "use a complete checkpoint whose config.json matches its weights")
-            want = tuple(reversed(leaf.shape)) if transpose else leaf.shape
             if info.shape != want:
                 raise UserError("model.from_hf", f"tensor {name} has shape {list(info.shape)}, config.json implies {list(want)}",
                                 "use a checkpoint whose config.json matches its weights")
             if info.dtype not in _ST_DTYPES:
                 raise UserError("model.from_hf", f"tensor {name} has dtype {info.dtype}",
                                 "use a checkpoint in bfloat16, float16 or float32")
-            plan.append(_Item(group, leaf, info, transpose))
+            plan.append(_Item(group, leaf, info, transpose, index))
             used.add(name)
     ignored = [n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
                and not (n == "lm_head.weight" and cfg.tie_embeddings)]
@@ -378,11 +393,13 @@ def _plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig
 def _load_item(f, item: _Item, master: np.ndarray) -> None:
     leaf, info = item.leaf, item.info
     dst = master[leaf.offset:leaf.offset + leaf.size]
+    if item.index is not None:  # one slice of a stacked leaf (contiguous: the leading axis)
+        dst = dst.reshape(leaf.shape)[item.index].reshape(-1)
     if info.dtype == "F32" and not item.transpose:
         read_tensor(f, info, dst)  # straight from disk into the store
         return
     src = read_tensor(f, info)  # the one temporary: a single tensor in its file dtype
-    copy_cast(dst.reshape(leaf.shape), src.T if item.transpose else src)
+    copy_cast(dst.reshape(info.shape[::-1] if item.transpose else info.shape), src.T if item.transpose else src)
 
 
 class _Files:
@@ -425,7 +442,7 @@ def load_hf_into_store(model_cfg: ModelConfig, bf16_stream: bool, *, seq_len: in
     parts, layouts = _layouts(model_cfg)
     plan = _plan_import(layouts, tensors, model_cfg, hf_dir)  # every check before allocating anything
     store = HostStore(layouts, bf16_stream)
-    remaining = {g: len(layout.leaves) for g, layout in layouts.items()}
+    remaining = {g: sum(1 for i in plan if i.group == g) for g in layouts}
     by_file: dict[str, list[_Item]] = {}
     for item in plan:
         by_file.setdefault(item.info.path, []).append(item)
@@ -607,15 +624,15 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
             raise UserError("model", f"the weights' group {name} does not match the model config",
                             "export with the ModelConfig the weights were made with")
 
-    # plan: (hf name, group, leaf or None for a zero bias, transposed, hf shape), grouped in order
+    # plan: (hf name, group, leaf or None for a zero bias, transposed, hf shape, slice index), grouped in order
     entries = []
     for group, layout in layouts.items():
         for leaf in layout.leaves:
-            name, transpose = hf_name(group, leaf.path, model_cfg.family)
-            entries.append((name, group, leaf, transpose, tuple(reversed(leaf.shape)) if transpose else leaf.shape))
+            for name, transpose, index, shape in hf_tensors(group, leaf.path, leaf.shape, model_cfg.family):
+                entries.append((name, group, leaf, transpose, shape, index))
         if family.export_extras is not None and group.startswith("block_"):  # tensors the format has, we not
             for name, shape in family.export_extras(model_cfg, architecture, int(group[6:])):
-                entries.append((name, group, None, False, shape))
+                entries.append((name, group, None, False, shape, None))
     shards: list[list] = [[]]
     size = 0
     for e in entries:
@@ -637,7 +654,7 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
             spec = [(e[0], out_dtype, e[4]) for e in shard]
             with SafetensorsWriter(os.path.join(tmp, fname), spec, {"format": "pt"}) as w:
                 last_group = None
-                for name, group, leaf, transpose, shape in shard:
+                for name, group, leaf, transpose, shape, index in shard:
                     if last_group is not None and group != last_group:
                         src.release(last_group)
                     last_group = group
@@ -645,6 +662,8 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
                         w.write(name, np.zeros(shape, out_dtype))
                         continue
                     arr = src.leaf(group, leaf)
+                    if index is not None:  # one slice of a stacked leaf
+                        arr = arr[index]
                     if transpose:
                         out = np.empty(shape, out_dtype)  # the one temporary: a single tensor
                         copy_cast(out, arr.T)

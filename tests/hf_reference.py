@@ -11,6 +11,15 @@ exists), and compares with what megatrain-jax computes.
         (``grad:<name>``) after ``loss.backward()``.
     python tests/hf_reference.py make-families OUT_DIR
         The same for the ``FAMILIES`` variants (Qwen3, Phi-3, Gemma 2, Gemma 3; tests/test_families.py).
+    python tests/hf_reference.py make-moe OUT_DIR
+        The same for the mixture-of-experts ``MOE`` variants (Mixtral, Qwen3-MoE; tests/test_moe.py),
+        with the experts' eager (per-expert loop) implementation; the gradients are those of
+        transformers' in-memory (fused) parameters, e.g. ``mlp.experts.gate_up_proj`` (E, 2F, H).
+    python tests/hf_reference.py serve-moe OUT_DIR
+        ``make-moe``, then prints ``ready`` and answers requests on stdin, one JSON list a line:
+        ``["logits", TOKENS.npy, OUT.npz, DIR, ...]`` (as the ``logits`` mode; prints ``done``), so
+        that one torch start serves a whole test module (tests/test_moe.py starts it early and does
+        JAX work while it builds the references).
     python tests/hf_reference.py logits TOKENS.npy OUT.npz DIR [DIR ...]
         Loads each checkpoint directory with AutoModelForCausalLM.from_pretrained(DIR) (no
         arguments: config.json must be enough), records the loaded class and dtype, and writes the
@@ -76,6 +85,20 @@ FAMILIES = {
         num_key_value_heads=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
         layer_types=["full_attention", "sliding_attention"], rope_parameters=_G3_LINEAR, tie_word_embeddings=False)),
 }
+MOE = {
+    # top-2 of 4, every layer windowed (7 < 24 tokens)
+    "mixtral_untied_gqa_top2of4_window7": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=7, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # top-3 of 6 renormalised, head_dim 32 != 64 / 4, expert width 40 != intermediate_size
+    "qwen3moe_untied_gqa_headdim32_top3of6_norm": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_key_value_heads=2, head_dim=32, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+        norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6)),
+    # top-2 of 5, weights not renormalised (sum < 1), tied, MQA, sliding window 7 on every layer
+    "qwen3moe_tied_mqa_top2of5_window7": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_key_value_heads=1, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+        use_sliding_window=True, sliding_window=7, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+}
 BATCH, SEQ = 2, 24
 
 
@@ -98,6 +121,7 @@ def make(out_dir: str, variants: dict = VARIANTS) -> None:
     for k, (name, (cfg_cls, model_cls, over)) in enumerate(variants.items()):
         cfg = getattr(transformers, cfg_cls)(**{**SMALL, **over})
         cfg._attn_implementation = "eager"
+        cfg._experts_implementation = "eager"  # MoE: transformers' per-expert loop (a no-op for dense models)
         model = getattr(transformers, model_cls)(cfg).float().eval()
         gen = torch.Generator().manual_seed(1234 + k)
         _randomize(model, gen)
@@ -127,6 +151,19 @@ def logits(tokens_path: str, out_path: str, dirs: list[str]) -> None:
     np.savez(out_path, **arrays)
 
 
+def serve(out_dir: str, variants: dict) -> None:
+    make(out_dir, variants)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        if req[0] != "logits":
+            raise SystemExit(f"unknown request {req[0]!r}")
+        logits(req[1], req[2], req[3:])
+        print("done", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     transformers.logging.set_verbosity_error()
@@ -135,6 +172,10 @@ if __name__ == "__main__":
         make(sys.argv[2])
     elif sys.argv[1] == "make-families":
         make(sys.argv[2], FAMILIES)
+    elif sys.argv[1] == "make-moe":
+        make(sys.argv[2], MOE)
+    elif sys.argv[1] == "serve-moe":
+        serve(sys.argv[2], MOE)
     elif sys.argv[1] == "logits":
         logits(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:

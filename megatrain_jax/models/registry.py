@@ -25,7 +25,7 @@ from megatrain_jax.errors import UserError
 
 # modules that register families when imported (in this order; the first is the default family)
 FAMILY_MODULES = ("megatrain_jax.models.llama", "megatrain_jax.models.qwen3", "megatrain_jax.models.phi3",
-                  "megatrain_jax.models.gemma")
+                  "megatrain_jax.models.gemma", "megatrain_jax.models.moe")
 DEFAULT_FAMILY = "llama"
 
 

@@ -1,0 +1,277 @@
+"""Mixture-of-experts decoders: Mixtral and Qwen3-MoE (two families in one module).
+
+Both are the pre-norm Llama block whose MLP is a sparse mixture of SwiGLU experts: a router
+(``mlp/gate``, a bias-free ``(H, E)`` linear) scores ``E`` experts per token, the top ``k`` are
+kept, and the token's output is the weighted sum of those experts' MLPs. Routing follows
+``transformers``: softmax over all ``E`` router logits in fp32, top-k of the probabilities, then
+(Mixtral always, Qwen3-MoE with ``norm_topk_prob``) renormalised over the chosen ``k``; the weights
+are cast to the compute dtype.
+
+The experts' weights are stacked inside the block's group: ``mlp/experts/gate_proj`` and
+``up_proj`` ``(E, H, F)``, ``down_proj`` ``(E, F, H)`` (each expert ``(in, out)`` like our kernels),
+so a block streams as one group like any other. Hugging Face checkpoints hold one tensor per expert
+(Mixtral: ``block_sparse_moe.experts.{e}.w1/w3/w2``; Qwen3-MoE: ``mlp.experts.{e}.gate_proj/
+up_proj/down_proj``); ``hf_name`` returns those names with ``*`` for the expert index, and
+``hf.py`` maps each slice of the stack to its tensor on import and export.
+
+Two expert computations (``ModelConfig.moe_impl``), both static-shape and capacity-free (no token
+is ever dropped): ``sorted`` sorts the ``T * k`` (token, expert) pairs by expert and runs the three
+projections as grouped matmuls over the contiguous groups (``jax.lax.ragged_dot`` with the group
+sizes); ``dense`` (the default) runs every expert on every token and weights the results by the
+(mostly zero) router weights (``E / k`` times the FLOPs, no gather/scatter, plain matmuls). With
+JAX 0.11.2 ``ragged_dot`` lowers as a product over every group with masks on CPU *and* on GPU (the
+Pallas/Triton lowering is not in the wheel), so ``dense`` is the faster of the two on both: 1.4x
+(8 experts, top-2) to 5x (32, top-8) on the CPU, 1.9x (Mixtral-like) to 10x (OLMoE's 64 experts,
+top-8) on an H100 (``experiments/bench_moe.py``; docs/families.md has the numbers).
+
+Qwen3-MoE also has Qwen3's per-head q/k RMSNorm. Not supported (``UserError`` naming the field):
+dense MLP layers between the sparse ones (``decoder_sparse_step`` != 1, non-empty
+``mlp_only_layers``), the router's auxiliary load-balancing loss (``output_router_logits``; see
+``validate``), Mixtral's ``router_jitter_noise``, attention biases.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megatrain_jax.config import ModelConfig
+from megatrain_jax.errors import UserError
+from megatrain_jax.models import hfconfig
+from megatrain_jax.models.common import Attention, Aux, RMSNorm, dense_block_params
+from megatrain_jax.models.registry import Family, register
+
+MOE_IMPLS = ("dense", "sorted")
+
+
+# ------------------------------------------------------------------------------- the MoE layer
+
+
+def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights (T, k) in the logits' dtype, expert ids (T, k) int32) as transformers' TopKRouter."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, idx = jax.lax.top_k(probs, k)
+    if normalize:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top.astype(logits.dtype), idx.astype(jnp.int32)
+
+
+def experts_sorted(x: jax.Array, weights: jax.Array, idx: jax.Array, wg: jax.Array, wu: jax.Array,
+                   wd: jax.Array) -> jax.Array:
+    """Sorted dispatch: the T*k (token, expert) pairs sorted by expert, each projection one grouped
+    matmul (``ragged_dot``) over the contiguous groups, then un-sorted and weighted. x: (T, H)."""
+    t, k = idx.shape
+    e = wg.shape[0]
+    flat = idx.reshape(-1)  # pair p = token p // k, slot p % k
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = jnp.take(x, order // k, axis=0)  # (T*k, H), grouped by expert
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
+    ys = jax.lax.ragged_dot(h, wd, sizes)  # (T*k, H)
+    inv = jnp.argsort(order)  # back to (token, slot) order
+    y = jnp.take(ys, inv, axis=0).reshape(t, k, -1)
+    return jnp.einsum("tkh,tk->th", y, weights)
+
+
+def experts_dense(x: jax.Array, weights: jax.Array, idx: jax.Array, wg: jax.Array, wu: jax.Array,
+                  wd: jax.Array) -> jax.Array:
+    """Every expert on every token, the outputs weighted by the router weights (zero for the experts
+    not chosen). x: (T, H)."""
+    e = wg.shape[0]
+    combine = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(idx, e, dtype=weights.dtype))  # (T, E)
+    h = jax.nn.silu(jnp.einsum("th,ehf->tef", x, wg)) * jnp.einsum("th,ehf->tef", x, wu)
+    y = jnp.einsum("tef,efh->teh", h, wd)
+    return jnp.einsum("teh,te->th", y, combine)
+
+
+class Experts(nnx.Module):
+    """The experts' stacked SwiGLU weights: gate_proj, up_proj (E, H, F), down_proj (E, F, H)."""
+
+    def __init__(self, e: int, h: int, f: int, std: float, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(std)
+        self.gate_proj = nnx.Param(init(rngs.params(), (e, h, f), jnp.float32))
+        self.up_proj = nnx.Param(init(rngs.params(), (e, h, f), jnp.float32))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, f, h), jnp.float32))
+
+
+class SparseMoE(nnx.Module):
+    """Router + stacked SwiGLU experts; ``impl``: dense | sorted (static: part of the graph)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, normalize: bool):
+        h, e = cfg.hidden_size, cfg.num_experts
+        f = cfg.moe_intermediate_size or cfg.intermediate_size
+        self.top_k, self.normalize, self.impl = cfg.experts_per_token, normalize, cfg.moe_impl
+        self.gate = nnx.Linear(h, e, use_bias=False, kernel_init=nnx.initializers.normal(cfg.init_std),
+                               param_dtype=jnp.float32, rngs=rngs)
+        self.experts = Experts(e, h, f, cfg.init_std, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, s, h = x.shape
+        flat = x.reshape(b * s, h)
+        weights, idx = route(self.gate(flat), self.top_k, self.normalize)
+        ex = self.experts
+        wg, wu, wd = (p[...].astype(x.dtype) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
+        fn = experts_sorted if self.impl == "sorted" else experts_dense
+        return fn(flat, weights, idx, wg, wu, wd).reshape(b, s, h)
+
+
+class MixtralBlock(nnx.Module):
+    """x + attn(norm(x)), then + moe(norm(x))."""
+
+    QK_NORM = None
+    NORMALIZE = None  # None: from cfg.norm_topk_prob
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rngs, window=cfg.layer_window(layer), qk_norm=self.QK_NORM,
+                                   scale=cfg.attention_scale)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoE(cfg, rngs, normalize=cfg.norm_topk_prob)
+
+    def __call__(self, x, aux: Aux):
+        x = x + self.self_attn(self.input_layernorm(x), aux)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3MoeBlock(MixtralBlock):
+    QK_NORM = RMSNorm
+
+
+# ------------------------------------------------------------------------------- parameter counts
+
+
+def _expert_size(cfg: ModelConfig) -> int:
+    return 3 * cfg.hidden_size * (cfg.moe_intermediate_size or cfg.intermediate_size)
+
+
+def block_params(cfg: ModelConfig, qk_norm: bool) -> int:
+    """Attention, norms, router and all ``num_experts`` experts (what the host stores and streams)."""
+    no_mlp = dense_block_params(cfg, qk_norm=qk_norm) - 3 * cfg.hidden_size * cfg.intermediate_size
+    return no_mlp + cfg.hidden_size * cfg.num_experts + cfg.num_experts * _expert_size(cfg)
+
+
+def inactive_block_params(cfg: ModelConfig) -> int:
+    """Parameters of one block that a token does not use: the experts it is not routed to."""
+    return (cfg.num_experts - cfg.experts_per_token) * _expert_size(cfg)
+
+
+# ------------------------------------------------------------------------------- Hugging Face
+
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _hf_name(group: str, leaf: str, mixtral: bool) -> tuple[str, bool]:
+    from megatrain_jax.hf import hf_name
+
+    if group.startswith("block_") and leaf.startswith("mlp/"):
+        prefix = f"model.layers.{int(group[6:])}." + ("block_sparse_moe" if mixtral else "mlp")
+        if leaf == "mlp/gate/kernel":
+            return prefix + ".gate.weight", True
+        kind = leaf.split("/")[-1]
+        if leaf.startswith("mlp/experts/") and kind in _MIXTRAL_EXPERT:  # stacked: one tensor per expert
+            return f"{prefix}.experts.*.{_MIXTRAL_EXPERT[kind] if mixtral else kind}.weight", True
+    return hf_name(group, leaf)
+
+
+def _refuse_common(hf: dict, where: str) -> None:
+    hfconfig.check_act(hf, where, ("hidden_act",), ("silu", "swish"), "silu", "SwiGLU (silu)")
+    if hf.get("attention_bias"):
+        hfconfig.refuse(where, "attention_bias (biases on q/k/v and o_proj)", "use a checkpoint without attention biases")
+    if hf.get("output_router_logits"):
+        raise UserError("model.from_hf", f"output_router_logits: true in {where} (the router's auxiliary "
+                        "load-balancing loss) is not supported: megatrain-jax trains on the language-model loss only",
+                        "set output_router_logits to false in config.json (transformers' default) to fine-tune without it")
+
+
+def _moe_fields(hf: dict, where: str, experts_key: tuple[str, ...]) -> dict:
+    e = next((hf[k] for k in experts_key if hf.get(k) is not None), None)
+    if e is None or int(hf.get("num_experts_per_tok") or 0) <= 0:
+        hfconfig.refuse(where, f"a config without {experts_key[0]} / num_experts_per_tok", "use a MoE checkpoint")
+    return dict(num_experts=int(e), experts_per_token=int(hf["num_experts_per_tok"]))
+
+
+def mixtral_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> ModelConfig:
+    _refuse_common(hf, where)
+    if hf.get("router_jitter_noise"):
+        raise UserError("model.from_hf", f"router_jitter_noise={hf['router_jitter_noise']} in {where} is not supported",
+                        "set router_jitter_noise to 0 in config.json")
+    theta, scaling = hfconfig.rope_from_hf(hf, where, allowed=("llama3", "linear"))
+    window = int(hf["sliding_window"]) if hf.get("sliding_window") else None
+    return hfconfig.base_from_hf(hf, base, where, "mixtral", rope_theta=theta, rope_scaling=scaling,
+                                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
+                                 moe_intermediate_size=None, norm_topk_prob=True,
+                                 **_moe_fields(hf, where, ("num_local_experts", "num_experts")))
+
+
+def qwen3_moe_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> ModelConfig:
+    _refuse_common(hf, where)
+    if int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise UserError("model.from_hf", f"decoder_sparse_step={hf['decoder_sparse_step']} in {where} (dense MLP "
+                        "layers between the sparse ones) is not supported",
+                        "use a checkpoint whose every layer is sparse (decoder_sparse_step: 1, mlp_only_layers: [])")
+    if hf.get("mlp_only_layers"):
+        raise UserError("model.from_hf", f"mlp_only_layers={hf['mlp_only_layers']} in {where} (dense MLP layers) "
+                        "is not supported", "use a checkpoint whose every layer is sparse (mlp_only_layers: [])")
+    theta, scaling = hfconfig.rope_from_hf(hf, where, allowed=("llama3", "linear"))
+    window = int(hf["sliding_window"]) if hf.get("use_sliding_window") and hf.get("sliding_window") else None
+    return hfconfig.base_from_hf(hf, base, where, "qwen3_moe", rope_theta=theta, rope_scaling=scaling,
+                                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
+                                 moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                                 **_moe_fields(hf, where, ("num_experts", "num_local_experts")))
+
+
+def _to_hf_common(cfg: ModelConfig, out: dict) -> None:
+    out.update(hidden_act="silu", num_experts_per_tok=cfg.experts_per_token, output_router_logits=False)
+    out.setdefault("router_aux_loss_coef", 0.001)  # unused without output_router_logits
+
+
+def mixtral_to_hf(cfg: ModelConfig, arch: str, out: dict) -> None:
+    _to_hf_common(cfg, out)
+    out.update(num_local_experts=cfg.num_experts, sliding_window=cfg.sliding_window, router_jitter_noise=0.0)
+    out.pop("num_experts", None)
+
+
+def qwen3_moe_to_hf(cfg: ModelConfig, arch: str, out: dict) -> None:
+    _to_hf_common(cfg, out)
+    out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
+               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False,
+               use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
+    out.pop("num_local_experts", None)
+
+
+# ------------------------------------------------------------------------------- validation
+
+
+def _validate(cfg: ModelConfig) -> None:
+    from megatrain_jax.models.llama import _no_gemma_fields
+
+    if cfg.qkv_bias:
+        raise UserError("model.qkv_bias", f"the {cfg.family} family has no q/k/v biases", "set model.qkv_bias: false")
+    if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1:
+        raise UserError("model.layer_types", f"the {cfg.family} family uses model.sliding_window on every layer",
+                        "set layer_types to null")
+    _no_gemma_fields(cfg)
+    if cfg.num_experts is None or cfg.experts_per_token is None:
+        raise UserError("model.num_experts", f"the {cfg.family} family needs model.num_experts and "
+                        "model.experts_per_token", "set both (e.g. num_experts: 8, experts_per_token: 2)")
+
+
+def mixtral_validate(cfg: ModelConfig) -> None:
+    _validate(cfg)
+    if not cfg.norm_topk_prob:
+        raise UserError("model.norm_topk_prob", "Mixtral always renormalises the top-k router weights",
+                        "set model.norm_topk_prob: true (or use family qwen3_moe)")
+
+
+register(Family(
+    name="mixtral", architectures=("MixtralForCausalLM",), model_types=("mixtral",), block=MixtralBlock,
+    block_params=lambda cfg: block_params(cfg, qk_norm=False), config_from_hf=mixtral_from_hf,
+    config_to_hf=mixtral_to_hf, validate=mixtral_validate, hf_name=lambda g, l: _hf_name(g, l, True),
+    extra={"moe": True}))
+
+register(Family(
+    name="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), model_types=("qwen3_moe",), block=Qwen3MoeBlock,
+    block_params=lambda cfg: block_params(cfg, qk_norm=True), config_from_hf=qwen3_moe_from_hf,
+    config_to_hf=qwen3_moe_to_hf, validate=_validate, hf_name=lambda g, l: _hf_name(g, l, False),
+    extra={"moe": True}))
