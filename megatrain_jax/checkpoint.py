@@ -138,10 +138,19 @@ def _checkpointer():
         (jax.Array, th.ArrayHandler()),
     )
     handler_kwargs = dict(use_ocdbt=True, use_zarr3=True, type_handler_registry=registry)
-    if "use_compression" in inspect.signature(ocp.PyTreeCheckpointHandler.__init__).parameters:
+    params = inspect.signature(ocp.PyTreeCheckpointHandler.__init__).parameters
+    if "use_compression" in params:
         handler_kwargs["use_compression"] = False
+    # each process reads and writes host-store groups (numpy, its own replica) alone: in a
+    # multi-process run only process 0 saves, and orbax's default cross-process barriers would wait
+    # for the others forever
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+                                               barrier_sync_key_prefix=f"megatrain_p{me}")
+    if "multiprocessing_options" in params:
+        handler_kwargs["multiprocessing_options"] = alone
     handler = ocp.PyTreeCheckpointHandler(**handler_kwargs)
-    return ocp.Checkpointer(handler)
+    return ocp.Checkpointer(handler, multiprocessing_options=alone)
 
 
 def _restore_array(ckptr, path: str, key: str) -> np.ndarray:

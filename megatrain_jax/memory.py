@@ -201,6 +201,8 @@ class Plan:
     params: int
     machine: Machine
     notes: list[str] = field(default_factory=list)
+    modes: dict[str, dict[str, Any]] = field(default_factory=dict)  # host need of each state mode (MODES)
+    suggestion: str | None = None  # the leanest-first mode that fits when the configured one does not
 
     @property
     def host_bytes_per_param(self) -> float:
@@ -340,8 +342,43 @@ def _choose_stream_copy(s: "_Shapes", seq_len: int, m, on_gpu: bool, bf16: bool,
     return "device" if (ratio <= STREAM_HIDDEN_RATIO or copy_bytes > room) else "host"
 
 
-def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | None = None) -> Plan:
-    """The plan for ``cfg`` on ``machine`` (this one by default), with every 'auto' decided."""
+# the host-state modes, fullest first: (name, overrides)
+MODES = {"full": {"moments": "float32"},
+         "compact": {"moments": "bfloat16", "stream_copy": "device"},
+         "leanest": {"moments": "int8", "stream_copy": "device"}}
+
+
+def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | None = None,
+              _modes: bool = True) -> Plan:
+    """The plan for ``cfg`` on ``machine`` (this one by default), with every 'auto' decided; with the
+    host need of each state mode beside it, and, when the configured mode does not fit the host, the
+    fullest mode that does (``suggestion``)."""
+    plan = _make_plan(cfg, machine, devices)
+    if not _modes or cfg.optim.kernel != "fused":
+        return plan
+    import dataclasses
+
+    fits_host = lambda q: q.host_need <= _usable(q.host_limit, HOST_MARGIN)  # noqa: E731
+    for name, over in MODES.items():
+        t = dataclasses.replace(cfg.train, stream_copy=over.get("stream_copy", cfg.train.stream_copy))
+        o = dataclasses.replace(cfg.optim, moments=over["moments"])
+        q = _make_plan(dataclasses.replace(cfg, train=t, optim=o), plan.machine, devices)
+        plan.modes[name] = {"host_gb": q.host_need / GB, "bytes_per_param": q.host_bytes_per_param,
+                            "fits_host": fits_host(q),
+                            "settings": " ".join(f"{'optim' if k == 'moments' else 'train'}.{k}={v}"
+                                                 for k, v in over.items())}
+    if not fits_host(plan):
+        order = list(MODES)  # fullest first; suggest only modes leaner than the configured one
+        current = {"float32": 0, "bfloat16": 1}.get(cfg.optim.moments, len(order))
+        for name in order[current + 1:]:
+            if plan.modes[name]["fits_host"]:
+                m = plan.modes[name]
+                plan.suggestion = f"{m['settings']} ({name}: {m['bytes_per_param']:.1f} bytes/param, {m['host_gb']:.1f} GB)"
+                break
+    return plan
+
+
+def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Plan:
     t, o, m = cfg.train, cfg.optim, cfg.model
     out_dir = t.out_dir
     machine = machine or detect_machine((out_dir,) + ((t.export,) if t.export else ()))
@@ -521,10 +558,13 @@ def _verdict(p: Plan) -> UserError | None:
     if not host_ok:
         over = p.host_need - _usable(p.host_limit, HOST_MARGIN)
         fixes = []
-        if p.decisions["moments"] == "float32":
-            fixes.append("optim.moments=int8 (or bfloat16)")
-        if p.decisions["stream_copy"] == "host" and any("streaming copy" in r.what for r in p.rows):
-            fixes.append("train.stream_copy=device")
+        if p.suggestion:
+            fixes.append(f"{p.suggestion} fits")
+        else:
+            if p.decisions["moments"] == "float32":
+                fixes.append("optim.moments=int8 (or bfloat16)")
+            if p.decisions["stream_copy"] == "host" and any("streaming copy" in r.what for r in p.rows):
+                fixes.append("train.stream_copy=device")
         if p.decisions["activations"] == "pinned_host" or p.decisions["grad_hold"] == "pinned_host":
             fixes.append("fewer tokens per step")
         fixes.append("a machine with more memory")
@@ -580,6 +620,10 @@ def plan_table(p: Plan) -> str:
     if p.disk_need:
         lines.append(f"disk: need {p.disk_need / GB:.1f} GB, free "
                      + (f"{p.disk_free / GB:.1f} GB" if p.disk_free is not None else "unknown"))
+    if p.modes:
+        lines.append("host state modes: " + "; ".join(
+            f"{n} {m['bytes_per_param']:.1f} B/param = {m['host_gb']:.1f} GB ({'fits' if m['fits_host'] else 'does not fit'})"
+            for n, m in p.modes.items()))
     d = p.decisions
     lines.append(d.get("attention_summary", ""))
     lines.append(f"decisions: micro_batches={d['micro_batches']}, activations={d['activations']}, "

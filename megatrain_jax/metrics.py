@@ -16,7 +16,9 @@ from megatrain_jax.config import ModelConfig
 
 
 def model_flops_per_token(cfg: ModelConfig) -> float:
-    return 6.0 * cfg.non_embedding_params()
+    """6 x the non-embedding parameters a token uses: for a mixture of experts, only the experts it
+    is routed to (active-parameter model FLOPs), whatever the formulation computes."""
+    return 6.0 * cfg.active_non_embedding_params()
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -138,3 +138,19 @@ def test_plan_command_prints_the_table_and_json():
     assert r.returncode == 0 and "memory plan" in r.stdout and "verdict: fits" in r.stdout
     r, _ = _cli("plan", "configs/7b.yaml", "--json", "--set", "train.host_memory_gb=10")
     assert r.returncode == 2 and json.loads(r.stdout)["fits"] is False and "host memory" in r.stderr
+
+
+def test_plan_shows_each_state_mode_and_suggests_the_fullest_that_fits():
+    """Qwen2.5-14B on the H100 machine: full state does not fit its 128 GiB; the plan lists bytes/param per
+    mode and the refusal names the compact mode, which fits, rather than a generic list."""
+    p = _plan("configs/qwen2.5-14b.yaml", "optim.moments=float32", "train.stream_copy=auto")
+    assert set(p.modes) == {"full", "compact", "leanest"}
+    assert p.modes["full"]["bytes_per_param"] > p.modes["compact"]["bytes_per_param"] > p.modes["leanest"]["bytes_per_param"]
+    assert not p.modes["full"]["fits_host"] and p.modes["leanest"]["fits_host"]
+    err = p.verdict()
+    assert err is not None and err.field == "host memory"
+    fitting = "compact" if p.modes["compact"]["fits_host"] else "leanest"
+    assert f"({fitting}:" in err.fix and "fits" in err.fix
+    assert "host state modes: full" in plan_table(p)
+    # a mode that fits suggests nothing
+    assert _plan("configs/qwen2.5-14b.yaml").suggestion is None
