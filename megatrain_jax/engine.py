@@ -180,7 +180,7 @@ class _GradOut:
 
     def chunk(self, j: int, engine: "StreamedTrainer") -> np.ndarray:
         """Chunk ``j`` as a host numpy array; waits until it has landed."""
-        if not self._events[j].wait(timeout=0.2):
+        if not self._events[j].wait(timeout=engine.issue_wait_s):
             engine._issue_through(self, j)
         if self.on_host:
             lo, hi = self.chunks[j]
@@ -253,6 +253,10 @@ class StreamedTrainer:
         bf16 = self.dtype == jnp.bfloat16
         self.store = store or HostStore.from_trees(parts.host_trees(), bf16_stream=bf16)
         self.xfer = Transfers(self.local_devices, transfer_mode, mesh=self.mesh)
+        # how long the optimizer thread waits for the dispatching thread to issue a gradient copy
+        # before issuing it itself: on a GPU a copy issued late queues behind the compute already
+        # dispatched, so the dispatcher should issue it; the CPU backend has no such queue
+        self.issue_wait_s = 0.2 if self.xfer.on_gpu else 0.02
         for g in self.store:
             if g.opt_state is None:
                 g.opt_state = host_opt.init_state(g.master, g.layout.unflatten)

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/setup_torch_ref.sh || echo "warning: transformers reference environment not built; tests/test_hf.py will retry or skip"
-exec .venv/bin/python -m pytest -q "$@"
+# two workers, whole files each (module fixtures such as the transformers reference run once per file)
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
