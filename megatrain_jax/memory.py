@@ -248,8 +248,12 @@ class _Shapes:
         q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
         emb = m.vocab_size * m.hidden_size
         head = m.hidden_size + (0 if m.tie_embeddings else emb)
+        # the MLP width a token's working set holds: a mixture of experts computes every expert on
+        # every token in its dense formulation (and ragged_dot lowers to the same masked product)
+        mlp = m.intermediate_size if not getattr(m, "num_experts", None) else \
+            (m.moe_intermediate_size or m.intermediate_size) * m.num_experts
         return cls(P=m.total_params(), block=m.block_params(), embed=emb, head=head, L=m.num_layers,
-                   H=m.hidden_size, F=m.intermediate_size, V=m.vocab_size, qkv=q + 2 * kv, B=batch, S=seq,
+                   H=m.hidden_size, F=mlp, V=m.vocab_size, qkv=q + 2 * kv, B=batch, S=seq,
                    tied=m.tie_embeddings, dt=2 if compute_dtype == "bfloat16" else 4)
 
     @property
