@@ -162,8 +162,15 @@ class _GradOut:
         if self.on_host or self.failed:
             self.host[j] = None  # read from the held pinned array itself (or nobody will read it)
         else:
-            if not engine._slabs.acquire(blocking=wait):
-                return False
+            if not wait:
+                if not engine._slabs.acquire(blocking=False):
+                    return False
+            else:
+                # a slab frees when the optimizer thread finishes a chunk; if an update has failed, the
+                # slabs it would have freed may never come back: surface its error instead of waiting
+                while not engine._slabs.acquire(timeout=0.05):
+                    if engine._update_error is not None:
+                        raise engine._update_error
             g = engine._local_shard(self.grad, j)  # one device's copy of the (replicated) gradient
             piece = g if (len(self.chunks) == 1 and g.dtype == F32) else engine._chunk_fn(g, lo, hi - lo)
             arr = engine.xfer.to_host(piece)
@@ -269,6 +276,7 @@ class StreamedTrainer:
         self._copy_queue: list[tuple[str, _GradOut]] = []  # deferred gradients not yet sent to the host
         self._order_index = {n: i for i, n in enumerate(self._forward_order())}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")
+        self._update_error: BaseException | None = None  # the first host update that raised
         # gradient slabs: chunk size (aligned as the optimizer's state needs) and the pool's size
         align = getattr(host_opt, "chunk_align", None)
         self._slab = None if (grad_slab_elems is None or align is None) else max(align, grad_slab_elems // align * align)
@@ -460,8 +468,9 @@ class StreamedTrainer:
         soon as it has landed (zero-copy views of the pinned buffers)."""
         try:
             self._update_slabs(name, out, scale, count)
-        except BaseException:
+        except BaseException as e:
             out.fail(self)
+            self._update_error = e
             raise
 
     def _update_slabs(self, name: str, out: _GradOut, scale: float, count: int) -> None:
