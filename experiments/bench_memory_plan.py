@@ -56,6 +56,8 @@ def run_case(name: str, spec: str, args) -> dict:
     sets = sets + ["train.final_checkpoint=false", "model.init=fast", f"train.steps={args.steps}",
                    "optim.schedule.kind=constant", "optim.schedule.warmup_steps=0",
                    f"train.out_dir={out_dir}", "train.log_every=1"]
+    if args.trace:  # the last step records its timeline; it is left out of the timed median
+        sets.append(f"train.trace_step={args.steps}")
     flags = [x for s in sets for x in ("--set", s)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     py = [sys.executable, "-m", "megatrain_jax"]
@@ -93,8 +95,14 @@ def run_case(name: str, spec: str, args) -> dict:
         with open(mpath) as f:
             recs = [json.loads(x) for x in f if x.strip()]
     res["steps_done"] = len(recs)
+    if args.trace:
+        import glob
+        import shutil
+
+        for fn in glob.glob(os.path.join(out_dir, "timeline_step*")):
+            shutil.copy(fn, os.path.join(args.out, f"{name}_{os.path.basename(fn)}"))
     if len(recs) > 2:
-        timed = recs[2:]
+        timed = [r for r in recs[2:] if not (args.trace and r["step"] == args.steps)] or recs[2:]
         step_s = statistics.median(r["step_time_s"] for r in timed)
         tokens = recs[0]["tokens_per_s"] * recs[0]["step_time_s"]
         res.update({"step_s_median": step_s, "step_s_all": [r["step_time_s"] for r in recs],
@@ -121,6 +129,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", action="append", required=True, help="NAME=CONFIG[;key=value;...]")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--trace", action="store_true", help="record the last step's per-layer timeline (train.trace_step); "
+                    "that step is left out of the median")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -180,6 +180,8 @@ class TrainConfig:
     grad_slabs: int | str = "auto"  # pinned 128 MiB gradient slabs: auto (24 where the host has room, down to 6)
     #                                 | N. More slabs keep the host optimizer fed (speed), fewer save host memory
     devices: int | str = "all"  # GPUs of this host to use: all | N
+    trace_step: int = 0  # > 0: record that step's per-layer timeline (host->GPU, compute, GPU->host, host
+    #                      optimizer) to out_dir/timeline_step<N>.{png,json} and log where compute waited
 
 
 @dataclass
@@ -389,6 +391,7 @@ def validate(cfg: Config) -> None:
         ("train.ckpt_every", t.ckpt_every, lambda x: x >= 0, ">= 0 (0: only at the end)"),
         ("train.keep_last", t.keep_last, lambda x: x >= 0, ">= 0 (0: keep all)"),
         ("train.keep_every", t.keep_every, lambda x: x >= 0, ">= 0 (0: none extra)"),
+        ("train.trace_step", t.trace_step, lambda x: x >= 0, ">= 0 (0: no timeline)"),
         ("train.max_bad_steps", t.max_bad_steps, lambda x: x >= 1, ">= 1"),
         ("train.host_memory_gb", t.host_memory_gb, lambda x: x > 0, "> 0 (or null)"),
         ("train.gpu_memory_gb", t.gpu_memory_gb, lambda x: x > 0, "> 0 (or null)"),

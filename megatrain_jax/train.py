@@ -175,6 +175,50 @@ def _nan_forward(trainer):
         trainer._embed_fwd = orig
 
 
+class _Timeline:
+    """``train.trace_step``: one step's per-layer timeline (``trace.py``) written next to the metrics.
+
+    The window is the step in steady state (the previous step's deferred updates may still run at its
+    start); after it, the step's own deferred updates are awaited so their bars are complete."""
+
+    def __init__(self, trainer, out_dir: str, step: int, log: Log):
+        self.trainer, self.out_dir, self.step, self.log = trainer, out_dir, step, log
+
+    def __enter__(self):
+        from megatrain_jax.trace import Tracer
+
+        self.trainer.tracer = Tracer()
+        self.t0 = time.perf_counter() - self.trainer.tracer.t0
+
+    def __exit__(self, exc_type, *_):
+        import jax
+
+        from megatrain_jax.trace import exposed_times, plot_timeline
+
+        tracer = self.trainer.tracer
+        try:
+            if exc_type is None:
+                jax.block_until_ready(jax.device_put(0))
+                t1 = time.perf_counter() - tracer.t0
+                self.trainer.finish()
+        finally:
+            events = tracer.close()
+            self.trainer.tracer = None
+        if exc_type is not None:
+            return
+        exposed = exposed_times(events, self.t0, t1)
+        base = os.path.join(self.out_dir, f"timeline_step{self.step}")
+        with open(base + ".json", "w") as f:
+            json.dump({"step": self.step, "window_s": [self.t0, t1], "exposed_s": exposed, "events": events}, f)
+        try:
+            plot_timeline(events, base + ".png", f"step {self.step}: per-layer timeline")
+        except ImportError:  # matplotlib is optional: the JSON holds every bar
+            pass
+        self.log(f"timeline of step {self.step}: {t1 - self.t0:.3f} s, compute busy {exposed['compute_busy']:.3f} s; "
+                 f"compute waited for " + ", ".join(f"{k} {v:.3f} s" for k, v in exposed.items()
+                                                   if k not in ("compute_busy",)) + f"  [{base}.json/.png]")
+
+
 class _StopSignals:
     """SIGINT / SIGTERM: remember it and let the loop finish the step; a second one aborts."""
 
@@ -388,7 +432,9 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
         for step in range(start_step, t.steps):
             s = step + 1
             batch = to_engine_batch(dataset.batch(step, t.batch_size, d.seq_len), d.doc_masking)
-            with _nan_forward(trainer) if (s in nan_steps and streamed) else contextlib.nullcontext():
+            traced = _Timeline(trainer, t.out_dir, s, log) if (streamed and main and s == t.trace_step) \
+                else contextlib.nullcontext()
+            with _nan_forward(trainer) if (s in nan_steps and streamed) else contextlib.nullcontext(), traced:
                 res = trainer.step(batch)
             step_done = s
             now = time.perf_counter()

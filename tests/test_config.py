@@ -337,7 +337,7 @@ _BAD_NUMBERS = [
     ("train.log_every=0", "train.log_every"), ("train.log_every=-1", "train.log_every"),
     ("train.loss_chunk=0", "train.loss_chunk"), ("train.loss_chunk=-1024", "train.loss_chunk"),
     ("train.ckpt_every=-1", "train.ckpt_every"), ("train.keep_last=-1", "train.keep_last"),
-    ("train.keep_every=-1", "train.keep_every"),
+    ("train.keep_every=-1", "train.keep_every"), ("train.trace_step=-1", "train.trace_step"),
     ("train.max_bad_steps=0", "train.max_bad_steps"), ("train.max_bad_steps=-3", "train.max_bad_steps"),
     *[(f"train.host_memory_gb={v}", "train.host_memory_gb") for v in ("0", "-8", ".nan", ".inf")],
     *[(f"train.gpu_memory_gb={v}", "train.gpu_memory_gb") for v in ("0", "-4", ".nan", ".inf")],

@@ -312,3 +312,24 @@ def test_background_failure_is_one_line_with_the_traceback_in_a_log(tmp_path, mo
     assert rc == 2 and err.count("\n") == 0 and err.startswith("error: disk:"), err
     log = (out / "error.log").read_text()
     assert "Traceback" in log and "No space left on device" in log
+
+
+def test_trace_step_writes_the_timeline_of_that_step(tmp_path, capsys):
+    """``train.trace_step=N``: that step's per-layer timeline (every lane, each block's forward and
+    backward on the compute lane) lands next to the metrics, and the log says where compute waited."""
+    from megatrain_jax.cli import main as cli_main
+
+    out = tmp_path / "run"
+    rc = cli_main(["train", os.path.join(REPO, "configs/tiny.yaml"), *[x for s in SMALL + [
+        f"train.out_dir={out}", "train.steps=3", "train.trace_step=2", "train.final_checkpoint=false"]
+        for x in ("--set", s)]])
+    assert rc == 0
+    rec = json.loads((out / "timeline_step2.json").read_text())
+    lanes = {e["lane"] for e in rec["events"]}
+    assert {"h2d", "compute", "d2h", "optimizer"} <= lanes, lanes
+    labels = {e["label"] for e in rec["events"] if e["lane"] == "compute"}
+    assert {"fwd 0", "bwd 0"} <= labels, labels
+    t0, t1 = rec["window_s"]
+    assert 0 < rec["exposed_s"]["compute_busy"] <= t1 - t0
+    assert "timeline of step 2" in capsys.readouterr().out
+    assert not (out / "timeline_step1.json").exists() and not (out / "timeline_step3.json").exists()
