@@ -501,7 +501,10 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
         slabs = int(t.grad_slabs)
     else:
         room = _usable(host_avail, HOST_MARGIN) - sum(r.bytes for r in rows)
-        slabs = int(max(GRAD_SLABS[0], min(GRAD_SLABS[1], room // slab))) if on_gpu else GRAD_SLABS[0]
+        # int8 moments are the leanest state, chosen for memory: the fewest slabs (the int8 kernel, not the
+        # slab pool, paces those updates; 24 -> 6 slabs: Qwen2.5-7B 54.2 -> 50.7 GB, H100, RESULTS.md)
+        most = GRAD_SLABS[0] if o.moments == "int8" else GRAD_SLABS[1]
+        slabs = int(max(GRAD_SLABS[0], min(most, room // slab))) if on_gpu else GRAD_SLABS[0]
     slab_row.bytes, slab_row.note = float(slab * slabs), f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)"
     host_need = sum(r.bytes for r in rows)
 

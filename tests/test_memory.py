@@ -31,6 +31,17 @@ def test_store_rows_are_the_bytes_per_parameter_of_each_mode():
     assert copy.bytes == 2 * (full.params - 2 * 152064 * 3584 - 3584)  # blocks only: embedding and head stream fp32
 
 
+def test_slab_pool_is_deep_for_speed_and_shallow_in_the_leanest_mode():
+    """auto slabs: 24 where the host has room (they keep the optimizer fed), 6 with int8 moments (the
+    leanest state is chosen for memory; its kernel, not the pool, paces the updates); N when set."""
+    assert _plan("configs/qwen2.5-7b.yaml").decisions["grad_slabs"] == 24
+    lean = _plan("configs/qwen2.5-7b.yaml", "optim.moments=int8", "train.stream_copy=device")
+    assert lean.decisions["grad_slabs"] == 6
+    row = [r for r in lean.rows if "pinned slabs" in r.what][0]
+    assert row.bytes == 6 * 128 * 2 ** 20
+    assert _plan("configs/qwen2.5-7b.yaml", "optim.moments=int8", "train.grad_slabs=12").decisions["grad_slabs"] == 12
+
+
 def test_stream_copy_auto_casts_on_the_gpu_where_the_transfer_hides_behind_compute():
     """auto: Qwen2.5-7B at 128 x 1024 (fp32 stream / forward ~0.18) and Llama-2-7B at 32 x 4096 drop the
     host copy; Llama-2-7B at 16 x 4096 (~0.35, measured 4% slower when cast on the GPU) keeps it;
