@@ -1,5 +1,10 @@
 """The training loop: config -> data -> model -> engine -> steps, with logging, checkpoints and faults.
 
+The streamed engine is driven through ``trainer.Trainer``, the same object research code uses
+(``Trainer.from_config`` / ``Trainer.resume`` with the memory plan's decisions): one path to the
+engine. ``train.engine=reference`` is a separate small branch: the plain in-memory
+``ReferenceTrainer``, a correctness reference that writes no checkpoints.
+
 Everything that can fail on user input (config, data, tokens, the checkpoint to resume from) is
 checked before the output directory is written, so a bad run leaves nothing half-written.
 
@@ -38,32 +43,14 @@ import yaml
 
 from megatrain_jax import checkpoint as ck
 from megatrain_jax.config import Config
-from megatrain_jax.distributed import is_main, run_devices
+from megatrain_jax.distributed import is_main
 from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
 from megatrain_jax.memory import memory_snapshot
 from megatrain_jax.metrics import MetricsWriter, attention_flops_per_token, model_flops_per_token
+from megatrain_jax.trainer import Trainer, host_bf16_copy  # noqa: F401 - host_bf16_copy: kept importable here
 
 Log = Callable[[str], None]
-
-
-def _streamed_trainer(cfg: Config, parts, store, host_opt, plan) -> StreamedTrainer:
-    d = plan.decisions
-    # skip_nonfinite: every update waits for the step's norm, so a NaN/inf step touches nothing
-    return StreamedTrainer(parts, host_opt, compute_dtype=cfg.train.compute_dtype, micro_batches=d["micro_batches"],
-                           clip_norm=cfg.optim.clip_norm, loss_chunk=cfg.train.loss_chunk, store=store,
-                           skip_nonfinite=True, offload_activations=d["activations"] == "pinned_host",
-                           grad_hold=d["grad_hold"], grad_slab_elems=d["grad_slab_elems"],
-                           grad_slabs=d["grad_slabs"], devices=run_devices(cfg.train.devices))
-
-
-def host_bf16_copy(cfg: Config, plan=None) -> bool:
-    """Whether the host keeps a bf16 streaming copy (bf16 compute with ``train.stream_copy=host``,
-    or ``auto`` where the plan decided ``host``)."""
-    copy = cfg.train.stream_copy
-    if copy == "auto":
-        copy = plan.decisions["stream_copy"] if plan is not None else "host"
-    return cfg.train.compute_dtype == "bfloat16" and copy == "host"
 
 
 def plan_or_refuse(cfg: Config, log: Log = print):
@@ -87,57 +74,30 @@ def plan_or_refuse(cfg: Config, log: Log = print):
     return plan
 
 
-def build_trainer(cfg: Config, model=None, plan=None):
-    """The configured trainer (streamed or reference).
-
-    The streamed trainer never materialises the whole model: the host store is initialised part
-    by part (or filled from a Hugging Face checkpoint, ``model.from_hf``). ``plan``: the memory
-    plan (computed here, and refused if it does not fit, when not given).
-    """
-    from megatrain_jax.models import init_model, streamed_parts
-    from megatrain_jax.models.llama import init_host_store
-    from megatrain_jax.optim import build_host_optimizer, build_reference_tx
+def reference_trainer(cfg: Config, model=None):
+    """``train.engine=reference``: the whole model and plain optax in device memory, a correctness
+    reference for the streamed engine (no plan, no checkpoints)."""
+    from megatrain_jax.models import init_model
+    from megatrain_jax.optim import build_reference_tx
+    from megatrain_jax.reference import ReferenceTrainer
 
     t = cfg.train
-    if t.engine == "reference":
-        from megatrain_jax.reference import ReferenceTrainer
+    model = model if model is not None else init_model(cfg.model, t.seed)
+    return ReferenceTrainer(model, build_reference_tx(cfg.optim, t.steps), compute_dtype=t.compute_dtype)
 
-        model = model if model is not None else init_model(cfg.model, t.seed)
-        return ReferenceTrainer(model, build_reference_tx(cfg.optim, t.steps), compute_dtype=t.compute_dtype)
-    plan = plan or plan_or_refuse(cfg, lambda _: None)
-    host_opt = build_host_optimizer(cfg.optim, t.steps)
-    bf16 = host_bf16_copy(cfg, plan)
-    if model is not None:
-        from megatrain_jax.hoststore import HostStore
 
-        parts = streamed_parts(model)
-        store = HostStore.from_trees(parts.host_trees(), bf16_stream=bf16)
-    elif cfg.model.from_hf:
-        from megatrain_jax.hf import load_hf_into_store
-
-        parts, store = load_hf_into_store(cfg.model, bf16_stream=bf16)
-    else:
-        parts, store = init_host_store(cfg.model, t.seed, bf16_stream=bf16)
-    return _streamed_trainer(cfg, parts, store, host_opt, plan)
+def build_trainer(cfg: Config, model=None, plan=None):
+    """The configured engine itself (for benchmarks that drive it directly): the reference trainer,
+    or the ``StreamedTrainer`` of ``Trainer.from_config(cfg, plan, model=model)``."""
+    if cfg.train.engine == "reference":
+        return reference_trainer(cfg, model)
+    return Trainer.from_config(cfg, plan, model=model).engine
 
 
 def restore_trainer(cfg: Config, root: str, log: Log = print, plan=None) -> tuple[StreamedTrainer, str, dict]:
-    """A streamed trainer whose host store is filled from the newest usable checkpoint in ``root``
-    (never initialised first: the store is allocated empty and restored group by group)."""
-    from megatrain_jax.hoststore import HostStore
-    from megatrain_jax.models.llama import abstract_model, streamed_parts
-    from megatrain_jax.optim import build_host_optimizer
-    from megatrain_jax.templates import Layout
-
-    t = cfg.train
-    plan = plan or plan_or_refuse(cfg, lambda _: None)
-    parts = streamed_parts(abstract_model(cfg.model))
-    store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, host_bf16_copy(cfg, plan))
-    host_opt = build_host_optimizer(cfg.optim, t.steps)
-    path, state = ck.restore_latest(root, store, host_opt, log)
-    trainer = _streamed_trainer(cfg, parts, store, host_opt, plan)
-    trainer.count = int(state["count"])
-    return trainer, path, state
+    """The ``StreamedTrainer`` of ``Trainer.resume(cfg, root, plan, log)``, its checkpoint's path and state."""
+    trainer, path, state = Trainer.resume(cfg, root, plan, log)
+    return trainer.engine, path, state
 
 
 def to_engine_batch(b: Any, doc_masking: bool) -> Batch:
@@ -357,17 +317,17 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
                         "set train.engine=streamed (or train without --resume)")
     plan = plan_or_refuse(cfg, log) if streamed else None  # before anything is allocated or written
     if resume:
-        trainer, path, state = restore_trainer(cfg, root, log, plan)  # every process reads the checkpoint
+        trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
         start_step = int(state["step"])
         _resume_checks(cfg, dataset, state, log)
-        log(f"resumed from {path}: step {start_step}, optimizer count {trainer.count}")
+        log(f"resumed from {path}: step {start_step}, optimizer count {trainer.step_count}")
     else:
         existing = ck.list_checkpoints(root) if main else []
         if existing:
             raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
                             "pass --resume to continue that run, or choose another train.out_dir "
                             f"(or delete {root})")
-        trainer = build_trainer(cfg, plan=plan)
+        trainer = Trainer.from_config(cfg, plan) if streamed else reference_trainer(cfg)
 
     if main:
         os.makedirs(t.out_dir, exist_ok=True)
@@ -388,7 +348,7 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
         f"({cfg.model.non_embedding_params() / 1e6:.2f}M non-embedding), engine={t.engine}, "
         f"compute={t.compute_dtype}, {tokens_per_step} tokens/step")
 
-    saver = ck.CheckpointSaver(trainer, root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
+    saver = trainer.saver(root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
         if (streamed and main) else None
     loop = state.get("loop", {})
     skipped = int(loop.get("skipped_total", 0))
@@ -403,9 +363,9 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
     def save(step: int, wait: bool) -> str | None:
         if saver is None:
             return None
-        lr = trainer.opt.lr_at(trainer.count + 1) if hasattr(trainer.opt, "lr_at") else None
+        lr = trainer.lr_at(trainer.step_count + 1)
         meta = {"loop": {"step": step, "skipped_total": skipped, "bad_streak": bad_streak, "last_good_step": last_good},
-                "lr_schedule": {"count": trainer.count, "next_lr": None if lr is None else float(lr),
+                "lr_schedule": {"count": trainer.step_count, "next_lr": lr,
                                 "schedule": cfg.optim.schedule.__dict__, "total_steps": t.steps},
                 "data": {"position": dataset.position(step, t.batch_size, d.seq_len), "describe": dataset.describe(),
                          "batch_size": t.batch_size, "seq_len": d.seq_len},
@@ -432,9 +392,9 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
         for step in range(start_step, t.steps):
             s = step + 1
             batch = to_engine_batch(dataset.batch(step, t.batch_size, d.seq_len), d.doc_masking)
-            traced = _Timeline(trainer, t.out_dir, s, log) if (streamed and main and s == t.trace_step) \
+            traced = _Timeline(trainer.engine, t.out_dir, s, log) if (streamed and main and s == t.trace_step) \
                 else contextlib.nullcontext()
-            with _nan_forward(trainer) if (s in nan_steps and streamed) else contextlib.nullcontext(), traced:
+            with _nan_forward(trainer.engine) if (s in nan_steps and streamed) else contextlib.nullcontext(), traced:
                 res = trainer.step(batch)
             step_done = s
             now = time.perf_counter()
@@ -452,8 +412,8 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
                    "tokens_per_s": tokens_per_step / dt, "model_tflops": fpt * tokens_per_step / dt / 1e12,
                    "model_tflops_with_attention": fpt_attn * tokens_per_step / dt / 1e12, "skipped": res.skipped}
             if streamed:
-                rec["lr"] = float(trainer.opt.lr_at(trainer.count)) if hasattr(trainer.opt, "lr_at") else None
-                rec.update(memory_snapshot(trainer.device if trainer.xfer.on_gpu else None))
+                rec["lr"] = trainer.lr_at(trainer.step_count)
+                rec.update(memory_snapshot(trainer.memory_device))
             metrics.write(rec)
             if s % t.log_every == 0 or s == start_step + 1 or s == t.steps:
                 elapsed = now - start
@@ -513,7 +473,7 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
     summary = {"steps": step_done, "first_loss": losses[0] if losses else None,
                "plan": None if plan is None else {"host_gb": plan.host_need / 1e9, "gpu_gb": plan.gpu_need and plan.gpu_need / 1e9,
                                                   "decisions": plan.decisions, "predicted_step_s": plan.step["predicted_step_s"]},
-               "measured": memory_snapshot(trainer.device if streamed and trainer.xfer.on_gpu else None),
+               "measured": memory_snapshot(trainer.memory_device if streamed else None),
                "last_loss": losses[-1] if losses else None,
                "mean_last10": float(np.mean(losses[-10:])) if losses else None, "wall_s": wall,
                "skipped_steps": skipped, "resumed_from": start_step if resume else None,

@@ -9,7 +9,11 @@
     print(tr.plan(batch_size=16, seq_len=1024).table)   # the CLI's memory plan
 
 The model's weights and optimizer state live in host memory (``HostStore``); each step streams the
-blocks through the device exactly as ``megatrain-jax train`` does.
+blocks through the device. ``megatrain-jax train`` runs through this class too (one path to the
+engine): ``Trainer.from_config(cfg, plan)`` (a new run: initialised or imported from Hugging Face)
+and ``Trainer.resume(cfg, root, plan)`` (filled from the newest checkpoint) build it from a config,
+with the engine options the memory plan decided; ``saver(root)`` gives the background checkpoints
+the training loop polls, and ``lr_at``, ``store``, ``memory_device`` what it logs and exports.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ import numpy as np
 import optax
 
 from megatrain_jax import checkpoint as ck
-from megatrain_jax.config import OptimConfig
+from megatrain_jax.config import Config, OptimConfig
+from megatrain_jax.distributed import run_devices
 from megatrain_jax.engine import Batch, StepResult, StreamedTrainer
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim import HostOptimizer, OptaxHostOptimizer, build_host_optimizer
@@ -46,6 +51,23 @@ def host_optimizer(optimizer: Any, steps: int | None = None) -> HostOptimizer:
         return optimizer
     raise UserError("optimizer", f"a {type(optimizer).__name__} is not an optimizer",
                     "pass an OptimConfig, an optax.GradientTransformation or a HostOptimizer")
+
+
+def host_bf16_copy(cfg: Config, plan=None) -> bool:
+    """Whether the host keeps a bf16 streaming copy (bf16 compute with ``train.stream_copy=host``,
+    or ``auto`` where the plan decided ``host``)."""
+    copy = cfg.train.stream_copy
+    if copy == "auto":
+        copy = plan.decisions["stream_copy"] if plan is not None else "host"
+    return cfg.train.compute_dtype == "bfloat16" and copy == "host"
+
+
+def _plan(cfg: Config, plan):
+    if plan is not None:
+        return plan
+    from megatrain_jax.train import plan_or_refuse  # the CLI's planning step (refuses what does not fit)
+
+    return plan_or_refuse(cfg, lambda _: None)
 
 
 def as_batch(batch: Any) -> Batch:
@@ -87,6 +109,9 @@ class Trainer:
     ``clip_norm``: global-norm clipping ("auto": the ``OptimConfig``'s, else none).
     ``steps``: the run's length, for schedules that decay over it. ``seed``: dropout keys
     (``templates.block_rng(seed, step, layer, micro_batch)``).
+
+    From a ``Config`` (what ``megatrain-jax train`` does): ``from_config``, ``resume``, or
+    ``from_parts`` over an already-made model, host store and host optimizer.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, params: Any = None, steps: int | None = None,
@@ -113,12 +138,93 @@ class Trainer:
                               clip_norm=clip_norm, loss_chunk=loss_chunk, device=device,
                               skip_nonfinite=skip_nonfinite, rng_seed=seed)
 
+    # ---------------------------------------------------------------------------------- from a config
+
+    @classmethod
+    def from_parts(cls, parts: StreamedModel, store: Any, optimizer: HostOptimizer, cfg: Config, plan) -> "Trainer":
+        """A trainer over an already-made ``StreamedModel``, ``HostStore`` (filled) and ``HostOptimizer``
+        whose engine options are the memory plan's decisions (micro-batches, activation placement,
+        gradient holding and slabs) and ``cfg``'s, on the run's devices (``train.devices``), exactly
+        as ``megatrain-jax train`` runs it. A step with a non-finite loss or norm changes nothing."""
+        t, d = cfg.train, plan.decisions
+        # skip_nonfinite: every update waits for the step's norm, so a NaN/inf step touches nothing
+        engine = StreamedTrainer(parts, optimizer, compute_dtype=t.compute_dtype, micro_batches=d["micro_batches"],
+                                 clip_norm=cfg.optim.clip_norm, loss_chunk=t.loss_chunk, store=store,
+                                 skip_nonfinite=True, offload_activations=d["activations"] == "pinned_host",
+                                 grad_hold=d["grad_hold"], grad_slab_elems=d["grad_slab_elems"],
+                                 grad_slabs=d["grad_slabs"], devices=run_devices(t.devices))
+        self = cls.__new__(cls)  # the parts are made: nothing of __init__'s splitting applies
+        self.parts, self.opt, self.engine = parts, optimizer, engine
+        self.optimizer_spec, self.steps = cfg.optim, t.steps
+        self.settings = dict(micro_batches=d["micro_batches"], clip_norm=cfg.optim.clip_norm,
+                             compute_dtype=t.compute_dtype, loss_chunk=t.loss_chunk, seed=engine.rng_seed)
+        return self
+
+    @classmethod
+    def from_config(cls, cfg: Config, plan=None, *, model: Any = None) -> "Trainer":
+        """A new run of ``cfg``: the host store initialised part by part from ``train.seed`` (the
+        whole model is never materialised), or filled from a Hugging Face checkpoint
+        (``model.from_hf``), or from ``model`` (a ``models.llama`` Decoder) when given. ``plan``: the
+        memory plan (``train.plan_or_refuse``; computed, and refused if it does not fit, when not given)."""
+        from megatrain_jax.models.llama import init_host_store
+
+        plan = _plan(cfg, plan)
+        host_opt = build_host_optimizer(cfg.optim, cfg.train.steps)
+        bf16 = host_bf16_copy(cfg, plan)
+        if model is not None:
+            from megatrain_jax.hoststore import HostStore
+            from megatrain_jax.models import streamed_parts
+
+            parts = streamed_parts(model)
+            store = HostStore.from_trees(parts.host_trees(), bf16_stream=bf16)
+        elif cfg.model.from_hf:
+            from megatrain_jax.hf import load_hf_into_store
+
+            parts, store = load_hf_into_store(cfg.model, bf16_stream=bf16)
+        else:
+            parts, store = init_host_store(cfg.model, cfg.train.seed, bf16_stream=bf16)
+        return cls.from_parts(parts, store, host_opt, cfg, plan)
+
+    @classmethod
+    def resume(cls, cfg: Config, root: str, plan=None, log=print) -> tuple["Trainer", str, dict]:
+        """``cfg``'s run continued from the newest usable checkpoint in ``root``: the host store is
+        allocated empty and restored group by group (never initialised first), the step count (hence
+        the LR schedule) restored. Returns the trainer, the checkpoint's path and its state.json."""
+        from megatrain_jax.hoststore import HostStore
+        from megatrain_jax.models.llama import abstract_model, streamed_parts
+        from megatrain_jax.templates import Layout
+
+        plan = _plan(cfg, plan)
+        parts = streamed_parts(abstract_model(cfg.model))
+        store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, host_bf16_copy(cfg, plan))
+        host_opt = build_host_optimizer(cfg.optim, cfg.train.steps)
+        path, state = ck.restore_latest(root, store, host_opt, log)
+        self = cls.from_parts(parts, store, host_opt, cfg, plan)
+        self.engine.count = int(state["count"])
+        return self, path, state
+
     # ---------------------------------------------------------------------------------- training
 
     @property
     def step_count(self) -> int:
         """Optimizer updates applied so far."""
         return self.engine.count
+
+    def lr_at(self, count: int) -> float | None:
+        """The learning rate of update ``count`` (1-based), or None when the optimizer does not
+        expose its schedule (an optax transformation)."""
+        lr_at = getattr(self.opt, "lr_at", None)
+        return None if lr_at is None else float(lr_at(count))
+
+    @property
+    def store(self) -> Any:
+        """The ``HostStore``: fp32 weights and optimizer state per group (live, not copies)."""
+        return self.engine.store
+
+    @property
+    def memory_device(self) -> jax.Device | None:
+        """The device whose memory ``memory.memory_snapshot`` reports (None: compute on the host's CPU)."""
+        return self.engine.device if self.engine.xfer.on_gpu else None
 
     def step(self, batch: Any) -> StepResult:
         """One optimizer step; ``StepResult(loss, grad_norm, tokens, skipped)``."""
@@ -151,10 +257,17 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------- checkpoints
 
+    def saver(self, directory: str, *, keep_last: int = 2, keep_every: int = 0, log=lambda _: None) -> ck.CheckpointSaver:
+        """Background checkpoints into ``directory`` while training continues (``checkpoint.py``):
+        ``save(step, meta, wait=False)`` between steps, ``poll()`` for one that has committed,
+        ``wait()``, and ``close()`` (or ``abandon()`` on an abort) when done. Updates that would
+        overwrite a group not yet written are held back, so each checkpoint is the state after its step."""
+        return ck.CheckpointSaver(self.engine, directory, keep_last=keep_last, keep_every=keep_every, log=log)
+
     def save(self, directory: str, *, keep_last: int = 2, meta: dict | None = None, log=lambda _: None) -> str:
         """Checkpoint weights, optimizer state and step count to ``directory/step_<count>``
         (checkpoint.py: atomic, checksummed; the ``keep_last`` newest are kept). Returns the path."""
-        saver = ck.CheckpointSaver(self.engine, directory, keep_last=keep_last, log=log)
+        saver = self.saver(directory, keep_last=keep_last, log=log)
         info = {"trainer": {**self.settings, "optimizer": type(self.opt).__name__},
                 "model": getattr(self.parts, "summary", ""), **(meta or {})}
         try:
