@@ -34,15 +34,16 @@ def test_codes_are_sorted_dynamic_maps():
         assert np.sum(np.abs(code) < 1e-3) > 20  # dense near zero: the dynamic code's point
 
 
+@pytest.mark.parametrize("gather", ca.GATHER_MODES)
 @pytest.mark.parametrize("n", [ca.BLOCK * 3 + 517, 100])
-def test_int8_kernel_equals_numpy_reference_bit_for_bit(n):
+def test_int8_kernel_equals_numpy_reference_bit_for_bit(n, gather):
     rng = np.random.default_rng(0)
     p = rng.standard_normal(n).astype(np.float32)
     p_ref, st, st_ref = p.copy(), _int8_state(n), _int8_state(n)
     for count in range(1, 7):
         g = _grads(rng, n)
         bits = np.zeros(n, np.uint16)
-        ca.adamw_int8_step(p, g, st, bits, count=count, grad_scale=0.7, **KW)
+        ca.adamw_int8_step(p, g, st, bits, count=count, grad_scale=0.7, gather=gather, **KW)
         ref_bits = ca.reference_int8_step(p_ref, g, st_ref, count=count, grad_scale=0.7, **KW)
         np.testing.assert_array_equal(p, p_ref)
         np.testing.assert_array_equal(bits, ref_bits)
@@ -209,25 +210,28 @@ def test_table_lookup_equals_binary_search_on_special_and_random_floats(signed):
 @pytest.mark.parametrize("signed", [True, False])
 def test_table_lookup_equals_binary_search_for_every_float(signed):
     """A proof, not a sample: the nearest index is a monotone function of x (a binary search, then
-    one rounded compare of the two neighbours), and the table gives, per bucket, a two-valued step
-    function of x. Where both agree at the first and last float of a bucket and on both sides of the
-    table's step, they agree on every float of the bucket; the clamps cover the rest (all |x| below
-    the first bucket, all x beyond +-1, NaN)."""
+    one rounded compare of the two neighbours), and the key of x grows with x in every slot (the
+    negative slots invert it). The table gives, per slot, ``((E + w) >> 16) & 0xFF``: a two-valued step
+    function of the key, stepping where the key carries into the slot bits (decoded from the table
+    itself). Where both agree at the first and last key of a slot and on both sides of the table's
+    step, they agree on every float of the slot; the clamps cover the rest (all |x| below the first
+    bucket, all x beyond +-1, NaN)."""
     code = ca.CODE_SIGNED if signed else ca.CODE_UNSIGNED
     tab = ca.lookup_tables()[0 if signed else 1]
-    nb, low = ca.LOOKUP_BUCKETS, (1 << ca.LOOKUP_SHIFT) - 1
-    a0 = ca.LOOKUP_LO + (np.arange(nb, dtype=np.int64) << ca.LOOKUP_SHIFT)
-    a1 = np.minimum(a0 + low, ca.LOOKUP_HI)
-    for s in (0, 1):
-        thr = (tab[s * nb:(s + 1) * nb] & ((1 << 17) - 1)).astype(np.int64)
-        pts = [a0, a1]
-        inside = thr <= a1 - a0
-        pts += [np.where(inside, a0 + thr, a0), np.where(inside, a0 + thr - 1, a0)]
-        a = np.concatenate(pts).astype(np.uint32) | np.uint32(s << 31)
-        x = a.view(np.float32)
-        out = np.empty(x.size, np.uint8)
-        ca.nearest_index(tab, x, out)
-        np.testing.assert_array_equal(out, ca._nearest_np(code, x))
+    assert tab.dtype == np.uint32 and tab.shape == (ca.LOOKUP_SLOTS,)
+    slots, first, step = ca._table_steps(tab)
+    assert np.all(first <= 255) and np.all(step >= 1) and np.all(step <= 1 << 16)
+    keys = [np.zeros_like(slots), np.full_like(slots, (1 << 16) - 1)]
+    inside = step < 1 << 16
+    keys += [np.where(inside, step, 0), np.where(inside, step - 1, 0)]
+    x = np.concatenate([ca._slot_floats(slots, k) for k in keys])
+    assert np.all(np.isfinite(x)) and np.all(np.abs(x) <= 1.0)
+    out = np.empty(x.size, np.uint8)
+    ca.nearest_index(tab, x, out)
+    np.testing.assert_array_equal(out, ca._nearest_np(code, x))
+    # the decoded step function is the kernel's: an index at key 0 and one more from the step on
+    np.testing.assert_array_equal(out[: slots.size], first)
+    np.testing.assert_array_equal(out[2 * slots.size: 3 * slots.size], np.where(inside, first + 1, first))
     # the clamps: constant beyond them, by monotonicity of the reference
     zero = int(np.flatnonzero(code == 0.0)[0])
     lo = np.float32(np.uint32(ca.LOOKUP_LO).view(np.float32))
@@ -242,7 +246,22 @@ def test_table_lookup_equals_binary_search_for_every_float(signed):
     np.testing.assert_array_equal(out, [zero] * 4 + [255] * 4)
 
 
-def test_int8_kernel_bit_exact_with_extreme_moments():
+@pytest.mark.parametrize("signed", [True, False])
+def test_every_code_index_is_reached_by_its_own_value(signed):
+    """Each of the 256 code values maps to its own index through the table, and every index is the
+    value at key 0 or after the step of some slot (no index is lost between slots)."""
+    code = ca.CODE_SIGNED if signed else ca.CODE_UNSIGNED
+    tab = ca.lookup_tables()[0 if signed else 1]
+    out = np.empty(256, np.uint8)
+    ca.nearest_index(tab, code, out)
+    np.testing.assert_array_equal(out, np.arange(256))
+    slots, first, step = ca._table_steps(tab)
+    reached = set(first.tolist()) | set((first + (step < 1 << 16)).tolist())
+    assert reached == set(range(256))
+
+
+@pytest.mark.parametrize("gather", ca.GATHER_MODES)
+def test_int8_kernel_bit_exact_with_extreme_moments(gather):
     """Zero gradients (absmax 0), a block with one huge gradient, tiny ones near the code's smallest
     values, eps_root > 0, no weight decay, more threads' worth of blocks: still the reference."""
     rng = np.random.default_rng(8)
@@ -256,10 +275,44 @@ def test_int8_kernel_bit_exact_with_extreme_moments():
         g[ca.BLOCK + 3] = 1e30
         g[2 * ca.BLOCK: 3 * ca.BLOCK] *= np.float32(1e-7)
         bits = np.zeros(n, np.uint16)
-        ca.adamw_int8_step(p, g, st, bits, count=count, **kw)
+        ca.adamw_int8_step(p, g, st, bits, count=count, gather=gather, **kw)
         with np.errstate(over="ignore", invalid="ignore"):  # 1e30 squared: v is inf, then NaN codes
             ref_bits = ca.reference_int8_step(p_ref, g, st_ref, count=count, **kw)
         np.testing.assert_array_equal(p, p_ref)
         np.testing.assert_array_equal(bits, ref_bits)
         for k in st:
             np.testing.assert_array_equal(st[k], st_ref[k], err_msg=k)
+
+
+def test_int8_gather_choice_times_both_variants_then_keeps_the_faster(monkeypatch):
+    """auto alternates hw and sw (the first call of each is not timed), then keeps the one with the
+    higher median rate; a forced mode is kept from the start; the bits never depend on the choice."""
+    c = ca._GatherChoice()
+    c.reset("auto")
+    seen = []
+    for i in range(2 * (c.TRIALS + 1)):
+        m = c.next()
+        seen.append(m)
+        c.record(m, c.MIN_ELEMS, 1.0 if m == "hw" else 0.5)  # sw twice as fast
+    assert seen[:4] == ["hw", "sw", "hw", "sw"] and c.chosen == "sw" and c.next() == "sw"
+    assert all(len(r) == c.TRIALS for r in c.rates.values())
+    c.reset("hw")
+    assert c.next() == "hw" and c.chosen == "hw"
+    with pytest.raises(ValueError):
+        c.reset("avx")
+    # through adamw_int8_step: small calls are not timed; the result equals the forced variants'
+    monkeypatch.setattr(ca, "_GATHER", ca._GatherChoice())
+    ca._GATHER.reset("auto")
+    rng = np.random.default_rng(9)
+    n = ca.BLOCK * 2 + 3
+    p0, g = rng.standard_normal(n).astype(np.float32), _grads(rng, n)
+    res = []
+    for gather in (None, None, "hw", "sw"):
+        p, st = p0.copy(), _int8_state(n)
+        ca.adamw_int8_step(p, g, st, None, count=1, gather=gather, **KW)
+        res.append((p, st))
+    assert ca._GATHER.calls == {"hw": 1, "sw": 1} and ca._GATHER.rates == {"hw": [], "sw": []}
+    for p, st in res[1:]:
+        np.testing.assert_array_equal(p, res[0][0])
+        for k in st:
+            np.testing.assert_array_equal(st[k], res[0][1][k])
