@@ -327,9 +327,14 @@ def main(argv=None) -> int:
             print(f"  {k:12s} threads {t:3d}: {med:6.3f} G elem/s median, {best:6.3f} best "
                   f"({med * BYTES[kind]:6.1f} GB/s, {med / t * 1e3:6.1f} M elem/s/thread)", flush=True)
     set_num_threads(None)
+    try:
+        info["threading_layer"] = numba.threading_layer()  # known once a parallel kernel ran
+    except ValueError:
+        info["threading_layer"] = "?"
     choice = ca.int8_gather_mode()
     rates = {m: [round(r / 1e9, 3) for r in v] for m, v in ca.int8_gather_rates().items()}
-    print(f"\nint8 auto choice: {choice} (G elem/s timed per variant: {rates})")
+    print(f"\nthreading layer {info['threading_layer']}; int8 auto choice: {choice} "
+          f"(G elem/s timed per variant: {rates})")
     print("G elem/s (median) " + "".join(f"{t:>9d}" for t in threads_ok))
     for k in kernels:
         print(f"{k:17s} " + "".join(f"{res[k][str(t)]['median']:9.3f}" for t in threads_ok))
