@@ -59,7 +59,11 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the k chosen router weights to sum to 1 (Mixtral: always)
     moe_impl: str = "dense"  # expert computation: dense (every expert on every token, weighted by the router; the
     #                         faster on CPU and H100 with JAX 0.11) | sorted (tokens sorted by expert, ragged_dot)
-    router_aux_loss_coef: float = 0.0  # the router's load-balancing loss: not implemented (must stay 0)
+    router_aux_loss_coef: float = 0.0  # > 0: add coef x the router's load-balancing loss over the step's whole
+    #                                   batch (transformers' load_balancing_loss_func; from_hf: config.json's
+    #                                   router_aux_loss_coef when its output_router_logits is true); 0: off
+    mlp_only_layers: list | None = None  # qwen3_moe: indices of dense-MLP layers (intermediate_size) between the
+    #                                     sparse ones (transformers' mlp_only_layers / decoder_sparse_step); None: none
 
     @property
     def kv_heads(self) -> int:
@@ -97,7 +101,12 @@ class ModelConfig:
 
     def non_embedding_params(self) -> int:
         """Parameters that the 6·N·T model-FLOPs convention counts (blocks and final norm)."""
-        return self.num_layers * self.block_params() + self.hidden_size
+        n = self.num_layers * self.block_params() + self.hidden_size
+        if self.mlp_only_layers:  # MoE with dense layers: block_params() is a sparse block's
+            from megatrain_jax.models.moe import dense_layer_saving
+
+            n -= len(self.mlp_only_layers) * dense_layer_saving(self)
+        return n
 
     def total_params(self) -> int:
         emb = self.vocab_size * self.hidden_size
@@ -110,7 +119,8 @@ class ModelConfig:
             return self.non_embedding_params()
         from megatrain_jax.models.moe import inactive_block_params
 
-        return self.non_embedding_params() - self.num_layers * inactive_block_params(self)
+        sparse = self.num_layers - len(self.mlp_only_layers or ())
+        return self.non_embedding_params() - sparse * inactive_block_params(self)
 
     def active_params(self) -> int:
         """``total_params`` counting only the experts a token uses (MoE; e.g. OLMoE-1B-7B: ~1.3B of ~6.9B)."""
@@ -459,8 +469,11 @@ def _validate_moe(m: ModelConfig, fam) -> None:
                         "route each token to at most num_experts experts")
     if m.moe_impl not in MOE_IMPLS:
         raise UserError("model.moe_impl", f"{m.moe_impl!r} is not supported", f"use one of: {', '.join(MOE_IMPLS)}")
-    if m.router_aux_loss_coef:
-        raise UserError("model.router_aux_loss_coef", f"the router's auxiliary load-balancing loss "
-                        f"(coefficient {m.router_aux_loss_coef}) is not implemented: it couples every layer's routing "
-                        "into one loss term, which the streamed engine cannot add",
-                        "set model.router_aux_loss_coef: 0 (train on the language-model loss only)")
+    c = m.router_aux_loss_coef
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+        raise UserError("model.router_aux_loss_coef", f"must be a number >= 0, got {c!r}",
+                        "set it to 0 (off) or a small positive weight (transformers: 0.001; Mixtral checkpoints: 0.02)")
+    for name, v in (("router_aux_loss_coef", c), ("mlp_only_layers", m.mlp_only_layers)):
+        if v and not moe:
+            raise UserError(f"model.{name}", f"the {m.family} family is dense (no experts)",
+                            f"remove model.{name}, or use model.family mixtral / qwen3_moe")

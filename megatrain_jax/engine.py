@@ -15,6 +15,11 @@ already in flight.
 - **Updates**: without clipping, a block is updated as soon as its gradient lands. With global-norm
   clipping every update must wait for the norm; they are then queued in forward order, and the next
   step's forward waits for each block's update only when it needs that block.
+- **Auxiliary loss** (only for a stack with ``aux_loss``, e.g. MoE router load balancing; see
+  ``templates.AuxLoss``): the emitting blocks' statistics are summed on the devices during the
+  forward (one small accumulator per device, added to inside each block's forward), summed over
+  the devices once, and ``fn(total)`` joins the step's loss; its gradient with respect to the
+  total is the extra cotangent each emitting block's VJP receives in the backward.
 
 Issue order decides overlap (DESIGN.md §2): a block's transfer is issued *before* the compute it
 should hide behind is dispatched.
@@ -58,6 +63,7 @@ class StepResult:
     grad_norm: float
     tokens: int  # tokens that count in the loss
     skipped: bool = False
+    aux_loss: float | None = None  # the auxiliary term included in ``loss`` (None: the stack has none)
 
 
 def chunked_cross_entropy(normed: jax.Array, out_matrix: jax.Array, labels: jax.Array,
@@ -301,6 +307,7 @@ class StreamedTrainer:
         keep = (lambda hs: [self.xfer.offload(h) for h in hs]) if offload else (lambda hs: hs)
         bring = (lambda hs: [self.xfer.reload(h) for h in hs]) if offload else (lambda hs: hs)
         saved: list[list[jax.Array] | None] = []
+        stack, stats = self.parts.blocks, None  # stats: the auxiliary loss's running sums (per device)
         for i in range(L):
             w, nxt, name = nxt, None, f"block_{i + 1}"
             if i + 1 < L and self._update_done(name):
@@ -313,7 +320,13 @@ class StreamedTrainer:
                 # before each micro-batch's compute: copies issued here overlap it, and the host
                 # optimizer gets slabs back to work on several times per block
                 self._issue_grad_copies(through=f"block_{i + self.GRAD_LOOKAHEAD}", wait=False)
-                outs.append(self._block_fwd(i, w, h, mb["aux"], self._rng(i, m)))
+                if stack.emits_stats(i):
+                    if stats is None:
+                        stats = self._stats_zeros(i, w, h, mb["aux"], self._rng(i, m))
+                    h, stats = self._block_fwd(i, w, h, mb["aux"], self._rng(i, m), stats)
+                    outs.append(h)
+                else:
+                    outs.append(self._block_fwd(i, w, h, mb["aux"], self._rng(i, m)))
             hs = outs
             self._trace("compute", f"fwd {i}", hs[-1])
             if i + 1 < L and nxt is None:
@@ -323,6 +336,8 @@ class StreamedTrainer:
         del w
         if head_w is None:
             head_w = self._fetch("head")
+        # the auxiliary loss of the whole step and its gradient w.r.t. the summed statistics
+        aux_val, stats_ct = self._aux_total(stats) if stats is not None else (None, None)
 
         # ---- loss and head backward (the last block and its inputs are already in flight)
         nxt, acts_nxt = self._fetch(f"block_{L - 1}"), bring(saved[L - 1])
@@ -334,6 +349,8 @@ class StreamedTrainer:
             losses.append(loss)
             dhs.append(dh)
         self._trace("compute", "loss", losses[-1])
+        if aux_val is not None:
+            losses.append(aux_val)
         grads, sq = {}, {}
         self._grad_ready("head", g_head, grads, sq)
 
@@ -343,7 +360,8 @@ class StreamedTrainer:
             acts, acts_nxt = acts_nxt, bring(saved[i - 1]) if i > 0 else None
             g = self._zeros(f"block_{i}")
             for m in range(M):
-                dhs[m], g = self._block_bwd(i, w, acts[m], mbs[m]["aux"], self._rng(i, m), dhs[m], g)
+                dhs[m], g = self._block_bwd(i, w, acts[m], mbs[m]["aux"], self._rng(i, m), dhs[m], g,
+                                            stats_ct if stack.emits_stats(i) else None)
             saved[i] = acts = None  # free this block's boundary activations
             self._grad_ready(f"block_{i}", g, grads, sq)
             self._trace("compute", f"bwd {i}", sq[f"block_{i}"])  # (g itself may be donated later)
@@ -354,10 +372,11 @@ class StreamedTrainer:
         # ---- norm, clipping and the deferred updates (queued in the order the forward needs them)
         loss, sq_total = (float(np.asarray(self._local_shard(x))) for x in self._totals(losses, list(sq.values())))
         grad_norm = float(np.sqrt(sq_total))
+        aux = None if aux_val is None else float(np.asarray(self._local_shard(aux_val)))
         self.last_step_info = {"offload_activations": offload, "transfer_mode": self.xfer.mode}
         if self._deferred:
             if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-                return StepResult(loss, grad_norm, n_tokens, skipped=True)
+                return StepResult(loss, grad_norm, n_tokens, skipped=True, aux_loss=aux)
             scale = global_norm_scale(grad_norm ** 2, self.clip_norm)
             self.count += 1
             for name in self._forward_order():  # queued now; copies issued during the next forward
@@ -366,7 +385,7 @@ class StreamedTrainer:
                     self._copy_queue.append((name, out))
                 self._submit_update(name, out, scale)
             self._issue_grad_copies(through=f"block_{self.GRAD_LOOKAHEAD - 1}", wait=False)
-        return StepResult(loss, grad_norm, n_tokens)
+        return StepResult(loss, grad_norm, n_tokens, aux_loss=aux)
 
     # ------------------------------------------------------------------------------ machinery
 
@@ -604,6 +623,7 @@ class StreamedTrainer:
         lay_e, lay_h = self.store["embed"].layout, self.store["head"].layout
         tied, cap = p.tied, p.logit_softcap
         stack = p.blocks
+        aux_loss = stack.aux_loss
         rep, dat = P(), P("data")
         multi = self.num_devices > 1
 
@@ -611,7 +631,7 @@ class StreamedTrainer:
         def embed_fwd(w, tokens):
             return p.embed_fn(lay_e.unflatten(w.astype(dt)), tokens).astype(dt)
 
-        def block_fns(template, lay):
+        def block_fns(template, lay, emits_stats):
             def block_fwd(w, h, aux, rng):
                 if stack.takes_rng:
                     if multi:  # each device's sequences get their own masks
@@ -624,7 +644,27 @@ class StreamedTrainer:
                 dw, dh_in = vjp(dh)
                 return dh_in, g + dw.astype(F32)
 
-            return block_fwd, block_bwd
+            if not emits_stats:
+                return block_fwd, block_bwd
+
+            # a block that also returns statistics: (hidden, stats), the stats in fp32
+            def fwd_stats(w, h, aux, rng):
+                out, stats = block_fwd(w, h, aux, rng)
+                return out, jax.tree_util.tree_map(lambda x: x.astype(F32), stats)
+
+            def block_fwd_acc(w, h, aux, rng, acc):  # acc: this device's running sums, leaves (1, ...)
+                out, stats = fwd_stats(w, h, aux, rng)
+                return out, jax.tree_util.tree_map(lambda a, x: a + x[None], acc, stats)
+
+            def block_bwd_ct(w, h, aux, rng, dh, g, ct):  # ct: d aux_loss / d (summed stats)
+                _, vjp = jax.vjp(lambda w_, h_: fwd_stats(w_, h_, aux, rng), w, h)
+                dw, dh_in = vjp((dh, ct))
+                return dh_in, g + dw.astype(F32)
+
+            def stats_only(w, h, aux, rng):  # for the accumulator's shapes (eval_shape only)
+                return jax.tree_util.tree_map(lambda x: x[None], fwd_stats(w, h, aux, rng)[1])
+
+            return block_fwd_acc, block_bwd_ct, stats_only
 
         def head_loss(wh, we, h, labels, mask, inv, gh, ge):
             def f(wh, we, h):
@@ -646,15 +686,25 @@ class StreamedTrainer:
 
         smap = self._smap
         self._embed_fwd = jax.jit(smap(embed_fwd, (rep, dat), dat))
-        self._block_fns = {k: block_fns(stack.templates[k], self.store[f"block_{stack.kinds.index(k)}"].layout)
+        self._block_fns = {k: block_fns(stack.templates[k], self.store[f"block_{stack.kinds.index(k)}"].layout,
+                                        aux_loss is not None and k in aux_loss.kinds)
                            for k in dict.fromkeys(stack.kinds)}
-        self._block_jits: dict[Any, tuple[Callable, Callable]] = {}
+        self._block_jits: dict[Any, tuple] = {}  # (forward, backward[, statistics shapes]) per kind and aux layout
         self._aux_cache: dict[Any, Callable] = {}
         self._aux_specs: dict[Any, Any] = {}
         self._head_loss = jax.jit(smap(head_loss, (rep, rep, dat, dat, dat, rep, dat, dat), (rep, dat, dat, dat)),
                                   donate_argnums=(6, 7))
         self._embed_bwd = jax.jit(smap(embed_bwd, (rep, dat, dat, dat), dat), donate_argnums=(3,))
         self._reduce = jax.jit(smap(lambda g: jax.lax.psum(g, "data"), (dat,), rep)) if multi else None
+        if aux_loss is not None:
+            def aux_total(acc):  # the step's summed statistics -> (aux loss, its gradient w.r.t. them)
+                total = jax.tree_util.tree_map(lambda a: a[0], acc)
+                if multi:
+                    total = jax.lax.psum(total, "data")
+                return jax.value_and_grad(aux_loss.fn)(total)
+
+            self._aux_total = jax.jit(smap(aux_total, (dat,), (rep, rep)))
+            self._stats_zero_fn: Callable | None = None
         self._sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)))
         self._to_bf16 = jax.jit(lambda g: g.astype(jnp.bfloat16))
         self._chunk_fn = jax.jit(lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32),
@@ -677,18 +727,39 @@ class StreamedTrainer:
             specs, is_leaf=lambda x: isinstance(x, P))))
         fns = self._block_jits.get(key)
         if fns is None:
-            fwd, bwd = self._block_fns[kind]
             rep, dat = P(), P("data")
-            fns = (jax.jit(self._smap(fwd, (rep, dat, specs, rep), dat)),
-                   jax.jit(self._smap(bwd, (rep, dat, specs, rep, dat, dat), (dat, dat)), donate_argnums=(4, 5)))
+            if len(self._block_fns[kind]) == 2:
+                fwd, bwd = self._block_fns[kind]
+                fns = (jax.jit(self._smap(fwd, (rep, dat, specs, rep), dat)),
+                       jax.jit(self._smap(bwd, (rep, dat, specs, rep, dat, dat), (dat, dat)), donate_argnums=(4, 5)))
+            else:  # emits statistics: the forward adds them to the accumulator, the backward takes their cotangent
+                fwd, bwd, stats_only = self._block_fns[kind]
+                fns = (jax.jit(self._smap(fwd, (rep, dat, specs, rep, dat), (dat, dat)), donate_argnums=(4,)),
+                       jax.jit(self._smap(bwd, (rep, dat, specs, rep, dat, dat, rep), (dat, dat)),
+                               donate_argnums=(4, 5)),
+                       self._smap(stats_only, (rep, dat, specs, rep), dat))
             self._block_jits[key] = fns
         return fns
 
-    def _block_fwd(self, i: int, w, h, aux, rng):
-        return self._block_kernels(i, aux)[0](w, h, aux, rng)
+    def _block_fwd(self, i: int, w, h, aux, rng, stats=None):
+        """Layer ``i``'s output; ``(output, stats + its statistics)`` for a layer that emits them."""
+        if stats is None:
+            return self._block_kernels(i, aux)[0](w, h, aux, rng)
+        return self._block_kernels(i, aux)[0](w, h, aux, rng, stats)
 
-    def _block_bwd(self, i: int, w, h, aux, rng, dh, g):
-        return self._block_kernels(i, aux)[1](w, h, aux, rng, dh, g)
+    def _block_bwd(self, i: int, w, h, aux, rng, dh, g, stats_ct=None):
+        if stats_ct is None:
+            return self._block_kernels(i, aux)[1](w, h, aux, rng, dh, g)
+        return self._block_kernels(i, aux)[1](w, h, aux, rng, dh, g, stats_ct)
+
+    def _stats_zeros(self, i: int, w, h, aux, rng) -> Any:
+        """Zero accumulators for the auxiliary loss's statistics: one per device (leading axis)."""
+        if self._stats_zero_fn is None:
+            shapes = jax.eval_shape(self._block_kernels(i, aux)[2], w, h, aux, rng)
+            self._stats_zero_fn = jax.jit(
+                lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, F32), shapes),
+                out_shardings=self._batch_sharding)
+        return self._stats_zero_fn()
 
     def _rng(self, layer: int, micro: int) -> jax.Array | None:
         """The dropout key of (this step, layer, micro-batch); None for blocks without randomness."""

@@ -58,7 +58,8 @@ from megatrain_jax.errors import UserError
 STRUCTURAL = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings", "qkv_bias",
               "sliding_window", "family", "layer_types", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
-              "rope_local_theta", "num_experts", "experts_per_token", "moe_intermediate_size", "norm_topk_prob")
+              "rope_local_theta", "num_experts", "experts_per_token", "moe_intermediate_size", "norm_topk_prob",
+              "mlp_only_layers", "router_aux_loss_coef")
 SHARD_BYTES = 5 * 10**9  # like transformers' "5GB" max_shard_size
 INDEX = "model.safetensors.index.json"
 

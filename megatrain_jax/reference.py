@@ -4,7 +4,8 @@ Model-agnostic: any family's ``Decoder`` (its logits are soft-capped where the f
 so is the chunked loss). It is the yardstick the streamed engine is tested against (same model, same optimizer, none of
 the streaming machinery) and the baseline the 1B benchmark compares with. It keeps the batch whole
 (no micro-batches): the loss is normalised by the step's token count either way, so gradient
-accumulation in the streamed engine must reproduce this exactly.
+accumulation in the streamed engine must reproduce this exactly. A family's auxiliary loss (the
+MoE router's load balancing) is added on the whole batch, as the streamed engine defines it.
 """
 from __future__ import annotations
 
@@ -41,14 +42,17 @@ class ReferenceTrainer:
         def loss_fn(params, tokens, labels, mask, positions, segment_ids):
             model = nnx.merge(graphdef, _cast(params, dtype))
             denom = jnp.maximum(jnp.sum(mask), 1.0)
+            # aux: the family's auxiliary loss over the whole batch (MoE router balancing), or None
+            x, aux = model.final_hidden_aux(tokens, positions, segment_ids, dtype=dtype, remat=remat)
             if loss_chunk:
-                x = model.final_hidden(tokens, positions, segment_ids, dtype=dtype, remat=remat)
                 emb = model.embed.embedding[...] if model.cfg.tie_embeddings else None
                 normed, out = model.head.norm(x), model.head.output_matrix(emb).astype(dtype)
-                return chunked_cross_entropy(normed, out, labels, mask, loss_chunk, model.cfg.final_softcap) / denom
-            logits = model(tokens, positions, segment_ids, dtype=dtype, remat=remat)
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-            return jnp.sum(ce * mask) / denom
+                loss = chunked_cross_entropy(normed, out, labels, mask, loss_chunk, model.cfg.final_softcap) / denom
+            else:
+                emb = model.embed.embedding[...].astype(dtype) if model.cfg.tie_embeddings else None
+                ce = optax.softmax_cross_entropy_with_integer_labels(model.head(x, emb), labels)
+                loss = jnp.sum(ce * mask) / denom
+            return loss if aux is None else loss + aux
 
         def step(params, opt_state, tokens, labels, mask, positions, segment_ids):
             loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels, mask, positions, segment_ids)

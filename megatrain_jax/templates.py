@@ -12,6 +12,16 @@ first one exactly as a user's model would:
 ``Layout`` maps a weights pytree to one flat buffer and back. The host store keeps each layer as one
 flat buffer so that a layer crosses PCIe as a single transfer; inside the jitted step the flat
 buffer is sliced back into the pytree (free in XLA).
+
+**Auxiliary losses from block statistics** (``AuxLoss``; e.g. a mixture of experts' router
+load-balancing loss): blocks of some kinds return ``(hidden, stats)`` instead of ``hidden``, where
+``stats`` is a pytree of fp32 *sums over the block's tokens* (shapes independent of the batch). The
+engine adds them up over every such layer, micro-batch and device during the forward sweep; the
+step's loss gains ``fn(total)``; in the backward each of those blocks' VJPs receives the cotangent
+``grad(fn)(total)`` for its ``stats`` output. Because ``total`` is a sum, that is the exact gradient
+of ``fn(total)`` for *any* differentiable ``fn``, although ``fn`` couples every layer and token of
+the step (it need not be a sum of per-layer terms). Blocks without statistics are untouched: a
+stack without ``aux_loss`` compiles and runs exactly as before.
 """
 from __future__ import annotations
 
@@ -67,6 +77,21 @@ class Layout:
         return (self.treedef, tuple((s.path, s.shape) for s in self.leaves))
 
 
+@dataclass(frozen=True)
+class AuxLoss:
+    """An extra loss term computed from statistics that the blocks of some kinds emit.
+
+    - ``kinds``: the layer kinds whose templates return ``(hidden, stats)``; the others return
+      ``hidden`` as usual. Every emitting kind returns the same ``stats`` structure.
+    - ``fn(total) -> scalar``: the term added to the step's loss, of ``total``: the stats summed
+      over every emitting layer, every micro-batch and every device of the step. Leaves of ``stats``
+      that carry no gradient (counts) are fine: their cotangents are simply unused.
+    """
+
+    kinds: frozenset
+    fn: Callable[[Any], jax.Array]
+
+
 @dataclass
 class LayerStack:
     """What the engine streams: the blocks' templates and each layer's weights (host pytrees).
@@ -78,6 +103,9 @@ class LayerStack:
 
     ``takes_rng``: templates are called as ``template(weights, hidden, aux, rng)`` with a key per
     (step, layer, micro-batch) from ``block_rng`` (dropout); the backward's recompute gets the same key.
+
+    ``aux_loss``: the kinds whose templates also return statistics, and the loss term made of them
+    (``AuxLoss``); None: every template returns the hidden state alone.
     """
 
     template: Template | None
@@ -85,6 +113,7 @@ class LayerStack:
     kinds: list[Any] | None = None
     templates: dict[Any, Template] | None = None
     takes_rng: bool = False
+    aux_loss: AuxLoss | None = None
 
     def __post_init__(self):
         if not self.weights:
@@ -106,6 +135,14 @@ class LayerStack:
             if sig != ref:
                 raise ValueError(f"layer {i} has a different weight structure from layer {j} of the same kind; "
                                  "layers of one kind must be identical blocks")
+        if self.aux_loss is not None:
+            unknown = sorted(repr(k) for k in self.aux_loss.kinds if k not in self.templates)
+            if unknown or not self.aux_loss.kinds:
+                raise ValueError(f"aux_loss names no kind of this stack ({', '.join(unknown) or 'none given'})")
+
+    def emits_stats(self, i: int) -> bool:
+        """Layer ``i``'s template returns ``(hidden, stats)``."""
+        return self.aux_loss is not None and self.kinds[i] in self.aux_loss.kinds
 
     def template_of(self, i: int) -> Template:
         return self.templates[self.kinds[i]]
@@ -122,12 +159,16 @@ def block_rng(seed: int | jax.Array, step: int, layer: int, micro: int) -> jax.A
     return key
 
 
-def from_nnx(blocks: Sequence[nnx.Module], takes_rng: bool = False) -> LayerStack:
+def from_nnx(blocks: Sequence[nnx.Module], takes_rng: bool = False,
+             aux_loss: Callable[[Any], jax.Array] | None = None) -> LayerStack:
     """NNX blocks -> (graphdef as template, per-layer pure-dict states).
 
     Blocks whose graphs differ (a static attribute such as a local/global attention window, or
     another module structure) become separate kinds: one template, and one compiled executable,
     per distinct graph. ``takes_rng``: the blocks are called as ``block(hidden, aux, rng)``.
+
+    ``aux_loss`` (``AuxLoss.fn``): blocks with a true ``emits_stats`` attribute return
+    ``(hidden, stats)``; their kinds carry the auxiliary loss (ignored when no block emits).
     """
     graphs: list[Any] = []
     kinds, weights = [], []
@@ -148,7 +189,11 @@ def from_nnx(blocks: Sequence[nnx.Module], takes_rng: bool = False) -> LayerStac
         return lambda w, hidden, aux: nnx.merge(graphdef, w)(hidden, aux)
 
     templates = {k: make(g) for k, g in enumerate(graphs)}
-    return LayerStack(templates[0], weights, kinds, templates, takes_rng)
+    aux = None
+    if aux_loss is not None:
+        emitting = frozenset(k for k, b in zip(kinds, blocks) if getattr(b, "emits_stats", False))
+        aux = AuxLoss(emitting, aux_loss) if emitting else None
+    return LayerStack(templates[0], weights, kinds, templates, takes_rng, aux)
 
 
 def from_linen(module: Any, params_per_layer: Sequence[Any], takes_aux: bool = True) -> LayerStack:

@@ -15,6 +15,9 @@ exists), and compares with what megatrain-jax computes.
         The same for the mixture-of-experts ``MOE`` variants (Mixtral, Qwen3-MoE; tests/test_moe.py),
         with the experts' eager (per-expert loop) implementation; the gradients are those of
         transformers' in-memory (fused) parameters, e.g. ``mlp.experts.gate_up_proj`` (E, 2F, H).
+        Each MoE model also runs once more with ``output_router_logits=True`` and
+        ``router_aux_loss_coef = AUX_COEF`` (the saved config.json keeps it off): ``aux:loss`` (CE +
+        coef x aux), ``aux:aux_loss`` (the unscaled load-balancing loss) and ``aux:grad:<name>``.
     python tests/hf_reference.py serve-moe OUT_DIR
         ``make-moe``, then prints ``ready`` and answers requests on stdin, one JSON list a line:
         ``["logits", TOKENS.npy, OUT.npz, DIR, ...]`` (as the ``logits`` mode; prints ``done``), so
@@ -98,7 +101,12 @@ MOE = {
     "qwen3moe_tied_mqa_top2of5_window7": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_key_value_heads=1, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
         use_sliding_window=True, sliding_window=7, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    # 4 layers, decoder_sparse_step 2: layers 0 and 2 dense (Qwen3MoeMLP, width 96), 1 and 3 top-2 of 4
+    "qwen3moe_mixed_step2_top2of4": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=4, decoder_sparse_step=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6)),
 }
+AUX_COEF = 0.25  # large, so that the load-balancing term's share of the router gradient is well above the tolerance
 BATCH, SEQ = 2, 24
 
 
@@ -133,6 +141,15 @@ def make(out_dir: str, variants: dict = VARIANTS) -> None:
                   "loss": np.asarray(out.loss.item(), np.float64)}
         for pname, p in model.named_parameters():
             arrays[f"grad:{pname}"] = p.grad.detach().float().numpy()
+        if hasattr(model, "router_aux_loss_coef"):  # MoE: once more with the load-balancing loss
+            model.zero_grad()
+            model.router_aux_loss_coef = AUX_COEF
+            out = model(input_ids=tokens, labels=tokens, output_router_logits=True)
+            out.loss.backward()
+            arrays["aux:loss"] = np.asarray(out.loss.item(), np.float64)
+            arrays["aux:aux_loss"] = np.asarray(out.aux_loss.item(), np.float64)
+            for pname, p in model.named_parameters():
+                arrays[f"aux:grad:{pname}"] = p.grad.detach().float().numpy()
         np.savez(os.path.join(d, "ref.npz"), **arrays)
     with open(os.path.join(out_dir, "versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f)

@@ -277,14 +277,33 @@ class Decoder(nnx.Module):
     def final_hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                      segment_ids: jax.Array | None = None, dtype=jnp.float32, remat: bool = False) -> jax.Array:
         """The last block's output (B, S, H), before the final norm."""
+        return self.final_hidden_aux(tokens, positions, segment_ids, dtype, remat)[0]
+
+    def final_hidden_aux(self, tokens: jax.Array, positions: jax.Array | None = None,
+                         segment_ids: jax.Array | None = None, dtype=jnp.float32,
+                         remat: bool = False) -> tuple[jax.Array, jax.Array | None]:
+        """(the last block's output, the family's auxiliary loss on this batch or None): blocks with
+        ``emits_stats`` return ``(hidden, stats)``; their stats are summed over the layers and the
+        auxiliary loss (``aux_loss_fn``) is taken of the total (the MoE router loss)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         aux = make_aux(positions, self.cfg, segment_ids)
         x = self.embed(tokens, dtype)
         call = nnx.remat(_call_block) if remat else _call_block
+        total = None
         for layer in self.layers:
             x = call(layer, x, aux)
-        return x
+            if isinstance(x, tuple):
+                x, stats = x
+                stats = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), stats)
+                total = stats if total is None else jax.tree_util.tree_map(jnp.add, total, stats)
+        fn = self.aux_loss_fn()
+        return x, (fn(total) if (fn is not None and total is not None) else None)
+
+    def aux_loss_fn(self):
+        """The family's auxiliary loss of the summed block statistics, or None (most models)."""
+        make = get_family(self.cfg.family).aux_loss
+        return make(self.cfg) if make is not None else None
 
 
 def _call_block(layer: nnx.Module, x: jax.Array, aux: Aux) -> jax.Array:
@@ -338,7 +357,8 @@ def streamed_parts(model: Decoder) -> "StreamedModel":
     def aux_fn(positions, segment_ids=None):
         return make_aux(positions, cfg, segment_ids)
 
-    return StreamedModel(embed_fn=embed_fn, blocks=from_nnx(list(model.layers)), head_fn=head_fn,
+    return StreamedModel(embed_fn=embed_fn, blocks=from_nnx(list(model.layers), aux_loss=model.aux_loss_fn()),
+                         head_fn=head_fn,
                          aux_fn=aux_fn, embed_weights=nnx.to_pure_dict(embed_state),
                          head_weights=nnx.to_pure_dict(head_state), tied=cfg.tie_embeddings,
                          logit_softcap=cfg.final_softcap)

@@ -70,7 +70,8 @@ def base_from_hf(hf: dict, base: ModelConfig, where: str, family: str, **over) -
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qkv_bias=False, sliding_window=None, layer_types=None, attn_softcap=None, final_softcap=None,
             query_pre_attn_scalar=None, rope_local_theta=None, rope_scaling=None,
-            num_experts=None, experts_per_token=None, moe_intermediate_size=None, norm_topk_prob=True)
+            num_experts=None, experts_per_token=None, moe_intermediate_size=None, norm_topk_prob=True,
+            mlp_only_layers=None)
         out = dataclasses.replace(base, **{**fields, **over})
     except KeyError as e:
         raise UserError("model.from_hf", f"{where} lacks {e.args[0]!r}", "use a complete transformers config.json") from None

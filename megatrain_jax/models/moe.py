@@ -24,10 +24,21 @@ Pallas/Triton lowering is not in the wheel), so ``dense`` is the faster of the t
 (8 experts, top-2) to 5x (32, top-8) on the CPU, 1.9x (Mixtral-like) to 10x (OLMoE's 64 experts,
 top-8) on an H100 (``experiments/bench_moe.py``; docs/families.md has the numbers).
 
-Qwen3-MoE also has Qwen3's per-head q/k RMSNorm. Not supported (``UserError`` naming the field):
-dense MLP layers between the sparse ones (``decoder_sparse_step`` != 1, non-empty
-``mlp_only_layers``), the router's auxiliary load-balancing loss (``output_router_logits``; see
-``validate``), Mixtral's ``router_jitter_noise``, attention biases.
+Qwen3-MoE also has Qwen3's per-head q/k RMSNorm, and may make some layers dense
+(``ModelConfig.mlp_only_layers``: transformers' ``mlp_only_layers`` and ``decoder_sparse_step``):
+those blocks have a plain SwiGLU MLP of ``intermediate_size`` (``Qwen3MoeMLP``), a second layer
+kind with its own compiled template.
+
+**Router load-balancing loss** (``ModelConfig.router_aux_loss_coef`` > 0; transformers adds it
+when ``output_router_logits`` is true): ``coef * E * sum_e f_e * P_e`` with ``f_e`` the fraction
+of (token, slot) top-k choices that picked expert ``e`` and ``P_e`` its mean router probability,
+both over *every* sparse layer's tokens of the step together (transformers'
+``load_balancing_loss_func`` with ``attention_mask=None``). Each sparse block then returns its
+per-expert sums (``router_stats``) next to the hidden state; the engine adds them over layers,
+micro-batches and devices and differentiates ``router_aux_loss`` of the total
+(``templates.AuxLoss``), so the gradients are those of the whole batch's loss exactly.
+
+Not supported (``UserError`` naming the field): Mixtral's ``router_jitter_noise``, attention biases.
 """
 from __future__ import annotations
 
@@ -38,7 +49,7 @@ from flax import nnx
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 from megatrain_jax.models import hfconfig
-from megatrain_jax.models.common import Attention, Aux, RMSNorm, dense_block_params
+from megatrain_jax.models.common import MLP, Attention, Aux, RMSNorm, dense_block_params
 from megatrain_jax.models.registry import Family, register
 
 MOE_IMPLS = ("dense", "sorted")
@@ -49,11 +60,42 @@ MOE_IMPLS = ("dense", "sorted")
 
 def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """(weights (T, k) in the logits' dtype, expert ids (T, k) int32) as transformers' TopKRouter."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    return route_probs(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), k, normalize, logits.dtype)
+
+
+def route_probs(probs: jax.Array, k: int, normalize: bool, dtype) -> tuple[jax.Array, jax.Array]:
+    """``route`` from the fp32 router probabilities (T, E)."""
     top, idx = jax.lax.top_k(probs, k)
     if normalize:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
-    return top.astype(logits.dtype), idx.astype(jnp.int32)
+    return top.astype(dtype), idx.astype(jnp.int32)
+
+
+def router_stats(probs: jax.Array, idx: jax.Array) -> dict[str, jax.Array]:
+    """One sparse layer's contribution to the load-balancing loss, as sums over its T tokens (fp32):
+    ``counts`` (E,) top-k selections per expert (no gradient), ``probs`` (E,) router probabilities
+    per expert, ``rows`` the token count."""
+    e = probs.shape[-1]
+    counts = jnp.zeros((e,), jnp.float32).at[idx.reshape(-1)].add(1.0)
+    return {"counts": jax.lax.stop_gradient(counts), "probs": jnp.sum(probs, axis=0),
+            "rows": jnp.asarray(probs.shape[0], jnp.float32)}
+
+
+def router_aux_loss(coef: float, num_experts: int):
+    """``stats`` summed over every sparse layer and token -> ``coef`` times transformers'
+    ``load_balancing_loss_func``: ``E * sum_e (counts_e / rows) * (probs_e / rows)``."""
+    def fn(stats: dict[str, jax.Array]) -> jax.Array:
+        rows = stats["rows"]
+        return coef * num_experts * jnp.sum(stats["counts"] * stats["probs"]) / (rows * rows)
+
+    return fn
+
+
+def aux_loss_of(cfg: ModelConfig):
+    """The family record's ``aux_loss``: the router loss when ``router_aux_loss_coef`` > 0."""
+    if not cfg.router_aux_loss_coef:
+        return None
+    return router_aux_loss(float(cfg.router_aux_loss_coef), int(cfg.num_experts))
 
 
 def experts_sorted(x: jax.Array, weights: jax.Array, idx: jax.Array, wg: jax.Array, wu: jax.Array,
@@ -95,42 +137,57 @@ class Experts(nnx.Module):
 
 
 class SparseMoE(nnx.Module):
-    """Router + stacked SwiGLU experts; ``impl``: dense | sorted (static: part of the graph)."""
+    """Router + stacked SwiGLU experts; ``impl``: dense | sorted (static: part of the graph).
+    ``stats``: also return the layer's ``router_stats`` (for the load-balancing loss)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, normalize: bool):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, normalize: bool, stats: bool = False):
         h, e = cfg.hidden_size, cfg.num_experts
         f = cfg.moe_intermediate_size or cfg.intermediate_size
-        self.top_k, self.normalize, self.impl = cfg.experts_per_token, normalize, cfg.moe_impl
+        self.top_k, self.normalize, self.impl, self.stats = cfg.experts_per_token, normalize, cfg.moe_impl, stats
         self.gate = nnx.Linear(h, e, use_bias=False, kernel_init=nnx.initializers.normal(cfg.init_std),
                                param_dtype=jnp.float32, rngs=rngs)
         self.experts = Experts(e, h, f, cfg.init_std, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array):
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
-        weights, idx = route(self.gate(flat), self.top_k, self.normalize)
+        logits = self.gate(flat)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, idx = route_probs(probs, self.top_k, self.normalize, logits.dtype)
         ex = self.experts
         wg, wu, wd = (p[...].astype(x.dtype) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
         fn = experts_sorted if self.impl == "sorted" else experts_dense
-        return fn(flat, weights, idx, wg, wu, wd).reshape(b, s, h)
+        out = fn(flat, weights, idx, wg, wu, wd).reshape(b, s, h)
+        return (out, router_stats(probs, idx)) if self.stats else out
 
 
 class MixtralBlock(nnx.Module):
-    """x + attn(norm(x)), then + moe(norm(x))."""
+    """x + attn(norm(x)), then + moe(norm(x)) (or a dense MLP on Qwen3-MoE's ``mlp_only_layers``).
+
+    With ``router_aux_loss_coef`` > 0 a sparse block returns ``(hidden, router_stats)``
+    (``emits_stats``: the contract of ``templates.from_nnx``)."""
 
     QK_NORM = None
-    NORMALIZE = None  # None: from cfg.norm_topk_prob
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rngs, window=cfg.layer_window(layer), qk_norm=self.QK_NORM,
                                    scale=cfg.attention_scale)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg, rngs, normalize=cfg.norm_topk_prob)
+        sparse = layer not in (cfg.mlp_only_layers or ())
+        self.emits_stats = sparse and bool(cfg.router_aux_loss_coef)
+        if sparse:
+            self.mlp = SparseMoE(cfg, rngs, normalize=cfg.norm_topk_prob, stats=self.emits_stats)
+        else:
+            self.mlp = MLP(cfg, rngs)  # Qwen3MoeMLP(intermediate_size)
 
     def __call__(self, x, aux: Aux):
         x = x + self.self_attn(self.input_layernorm(x), aux)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y = self.mlp(self.post_attention_layernorm(x))
+        if self.emits_stats:
+            y, stats = y
+            return x + y, stats
+        return x + y
 
 
 class Qwen3MoeBlock(MixtralBlock):
@@ -145,13 +202,19 @@ def _expert_size(cfg: ModelConfig) -> int:
 
 
 def block_params(cfg: ModelConfig, qk_norm: bool) -> int:
-    """Attention, norms, router and all ``num_experts`` experts (what the host stores and streams)."""
+    """A sparse block: attention, norms, router and all ``num_experts`` experts (what the host
+    stores and streams; the largest block when some layers are dense)."""
     no_mlp = dense_block_params(cfg, qk_norm=qk_norm) - 3 * cfg.hidden_size * cfg.intermediate_size
     return no_mlp + cfg.hidden_size * cfg.num_experts + cfg.num_experts * _expert_size(cfg)
 
 
+def dense_layer_saving(cfg: ModelConfig) -> int:
+    """How many fewer parameters a dense layer (``mlp_only_layers``) has than a sparse one."""
+    return block_params(cfg, qk_norm=True) - dense_block_params(cfg, qk_norm=True)
+
+
 def inactive_block_params(cfg: ModelConfig) -> int:
-    """Parameters of one block that a token does not use: the experts it is not routed to."""
+    """Parameters of one sparse block that a token does not use: the experts it is not routed to."""
     return (cfg.num_experts - cfg.experts_per_token) * _expert_size(cfg)
 
 
@@ -173,14 +236,52 @@ def _hf_name(group: str, leaf: str, mixtral: bool) -> tuple[str, bool]:
     return hf_name(group, leaf)
 
 
+AUX_COEF_DEFAULT = 0.001  # transformers' MixtralConfig and Qwen3MoeConfig default router_aux_loss_coef
+
+
 def _refuse_common(hf: dict, where: str) -> None:
     hfconfig.check_act(hf, where, ("hidden_act",), ("silu", "swish"), "silu", "SwiGLU (silu)")
     if hf.get("attention_bias"):
         hfconfig.refuse(where, "attention_bias (biases on q/k/v and o_proj)", "use a checkpoint without attention biases")
-    if hf.get("output_router_logits"):
-        raise UserError("model.from_hf", f"output_router_logits: true in {where} (the router's auxiliary "
-                        "load-balancing loss) is not supported: megatrain-jax trains on the language-model loss only",
-                        "set output_router_logits to false in config.json (transformers' default) to fine-tune without it")
+
+
+def _aux_coef(hf: dict, base: ModelConfig, where: str) -> float:
+    """transformers trains with ``router_aux_loss_coef`` x the load-balancing loss when
+    ``output_router_logits`` is true; otherwise the YAML's ``model.router_aux_loss_coef`` (default 0)."""
+    if not hf.get("output_router_logits"):
+        return base.router_aux_loss_coef
+    coef = hf.get("router_aux_loss_coef", AUX_COEF_DEFAULT)
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
+        raise UserError("model.from_hf", f"router_aux_loss_coef={coef!r} in {where} is not a number >= 0",
+                        "fix config.json")
+    return float(coef)
+
+
+def mlp_only_layers_from_hf(hf: dict, n: int, where: str) -> list[int] | None:
+    """Qwen3-MoE's dense layers as transformers picks them: layer ``i`` is sparse unless it is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``. None: every layer sparse."""
+    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise UserError("model.from_hf", f"decoder_sparse_step={step!r} in {where} is not a positive integer",
+                        "fix config.json")
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise UserError("model.from_hf", f"mlp_only_layers={only!r} in {where} is not a list of layer indices",
+                        "fix config.json")
+    dense = [i for i in range(n) if i in only or (i + 1) % step != 0]
+    if n and len(dense) == n:
+        raise UserError("model.from_hf", f"decoder_sparse_step={step} and mlp_only_layers={only} in {where} make "
+                        "every layer dense (no experts)", "load it as a dense model (Qwen3ForCausalLM)")
+    return dense or None
+
+
+def mlp_only_layers_to_hf(cfg: ModelConfig) -> tuple[int, list[int]]:
+    """(decoder_sparse_step, mlp_only_layers) for config.json: a step when one gives exactly our
+    dense layers (the form checkpoints use), else step 1 and the list."""
+    dense = sorted(cfg.mlp_only_layers or [])
+    for step in range(2, cfg.num_layers + 1):
+        if dense == [i for i in range(cfg.num_layers) if (i + 1) % step != 0]:
+            return step, []
+    return 1, dense
 
 
 def _moe_fields(hf: dict, where: str, experts_key: tuple[str, ...]) -> dict:
@@ -200,30 +301,31 @@ def mixtral_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> Model
     return hfconfig.base_from_hf(hf, base, where, "mixtral", rope_theta=theta, rope_scaling=scaling,
                                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
                                  moe_intermediate_size=None, norm_topk_prob=True,
+                                 router_aux_loss_coef=_aux_coef(hf, base, where),
                                  **_moe_fields(hf, where, ("num_local_experts", "num_experts")))
 
 
 def qwen3_moe_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> ModelConfig:
     _refuse_common(hf, where)
-    if int(hf.get("decoder_sparse_step", 1)) != 1:
-        raise UserError("model.from_hf", f"decoder_sparse_step={hf['decoder_sparse_step']} in {where} (dense MLP "
-                        "layers between the sparse ones) is not supported",
-                        "use a checkpoint whose every layer is sparse (decoder_sparse_step: 1, mlp_only_layers: [])")
-    if hf.get("mlp_only_layers"):
-        raise UserError("model.from_hf", f"mlp_only_layers={hf['mlp_only_layers']} in {where} (dense MLP layers) "
-                        "is not supported", "use a checkpoint whose every layer is sparse (mlp_only_layers: [])")
     theta, scaling = hfconfig.rope_from_hf(hf, where, allowed=("llama3", "linear"))
     window = int(hf["sliding_window"]) if hf.get("use_sliding_window") and hf.get("sliding_window") else None
+    n = int(hf.get("num_hidden_layers") or 0)
     return hfconfig.base_from_hf(hf, base, where, "qwen3_moe", rope_theta=theta, rope_scaling=scaling,
                                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
                                  moe_intermediate_size=int(hf["moe_intermediate_size"]),
                                  norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                                 mlp_only_layers=mlp_only_layers_from_hf(hf, n, where),
+                                 router_aux_loss_coef=_aux_coef(hf, base, where),
                                  **_moe_fields(hf, where, ("num_experts", "num_local_experts")))
 
 
 def _to_hf_common(cfg: ModelConfig, out: dict) -> None:
-    out.update(hidden_act="silu", num_experts_per_tok=cfg.experts_per_token, output_router_logits=False)
-    out.setdefault("router_aux_loss_coef", 0.001)  # unused without output_router_logits
+    on = bool(cfg.router_aux_loss_coef)  # trained with the load-balancing loss: transformers adds it too
+    out.update(hidden_act="silu", num_experts_per_tok=cfg.experts_per_token, output_router_logits=on)
+    if on:
+        out["router_aux_loss_coef"] = cfg.router_aux_loss_coef
+    else:
+        out.setdefault("router_aux_loss_coef", AUX_COEF_DEFAULT)  # unused without output_router_logits
 
 
 def mixtral_to_hf(cfg: ModelConfig, arch: str, out: dict) -> None:
@@ -234,8 +336,9 @@ def mixtral_to_hf(cfg: ModelConfig, arch: str, out: dict) -> None:
 
 def qwen3_moe_to_hf(cfg: ModelConfig, arch: str, out: dict) -> None:
     _to_hf_common(cfg, out)
+    step, only = mlp_only_layers_to_hf(cfg)
     out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
-               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False,
+               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=step, mlp_only_layers=only, attention_bias=False,
                use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
     out.pop("num_local_experts", None)
 
@@ -255,6 +358,15 @@ def _validate(cfg: ModelConfig) -> None:
     if cfg.num_experts is None or cfg.experts_per_token is None:
         raise UserError("model.num_experts", f"the {cfg.family} family needs model.num_experts and "
                         "model.experts_per_token", "set both (e.g. num_experts: 8, experts_per_token: 2)")
+    dense = cfg.mlp_only_layers
+    if dense is not None:
+        if (not isinstance(dense, (list, tuple)) or len(set(dense)) != len(dense)
+                or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.num_layers for i in dense)):
+            raise UserError("model.mlp_only_layers", f"must list distinct layer indices in [0, {cfg.num_layers}), "
+                            f"got {dense!r}", "fix the list, or null for every layer sparse")
+        if len(dense) == cfg.num_layers:
+            raise UserError("model.mlp_only_layers", "makes every layer dense (no experts left)",
+                            "use family qwen3 for a dense model, or leave some layers sparse")
 
 
 def mixtral_validate(cfg: ModelConfig) -> None:
@@ -262,16 +374,19 @@ def mixtral_validate(cfg: ModelConfig) -> None:
     if not cfg.norm_topk_prob:
         raise UserError("model.norm_topk_prob", "Mixtral always renormalises the top-k router weights",
                         "set model.norm_topk_prob: true (or use family qwen3_moe)")
+    if cfg.mlp_only_layers is not None:
+        raise UserError("model.mlp_only_layers", "every Mixtral layer is sparse",
+                        "set model.mlp_only_layers: null (dense layers: family qwen3_moe)")
 
 
 register(Family(
     name="mixtral", architectures=("MixtralForCausalLM",), model_types=("mixtral",), block=MixtralBlock,
     block_params=lambda cfg: block_params(cfg, qk_norm=False), config_from_hf=mixtral_from_hf,
     config_to_hf=mixtral_to_hf, validate=mixtral_validate, hf_name=lambda g, l: _hf_name(g, l, True),
-    extra={"moe": True}))
+    aux_loss=aux_loss_of, extra={"moe": True}))
 
 register(Family(
     name="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), model_types=("qwen3_moe",), block=Qwen3MoeBlock,
     block_params=lambda cfg: block_params(cfg, qk_norm=True), config_from_hf=qwen3_moe_from_hf,
     config_to_hf=qwen3_moe_to_hf, validate=_validate, hf_name=lambda g, l: _hf_name(g, l, False),
-    extra={"moe": True}))
+    aux_loss=aux_loss_of, extra={"moe": True}))

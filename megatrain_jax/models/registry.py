@@ -49,6 +49,9 @@ class Family:
     export_extras: Callable[[Any, str, int], list[tuple[str, tuple[int, ...]]]] | None = None  # zero tensors
     on_import: Callable[[dict, Any, int | None, Any], None] | None = None  # notes/warnings after reading config
     hf_name: Callable[[str, str], tuple[str, bool]] | None = None  # (group, leaf) -> (name, transposed)
+    # cfg -> fn(total stats) -> scalar added to the loss, or None: blocks with a true ``emits_stats``
+    # return (hidden, stats), summed over layers and tokens (templates.AuxLoss; MoE router balancing)
+    aux_loss: Callable[[Any], Callable | None] | None = None
     extra: dict = field(default_factory=dict)
 
     def layer_types(self, cfg) -> list[str]:
