@@ -6,9 +6,15 @@
 ``TransformerLM`` -> ``Decoder`` (``nn.compact``): ``nn.Embed``, learned position embeddings
 (``AddPositionEmbs``), ``num_layers`` x ``EncoderDecoder1DBlock`` (pre-LayerNorm, self-attention with
 the decoder mask, MLP) named ``encoderdecoderblock_<i>``, a final ``LayerNorm`` and a ``Dense`` to the
-vocabulary (``logitdense``). Differences from flax/examples/lm1b: no padding mask (sequences are
-packed windows; a mask computed from token values cannot be rebuilt per block, see docs/porting.md),
-no dropout, and inputs are shifted by the data rather than inside the decoder.
+vocabulary (``logitdense``). Dropout as in flax's lm1b: ``dropout_rate`` after the attention and twice
+in the MLP, ``attention_dropout_rate`` on the attention weights, on while ``deterministic`` is False
+(``--dropout 0.1``, the flax example's rate, is on by default here; the config's default is 0, so
+the module is deterministic unless asked). Each block draws its ``dropout`` stream from the engine's
+key for (step, layer, micro-batch) (``templates.block_rng``; the same key in the backward's recompute).
+Differences from flax/examples/lm1b: no padding mask (sequences are packed windows; a mask computed
+from token values cannot be rebuilt per block, see docs/porting.md), no dropout right after the
+embedding (the engine gives keys to the blocks only), and inputs are shifted by the data rather than
+inside the decoder.
 
 ``stream(module, params=params)`` finds the blocks by their numbered names, the embedding as what runs
 before them and the head as what runs after, ending at ``logitdense``.
@@ -16,6 +22,7 @@ before them and the head as what runs after, ending at ``logitdense``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -39,6 +46,9 @@ class TransformerConfig:
     qkv_dim: int = 64
     mlp_dim: int = 256
     max_len: int = 64
+    dropout_rate: float = 0.0  # flax's lm1b: 0.1 (see --dropout)
+    attention_dropout_rate: float = 0.0
+    deterministic: bool = False  # dropout on (when its rate > 0); True for evaluation
     dtype: Any = jnp.float32
     kernel_init: Callable = nn.initializers.xavier_uniform()
     bias_init: Callable = nn.initializers.normal(stddev=1e-6)
@@ -69,7 +79,9 @@ class MlpBlock(nn.Module):
         cfg = self.config
         x = nn.Dense(cfg.mlp_dim, dtype=cfg.dtype, kernel_init=cfg.kernel_init, bias_init=cfg.bias_init)(inputs)
         x = nn.relu(x)
-        return nn.Dense(inputs.shape[-1], dtype=cfg.dtype, kernel_init=cfg.kernel_init, bias_init=cfg.bias_init)(x)
+        x = nn.Dropout(rate=cfg.dropout_rate)(x, deterministic=cfg.deterministic)
+        x = nn.Dense(inputs.shape[-1], dtype=cfg.dtype, kernel_init=cfg.kernel_init, bias_init=cfg.bias_init)(x)
+        return nn.Dropout(rate=cfg.dropout_rate)(x, deterministic=cfg.deterministic)
 
 
 class EncoderDecoder1DBlock(nn.Module):
@@ -81,8 +93,9 @@ class EncoderDecoder1DBlock(nn.Module):
         x = nn.LayerNorm(dtype=cfg.dtype)(inputs)
         x = nn.MultiHeadDotProductAttention(num_heads=cfg.num_heads, dtype=cfg.dtype, qkv_features=cfg.qkv_dim,
                                             kernel_init=cfg.kernel_init, bias_init=cfg.bias_init, use_bias=False,
-                                            broadcast_dropout=False, dropout_rate=0.0, deterministic=True)(
-            x, x, mask=decoder_mask)
+                                            broadcast_dropout=False, dropout_rate=cfg.attention_dropout_rate,
+                                            deterministic=cfg.deterministic)(x, x, mask=decoder_mask)
+        x = nn.Dropout(rate=cfg.dropout_rate)(x, deterministic=cfg.deterministic)
         x = x + inputs
         z = nn.LayerNorm(dtype=cfg.dtype)(x)
         return x + MlpBlock(config=cfg)(z)
@@ -127,6 +140,8 @@ def main(argv=None) -> list[float]:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=None, help="default: max_len")
     ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--dropout", type=float, default=0.1, help="dropout_rate and attention_dropout_rate "
+                    "(flax's lm1b: 0.1); 0 turns it off")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--compute", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args(argv)
@@ -136,7 +151,7 @@ def main(argv=None) -> list[float]:
     from megatrain_jax.config import OptimConfig
     from megatrain_jax.trainer import Trainer
 
-    cfg = SHAPES[args.shape]
+    cfg = dataclasses.replace(SHAPES[args.shape], dropout_rate=args.dropout, attention_dropout_rate=args.dropout)
     module, params = build(cfg)
     # the CLI's optimizer section: fused AdamW on the host (== optax.adamw), global-norm clipping
     opt = OptimConfig(lr=args.lr, b1=0.9, b2=0.98, weight_decay=0.1, clip_norm=1.0)

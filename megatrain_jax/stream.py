@@ -24,12 +24,17 @@ Adapters replace any of these where the model's own code does not expose them (s
 your model itself (NNX: the real object, with the part's streamed weights in it; Linen: the module
 bound to its params), so adapters may call its submodules and methods.
 
-Dropout: the engine gives every block a key per (step, layer, micro-batch) (``templates.block_rng``).
-A block with RNG streams (``nnx.Dropout(rate, rngs=rngs)``) is reseeded with it before each call,
-exactly as ``nnx.reseed(block, dropout=key)`` (every stream tag of the block) would.
+Dropout: the engine gives every block a key per (step, layer, micro-batch) (``templates.block_rng``),
+the same key in the backward's recompute. NNX: a block with RNG streams (``nnx.Dropout(rate,
+rngs=rngs)``) is reseeded with it before each call, exactly as ``nnx.reseed(block, dropout=key)``
+(every stream tag of the block) would. Linen: a block that draws random numbers (``nn.Dropout`` with
+``deterministic=False``) is applied as ``block.apply({"params": w}, x, ..., rngs={"dropout": key})``
+(every stream it asks for gets the key). Blocks without randomness get no key. Dropout outside the
+blocks is refused (the engine has no key there).
 
 Before returning, ``stream`` checks its split against the model: the parts, composed, must give the
-logits of ``model(tokens)`` on a small input (dropout off); a head that does more than norm +
+logits of ``model(tokens)`` on a small input (NNX: dropout off; Linen blocks with dropout: the
+model's own forward with each block given the parts' key); a head that does more than norm +
 projection (a logit scale, a soft-cap) is refused there, naming the parts.
 """
 from __future__ import annotations
@@ -660,6 +665,9 @@ def stream_linen(module, params, *, blocks, embed_fn, head_fn, aux_fn, block_fn,
     import flax.linen as nn
 
     call_kwargs = dict(call_kwargs or {})
+    # apply(..., rngs={"dropout": k}) in the user's own training code: only the stream names are
+    # kept; the engine gives the blocks their keys itself
+    model_rngs = list(call_kwargs.pop("rngs", None) or ())
     params = jax.tree.map(np.asarray, dict(params))
     if "params" in params and len(params) == 1 and isinstance(params["params"], dict):
         params = params["params"]
@@ -671,9 +679,14 @@ def stream_linen(module, params, *, blocks, embed_fn, head_fn, aux_fn, block_fn,
             calls.append((tuple(ctx.module.path), ctx.method_name, ctx.module, args, kwargs))
         return next_fun(*args, **kwargs)
 
-    try:
+    def probe_model(rngs):
+        calls.clear()
         with nn.intercept_methods(record):
-            jax.eval_shape(lambda p, t: module.apply({"params": p}, t, **call_kwargs), params, probe)
+            return jax.eval_shape(lambda p, t: module.apply({"params": p}, t, rngs=rngs, **call_kwargs), params,
+                                  probe)
+
+    try:  # a model with dropout on draws random numbers: the probe gives it keys for what it asks
+        out_shape, model_rngs = _linen_rng_streams(probe_model, model_rngs)
     except Exception as e:  # noqa: BLE001
         raise UserError("params", f"{type(module).__name__}.apply(params, tokens) failed: {type(e).__name__}: "
                         f"{str(e).splitlines()[0][:200]}", "pass the module's params (variables['params'])") from None
@@ -805,6 +818,7 @@ def stream_linen(module, params, *, blocks, embed_fn, head_fn, aux_fn, block_fn,
             m = module.bind({"params": full_params(ew)})
             return embed_fn(m, toks, pos) if takes_pos else embed_fn(m, toks)
 
+    # a block is applied on its own: rngs (its dropout key) are the engine's, per (step, layer, micro-batch)
     if aux_fn is None:
         spec0, _ = _split_call(block_calls[0][3][1:], block_calls[0][4])
         for i, c in enumerate(block_calls[1:], 1):
@@ -822,17 +836,30 @@ def stream_linen(module, params, *, blocks, embed_fn, head_fn, aux_fn, block_fn,
                 return _split_call(args, kwargs)[1]
             raise UserError("blocks", "the forward did not reach the blocks", "give aux_fn=")
 
-        def call_block(w, x, aux):
+        def apply_block(w, x, aux, rngs):
             args, kwargs = _rebuild_call(spec0, aux)
-            return block_mod.apply({"params": w}, x, *args, **kwargs)
+            return block_mod.apply({"params": w}, x, *args, rngs=rngs, **kwargs)
     else:
         aux_call = aux_fn
         if block_fn is None:
-            def call_block(w, x, aux):
-                return block_mod.apply({"params": w}, x, aux)
+            def apply_block(w, x, aux, rngs):
+                return block_mod.apply({"params": w}, x, aux, rngs=rngs)
         else:
-            def call_block(w, x, aux):
-                return block_fn(block_mod.bind({"params": w}), x, aux)
+            def apply_block(w, x, aux, rngs):
+                return block_fn(block_mod.bind({"params": w}, rngs=rngs), x, aux)
+
+    # ---- randomness: which parts draw random numbers (dropout on); only the blocks get keys
+    hidden = _linen_no_rng("embed", lambda: jax.eval_shape(embed_call, embed_w, probe))
+    aux_shape = _linen_no_rng("embed", lambda: jax.eval_shape(aux_call, jnp.zeros(probe.shape, jnp.int32)))
+    _, block_rngs = _linen_rng_streams(
+        lambda rngs: jax.eval_shape(lambda w, x, a: apply_block(w, x, a, rngs), block_w[0], hidden, aux_shape))
+    takes_rng = bool(block_rngs)
+    if takes_rng:
+        def call_block(w, x, aux, rng):  # every stream the block draws from gets the layer's key
+            return apply_block(w, x, aux, {name: rng for name in block_rngs})
+    else:
+        def call_block(w, x, aux):
+            return apply_block(w, x, aux, None)
 
     # ---- head: the model's own code after the blocks, stopped at its output projection
     if head_fn is None:
@@ -877,7 +904,8 @@ def stream_linen(module, params, *, blocks, embed_fn, head_fn, aux_fn, block_fn,
             normed, mat = out[0].astype(hidden.dtype), out[1].astype(hidden.dtype)
             return _augment(normed, mat, out[2] if len(out) == 3 else None)
 
-    stack = LayerStack(call_block, block_w)
+    _linen_no_rng("head", lambda: jax.eval_shape(head_call, head_w, hidden, embed_w if tied else None))
+    stack = LayerStack(call_block, block_w, takes_rng=takes_rng)
     _check_closures(stack, embed_call, embed_w, aux_call, "/".join(bpaths[0]))
 
     def assemble(trees):
@@ -889,14 +917,55 @@ def stream_linen(module, params, *, blocks, embed_fn, head_fn, aux_fn, block_fn,
 
     names = lambda keys: sorted({"/".join(map(str, k[:-1])) for k in keys})  # noqa: E731
     summary = (f"embed={names(embed_flat_keys)} blocks={'/'.join(parent + (prefix,))}_*[{n}] "
-               f"head={names(head_flat_keys)}{' tied' if tied else ''}")
+               f"head={names(head_flat_keys)}{' tied' if tied else ''}{' (dropout keys)' if takes_rng else ''}")
     parts = Streamed(embed_fn=embed_call, blocks=stack, head_fn=head_call, aux_fn=aux_call, embed_weights=embed_w,
                      head_weights=head_w, tied=bool(tied), logit_softcap=logit_softcap, assemble=assemble,
                      embed_takes_positions=takes_pos, summary=summary)
     if check:
-        V = int(jax.eval_shape(lambda p, t: module.apply({"params": p}, t, **call_kwargs), params, probe).shape[-1])
-        _check_against_model(parts, lambda t: module.apply({"params": params}, t, **call_kwargs), {}, V)
+        V = int(out_shape.shape[-1])
+        if takes_rng:
+            # dropout on: the model's own forward with every block given the key that
+            # compose_logits gives it (key(0)), so embedding, aux and head are compared exactly
+            def reference(t):
+                def on_block(i, x, args, kwargs):
+                    rngs = {name: jax.random.key(0) for name in block_rngs}
+                    return mods[i].apply({"params": block_w[i]}, x, *args, rngs=rngs, **kwargs)
+                return run(params, t, on_block)
+        else:
+            def reference(t):
+                return module.apply({"params": params}, t, **call_kwargs)
+        _check_against_model(parts, reference, {}, V)
     return parts
+
+
+def _linen_rng_streams(f: Callable, names: Sequence[str] = ()) -> tuple[Any, list[str]]:
+    """``f(rngs)`` (a Linen apply under ``eval_shape``) with keys for ``names`` and for every further
+    stream Linen reports missing (``make_rng("dropout")`` without it): (result, the stream names)."""
+    from flax.errors import InvalidRngError
+
+    names = list(names)
+    while True:
+        try:
+            return f({n: jax.random.key(0) for n in names} or None), names
+        except InvalidRngError as e:
+            m = re.search(r'needs PRNG for "([^"]+)"', str(e))
+            if m is None or m.group(1) in names or len(names) >= 16:
+                raise
+            names.append(m.group(1))
+
+
+def _linen_no_rng(part: str, f: Callable) -> Any:
+    """``f()``; a part outside the blocks that draws random numbers is refused (no key there)."""
+    from flax.errors import InvalidRngError
+
+    try:
+        return f()
+    except InvalidRngError as e:
+        m = re.search(r'needs PRNG for "([^"]+)"', str(e))
+        stream_name = m.group(1) if m else "?"
+        raise UserError(part, f"draws random numbers (rng stream {stream_name!r}: dropout outside the blocks); the "
+                        "engine gives keys to the blocks only", "set that dropout rate to 0 (or make it "
+                        "deterministic), or move it into the first block") from None
 
 
 # =========================================================================================== entry
