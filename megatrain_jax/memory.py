@@ -48,7 +48,10 @@ GRAD_SLABS = (6, 24)  # pinned slabs in the pool (fewest, most): transfers of la
 # 16 x 4096 from 388 to 397 model-TFLOPS and Qwen2.5-7B at 128 x 1024 from 10,404 to 10,779 tokens/s
 # block recompute + VJP working set per token, bytes = coefficients x widths x dtype bytes / 2
 # (calibrated against XLA's memory analysis of the block VJP on an H100; see RESULTS.md)
-WS_PER_TOKEN = {"hidden": 26.0, "mlp": 8.0, "qkv": 4.0}
+# "moe_mlp" replaces "mlp" for a mixture of experts in its dense formulation (every expert's intermediates and
+# their router-weighted combination): OLMoE shape on the H100, 16 x 4096 tokens, measured 48.3 GB peak at 4
+# micro-batches (40.1 at 8) against 43.1 (38.2) planned with the dense coefficient (2026-11-24, RESULTS.md)
+WS_PER_TOKEN = {"hidden": 26.0, "mlp": 8.0, "qkv": 4.0, "moe_mlp": 13.0}
 LOSS_BYTES_PER_LOGIT = 10.0  # fp32 logits + fp32 softmax - onehot + bf16 copy of one chunk, fwd/bwd
 # floor rates for the predicted step (H100 measurements, DESIGN.md §1 and RESULTS.md)
 # host_read: all GPUs' host->GPU streams together (an assumption, not a measurement: the 2-H200 machine
@@ -243,6 +246,7 @@ class _Shapes:
     S: int
     tied: bool
     dt: int  # compute dtype bytes
+    mlp_ws: float = WS_PER_TOKEN["mlp"]  # working-set bytes per token and unit of F (MoE: "moe_mlp")
 
     @classmethod
     def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str) -> "_Shapes":
@@ -255,7 +259,8 @@ class _Shapes:
             (m.moe_intermediate_size or m.intermediate_size) * m.num_experts
         return cls(P=m.total_params(), block=m.block_params(), embed=emb, head=head, L=m.num_layers,
                    H=m.hidden_size, F=mlp, V=m.vocab_size, qkv=q + 2 * kv, B=batch, S=seq,
-                   tied=m.tie_embeddings, dt=2 if compute_dtype == "bfloat16" else 4)
+                   tied=m.tie_embeddings, dt=2 if compute_dtype == "bfloat16" else 4,
+                   mlp_ws=WS_PER_TOKEN["moe_mlp" if getattr(m, "num_experts", None) else "mlp"])
 
     @property
     def largest_group(self) -> int:
@@ -264,7 +269,7 @@ class _Shapes:
 
 def _block_ws(s: _Shapes, tokens_mb: int) -> float:
     w = WS_PER_TOKEN
-    return tokens_mb * (w["hidden"] * s.H + w["mlp"] * s.F + w["qkv"] * s.qkv) * s.dt / 2 * (2 if s.dt == 4 else 1)
+    return tokens_mb * (w["hidden"] * s.H + s.mlp_ws * s.F + w["qkv"] * s.qkv) * s.dt / 2 * (2 if s.dt == 4 else 1)
 
 
 def _loss_ws(s: _Shapes, tokens_mb: int, loss_chunk: int) -> float:

@@ -168,9 +168,12 @@ def test_plan_shows_each_state_mode_and_suggests_the_fullest_that_fits():
 
 
 def test_moe_working_set_counts_every_expert_of_the_dense_formulation():
-    """OLMoE shape on the H100 (measured 40.1 GB peak at 8 micro-batches, 2026-11-24): the plan counts the
-    (tokens x experts x expert width) intermediates, so it lands within 10% (it was 33.9 GB without them)."""
+    """OLMoE shape on the H100 (measured peaks 40.1 GB at 8 micro-batches and 48.3 GB at 4, 2026-11-24): the
+    plan counts the (tokens x experts x expert width) intermediates with the MoE coefficient, so it lands at
+    or above each measurement and within 5% (33.9 GB without them; 43.1 at 4 with the dense coefficient)."""
+    for m, measured in [(8, 40.1), (4, 48.3)]:
+        p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", f"train.micro_batches={m}")
+        assert 1.0 <= p.gpu_need / GB / measured < 1.05, (m, p.gpu_need / GB)
     p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", "train.micro_batches=8")
-    assert abs(p.gpu_need / GB - 40.1) / 40.1 < 0.10
     dense = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", "train.micro_batches=8", "model.num_experts=8")
     assert dense.gpu_need < p.gpu_need
