@@ -30,7 +30,7 @@ class MetricsWriter:
     ``tensorboard`` is on and ``tensorboardX`` is installed, the same scalars as TensorBoard event
     files in ``<dir>/tensorboard`` (``tensorboard --logdir <train.out_dir>/tensorboard``)."""
 
-    SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "model_tflops", "model_tflops_with_attention",
+    SCALARS = ("loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "model_tflops", "model_tflops_with_attention",
                "step_time_s", "host_rss_gb", "host_peak_rss_gb", "gpu_peak_gb", "gpu_in_use_gb")
 
     def __init__(self, path: str, tensorboard: bool = True, log=None):

@@ -411,6 +411,8 @@ def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print)
             rec = {"step": s, "loss": res.loss, "grad_norm": res.grad_norm, "step_time_s": dt,
                    "tokens_per_s": tokens_per_step / dt, "model_tflops": fpt * tokens_per_step / dt / 1e12,
                    "model_tflops_with_attention": fpt_attn * tokens_per_step / dt / 1e12, "skipped": res.skipped}
+            if getattr(res, "aux_loss", None) is not None:  # e.g. the MoE router's load-balancing term, inside loss
+                rec["aux_loss"] = res.aux_loss
             if streamed:
                 rec["lr"] = trainer.lr_at(trainer.step_count)
                 rec.update(memory_snapshot(trainer.memory_device))

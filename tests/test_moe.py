@@ -458,6 +458,20 @@ def test_bad_moe_fields_are_user_errors(over, field):
     assert e.value.field == field
 
 
+def test_cli_logs_the_router_loss_inside_the_loss(tmp_path):
+    """``megatrain-jax train`` of a tiny MoE with the router loss on: metrics.jsonl carries ``aux_loss``
+    (positive, the load-balancing term), which the reported ``loss`` includes."""
+    from megatrain_jax.cli import main as cli_main
+
+    out = tmp_path / "run"
+    sets = MOE_OK + ["model.router_aux_loss_coef=0.5", "model.num_layers=2", "train.steps=2",
+                     "train.batch_size=2", "data.seq_len=32", "train.final_checkpoint=false",
+                     "optim.schedule.kind=constant", "optim.schedule.warmup_steps=0", f"train.out_dir={out}"]
+    assert cli_main(["train", str(ROOT / "configs" / "tiny.yaml"), *[x for s in sets for x in ("--set", s)]]) == 0
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 2 and all(r["aux_loss"] > 0 and r["loss"] > r["aux_loss"] for r in recs), recs
+
+
 # ----------------------------------------------------------------------- against transformers
 # (last: the torch subprocess builds the references while the tests above run)
 
