@@ -1,6 +1,7 @@
 """Compact Adam moments: the int8 kernel equals its numpy reference bit for bit; bf16 moments track
 optax's bf16 first moment; slab-sized slices update exactly like the whole group; training works
 through the engine and checkpoints, and a checkpoint of one mode is refused by another."""
+import os
 import numpy as np
 import optax
 import pytest
@@ -316,3 +317,20 @@ def test_int8_gather_choice_times_both_variants_then_keeps_the_faster(monkeypatc
         np.testing.assert_array_equal(p, res[0][0])
         for k in st:
             np.testing.assert_array_equal(st[k], res[0][1][k])
+
+
+def test_a_bad_gather_variable_is_a_one_line_error(tmp_path):
+    """``MEGATRAIN_INT8_GATHER=avx``: the import still works; training with int8 moments stops before
+    anything is written with one line naming the variable (exit 2)."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "megatrain_jax", "train", os.path.join(repo, "configs/tiny.yaml"),
+                        "--set", "optim.moments=int8", "--set", "train.steps=2", "--set", "optim.schedule.warmup_steps=0", "--set", f"train.out_dir={out}"],
+                       cwd=repo, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, MEGATRAIN_INT8_GATHER="avx", JAX_PLATFORMS="cpu"))
+    err = r.stderr.strip()
+    assert r.returncode == 2 and err.count("\n") == 0 and "MEGATRAIN_INT8_GATHER" in err, (r.returncode, err)
+    assert not (out / "checkpoints").exists()

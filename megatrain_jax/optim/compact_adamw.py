@@ -439,7 +439,11 @@ class _GatherChoice:
     MIN_ELEMS = 1 << 20
 
     def __init__(self):
-        self.reset(os.environ.get("MEGATRAIN_INT8_GATHER", "auto"))
+        env = os.environ.get("MEGATRAIN_INT8_GATHER", "auto")
+        # a bad value must not fail the import with a traceback: ``check_gather_env`` refuses it in one
+        # line when an int8 optimizer is built
+        self.bad_env = None if env in GATHER_MODES + ("auto",) else env
+        self.reset("auto" if self.bad_env else env)
 
     def reset(self, mode: str = "auto") -> None:
         if mode not in GATHER_MODES + ("auto",):
@@ -464,6 +468,15 @@ class _GatherChoice:
 
 
 _GATHER = _GatherChoice()
+
+
+def check_gather_env() -> None:
+    """``MEGATRAIN_INT8_GATHER`` must be auto, hw or sw: a ``UserError`` (one line, exit 2) otherwise."""
+    if _GATHER.bad_env is not None:
+        from megatrain_jax.errors import UserError
+
+        raise UserError("MEGATRAIN_INT8_GATHER", f"must be auto, hw or sw, got {_GATHER.bad_env!r}",
+                        "unset it (auto: the faster variant is timed and kept) or set hw or sw")
 
 
 def int8_gather_mode(mode: str | None = None) -> str | None:

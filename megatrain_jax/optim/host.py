@@ -204,6 +204,8 @@ class CompactAdamW(FusedAdamW):
         from megatrain_jax.optim import compact_adamw
 
         self._ca = compact_adamw
+        if moments == "int8":
+            compact_adamw.check_gather_env()
         self.chunk_align = compact_adamw.BLOCK if moments == "int8" else 1
 
     def bytes_per_param(self) -> float:
