@@ -190,6 +190,10 @@ class TrainConfig:
     grad_slabs: int | str = "auto"  # pinned 128 MiB gradient slabs: auto (24 where the host has room, down to 6)
     #                                 | N. More slabs keep the host optimizer fed (speed), fewer save host memory
     devices: int | str = "all"  # GPUs of this host to use: all | N
+    update_on: str = "auto"  # where the optimizer step runs: host (numba kernels, the gradient crosses PCIe) |
+    #                          device (the master and state cross PCIe, the GPU updates each block as the next
+    #                          forward fetches it; needs stream_copy=device, the fused kernel, one GPU) | auto
+    #                          (the plan decides)
     trace_step: int = 0  # > 0: record that step's per-layer timeline (host->GPU, compute, GPU->host, host
     #                      optimizer) to out_dir/timeline_step<N>.{png,json} and log where compute waited
 
@@ -364,7 +368,8 @@ def validate(cfg: Config) -> None:
                                  ("model.init", m.init, ("normal", "fast")),
                                  ("train.stream_copy", t.stream_copy, ("auto", "host", "device")),
                                  ("train.grad_hold", t.grad_hold, ("auto", "gpu_fp32", "gpu_bf16", "pinned_host")),
-                                 ("train.activations", t.activations, ("auto", "device", "pinned_host"))]:
+                                 ("train.activations", t.activations, ("auto", "device", "pinned_host")),
+                                 ("train.update_on", t.update_on, ("auto", "host", "device"))]:
         if value not in allowed:
             raise UserError(name, f"{value!r} is not supported", f"use one of: {', '.join(allowed)}")
     for name, value in [("train.host_memory_gb", t.host_memory_gb), ("train.gpu_memory_gb", t.gpu_memory_gb)]:
@@ -381,6 +386,11 @@ def validate(cfg: Config) -> None:
         raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use fused or optax")
     if o.name not in ("adamw", "sgd", "optax"):
         raise UserError("optim.name", f"{o.name!r} is not an optimizer", "use adamw, sgd or optax (with optim.optax_name)")
+    if t.update_on == "device" and o.kernel != "fused":
+        raise UserError("train.update_on", "device needs the fused AdamW kernel", "set optim.kernel=fused or train.update_on=host")
+    if t.update_on == "device" and t.stream_copy == "host" and t.compute_dtype == "bfloat16":
+        raise UserError("train.update_on", "device updates the fp32 master on the GPU, so no host bf16 copy can stream",
+                        "set train.stream_copy=device (or auto), or train.update_on=host")
     if o.kernel == "fused" and o.name != "adamw":
         raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}", "set optim.kernel=optax")
     def _num(name, v, ok, rule):

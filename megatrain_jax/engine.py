@@ -217,6 +217,19 @@ class _GradOut:
                     engine._slabs.release()
 
 
+@dataclass
+class _DeviceUpdate:
+    """A group whose update runs on the device: its master and state in flight (``update_on=device``)."""
+
+    name: str
+    param: jax.Array
+    grad: jax.Array
+    state: dict
+    host_state: dict  # the host arrays the new state is written back into
+    scalars: tuple
+    count: int
+
+
 class StreamedTrainer:
     """Trains a ``StreamedModel`` whose state lives in a ``HostStore``."""
 
@@ -229,7 +242,7 @@ class StreamedTrainer:
                  skip_nonfinite: bool = False, offload_activations: bool | None = None,
                  transfer_mode: str = "auto", tracer: Any = None, grad_hold: str = "gpu_fp32",
                  grad_slab_elems: int | None = 32 << 20, grad_slabs: int | None = None, rng_seed: int = 0,
-                 devices: list[jax.Device] | None = None):
+                 devices: list[jax.Device] | None = None, update_on: str = "host"):
         """``grad_hold``: where deferred gradients wait for the step's norm (``gpu_fp32``,
         ``gpu_bf16``: rounded to bf16 after the norm is taken, or ``pinned_host``). The streamed
         dtype follows the store: a store without a bf16 copy streams the fp32 master, which each
@@ -242,7 +255,17 @@ class StreamedTrainer:
         share of each micro-batch (the batch dimension is split over the devices), and each group's
         gradient is summed over all of them by a collective on the devices (``psum`` in a
         ``shard_map`` over a one-axis mesh) before one copy goes to the host, where every process
-        applies the same deterministic update to its own replica of the host store."""
+        applies the same deterministic update to its own replica of the host store.
+
+        ``update_on="device"``: the accelerator applies each group's update (``optim/device_adamw.py``)
+        when the next forward fetches the group: its fp32 master and optimizer state cross PCIe
+        instead of its gradient, the update runs next to the compute, and the new state goes back
+        straight into the host store while the block computes. The host CPU does no optimizer work
+        and the host memory sees only DMA traffic. Needs a store without a bf16 copy
+        (``train.stream_copy=device`` or fp32 compute), an optimizer with ``device_scalars``
+        (the fused AdamW kernels) and one device; updates are always deferred (gradients held)."""
+        if update_on not in ("host", "device"):
+            raise ValueError(f"update_on must be host or device, got {update_on!r}")
         if grad_hold not in ("gpu_fp32", "gpu_bf16", "pinned_host"):
             raise ValueError(f"grad_hold must be gpu_fp32, gpu_bf16 or pinned_host, got {grad_hold!r}")
         self.parts, self.opt = parts, host_opt
@@ -265,6 +288,15 @@ class StreamedTrainer:
         self.rng_seed, self._rng_step = rng_seed, 0  # blocks that take a key (dropout): see templates.block_rng
         bf16 = self.dtype == jnp.bfloat16
         self.store = store or HostStore.from_trees(parts.host_trees(), bf16_stream=bf16)
+        self.update_on = update_on
+        if update_on == "device":
+            if not hasattr(host_opt, "device_scalars"):
+                raise ValueError("update_on=device needs the fused AdamW optimizer (optim.kernel=fused)")
+            if any(g.stream_bits is not None for g in self.store):
+                raise ValueError("update_on=device needs a store without a bf16 streaming copy "
+                                 "(train.stream_copy=device, or float32 compute)")
+            if len(devices) > 1:
+                raise ValueError("update_on=device runs on one device; data parallel updates on the host")
         self.xfer = Transfers(self.local_devices, transfer_mode, mesh=self.mesh)
         # how long the optimizer thread waits for the dispatching thread to issue a gradient copy
         # before issuing it itself: on a GPU a copy issued late queues behind the compute already
@@ -274,6 +306,9 @@ class StreamedTrainer:
             if g.opt_state is None:
                 g.opt_state = host_opt.init_state(g.master, g.layout.unflatten)
             self.xfer.register(g.name, g.stream_view())
+            if update_on == "device":  # the optimizer state crosses PCIe too, both ways
+                for k, a in host_opt.state_to_arrays(g.opt_state).items():
+                    self.xfer.register(f"{g.name}/{k}", a)
         self.last_step_info: dict[str, Any] = {}
         self.num_layers = self.store.num_blocks
         self.count = 0  # optimizer steps taken
@@ -282,6 +317,11 @@ class StreamedTrainer:
         self._copy_queue: list[tuple[str, _GradOut]] = []  # deferred gradients not yet sent to the host
         self._order_index = {n: i for i, n in enumerate(self._forward_order())}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")
+        # update_on=device: (gradient, clip scale, count) per group until its next fetch, and the
+        # thread that writes updated state back into the host store
+        self._dev_updates: dict[str, tuple[Any, float, int]] = {}
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h-writeback") \
+            if update_on == "device" else None
         self._update_error: BaseException | None = None  # the first host update that raised
         # gradient slabs: chunk size (aligned as the optimizer's state needs) and the pool's size
         align = getattr(host_opt, "chunk_align", None)
@@ -302,6 +342,7 @@ class StreamedTrainer:
         # ---- forward sweep: block i+1's weights are in flight before block i is dispatched
         emb_w, head_w = self._fetch("embed"), None  # the head is fetched once its update is done
         nxt = self._fetch("block_0")
+        emb_w = self._ready(emb_w)
         hs = [self._embed_fwd(emb_w, mb["tokens"]) for mb in mbs]
         offload = self._decide_offload(sum(h.nbytes for h in hs) * L)
         keep = (lambda hs: [self.xfer.offload(h) for h in hs]) if offload else (lambda hs: hs)
@@ -314,6 +355,7 @@ class StreamedTrainer:
                 nxt = self._fetch(name)  # in flight before block i is dispatched
             if head_w is None and i >= L - 2 and self._update_done("head"):
                 head_w = self._fetch("head")  # in flight while the last blocks compute
+            w = self._ready(w)  # a device-side update runs here: after block i-1, before block i
             saved.append(keep(hs))  # block i's input: the boundary checkpoint
             outs = []
             for m, (h, mb) in enumerate(zip(hs, mbs)):
@@ -333,14 +375,17 @@ class StreamedTrainer:
                 # its host update is still running: rather than hold block i back behind it,
                 # dispatch block i first and fetch when the update is done
                 nxt = self._fetch(name)
+        last_w = w if isinstance(w, jax.Array) and self.update_on == "device" else None  # just updated: reused
         del w
         if head_w is None:
             head_w = self._fetch("head")
+        head_w = self._ready(head_w)
         # the auxiliary loss of the whole step and its gradient w.r.t. the summed statistics
         aux_val, stats_ct = self._aux_total(stats) if stats is not None else (None, None)
 
         # ---- loss and head backward (the last block and its inputs are already in flight)
-        nxt, acts_nxt = self._fetch(f"block_{L - 1}"), bring(saved[L - 1])
+        nxt = last_w if last_w is not None else self._fetch(f"block_{L - 1}")
+        acts_nxt, last_w = bring(saved[L - 1]), None
         g_head, g_emb = self._zeros("head"), self._zeros("embed")
         losses, dhs = [], []
         for h, mb in zip(hs, mbs):
@@ -379,6 +424,10 @@ class StreamedTrainer:
                 return StepResult(loss, grad_norm, n_tokens, skipped=True, aux_loss=aux)
             scale = global_norm_scale(grad_norm ** 2, self.clip_norm)
             self.count += 1
+            if self.update_on == "device":  # applied on the device when the next forward fetches each group
+                for name in self._forward_order():
+                    self._dev_updates[name] = (grads.pop(name), scale, self.count)
+                return StepResult(loss, grad_norm, n_tokens, aux_loss=aux)
             for name in self._forward_order():  # queued now; copies issued during the next forward
                 out = self._grad_out(name, grads.pop(name))
                 if not out.on_host:
@@ -396,7 +445,7 @@ class StreamedTrainer:
         Deferred gradients stay in device memory until the norm is known, then go to the host in
         forward order, so their transfers and updates overlap the next step's forward.
         """
-        return self.clip_norm is not None or self.skip_nonfinite
+        return self.clip_norm is not None or self.skip_nonfinite or self.update_on == "device"
 
     def _forward_order(self) -> list[str]:
         """The order the next forward needs the groups in (deferred updates run in this order)."""
@@ -414,9 +463,50 @@ class StreamedTrainer:
             t0 = time.perf_counter()
             fut.result()
             self._wait_s += time.perf_counter() - t0
+        pend = self._dev_updates.pop(name, None)
+        if pend is not None:
+            return self._start_device_update(name, *pend)
         w = self.xfer.to_device(name, self.store[name].stream_view())
         self._trace("h2d", name, w)
         return w
+
+    def _start_device_update(self, name: str, grad: Any, scale: float, count: int) -> "_DeviceUpdate":
+        """Put the group's fp32 master and optimizer state in flight to the device; the update itself
+        is dispatched by ``_ready`` when the weights are first used (dispatched now it would run
+        before the block being computed, and hold it back until this transfer lands)."""
+        g = self.store[name]
+        host_state = self.opt.state_to_arrays(g.opt_state)
+        p = self.xfer.to_device(name, g.master)
+        self._trace("h2d", name, p)
+        state = {k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
+        if self.grad_hold == "pinned_host":
+            grad = jax.device_put(grad, self.xfer.device_sharding)
+        return _DeviceUpdate(name, p, grad, state, host_state, self.opt.device_scalars(count, scale), count)
+
+    def _ready(self, w: Any) -> jax.Array:
+        """Fetched weights, usable by a jitted piece: a pending device-side update is dispatched
+        (and its write-back into the host store queued) here."""
+        if not isinstance(w, _DeviceUpdate):
+            return w
+        from megatrain_jax.optim.device_adamw import device_adamw_step
+
+        p_new, state = device_adamw_step(self.opt.moments, w.param, w.grad, w.state, w.scalars)
+        self._trace("compute", f"update {w.name}", p_new)  # runs on the compute stream
+        g = self.store[w.name]
+        targets = [(w.name, p_new, g.master)] + [(f"{w.name}/{k}", state[k], w.host_state[k]) for k in w.host_state]
+        self._pending[w.name] = self._writer.submit(self._write_back, w.name, w.count, targets)
+        return p_new
+
+    def _write_back(self, name: str, count: int, targets: list[tuple[str, jax.Array, np.ndarray]]) -> None:
+        """On the write-back thread: the updated master and state into the host store, in place."""
+        if self.before_update is not None:
+            self.before_update(name, count)
+        t0 = time.perf_counter()
+        for buf_name, x, dst in targets:
+            self.xfer.copy_into(x, dst)
+            self.xfer.host_written(buf_name, dst)
+        if self.tracer is not None:
+            self.tracer.interval("d2h", f"{name} state", t0, time.perf_counter())
 
     def _update_done(self, name: str) -> bool:
         fut = self._pending.get(name)
@@ -534,6 +624,9 @@ class StreamedTrainer:
         never all at once: pinned host memory for a whole model's gradients may not exist.
         """
         order = self._forward_order()
+        for name in order:  # device-side updates not yet applied: apply them now (in forward order)
+            if name in self._dev_updates:
+                self._ready(self._fetch(name))
         for i, name in enumerate(order):
             self._issue_grad_copies(through=order[min(i + self.GRAD_LOOKAHEAD, len(order) - 1)])
             fut = self._pending.pop(name, None)
@@ -545,6 +638,8 @@ class StreamedTrainer:
     def close(self) -> None:
         self.finish()
         self._pool.shutdown()
+        if self._writer is not None:
+            self._writer.shutdown()
         self.xfer.close()
 
     def _zeros(self, name: str) -> jax.Array:

@@ -279,8 +279,10 @@ def _loss_ws(s: _Shapes, tokens_mb: int, loss_chunk: int) -> float:
 
 def _gpu_phases(s: _Shapes, *, M: int, stream_bytes: int, device_cast: bool, act_on_gpu: bool,
                 hold_bytes: int | None, loss_chunk: int, deferred: bool,
-                attn: Any = None) -> tuple[dict[str, float], list[Row]]:
-    """Bytes on the GPU at each phase of a step, and the rows that explain them."""
+                attn: Any = None, update_state_bytes: float | None = None) -> tuple[dict[str, float], list[Row]]:
+    """Bytes on the GPU at each phase of a step, and the rows that explain them.
+    ``update_state_bytes``: optimizer state bytes/param of a device-side update (``train.update_on=device``),
+    None for host updates."""
     tok_mb = s.B * s.S // M
     rows = []
     # the embedding and head always stream their fp32 master (hoststore.py) and are cast in each jit
@@ -308,11 +310,17 @@ def _gpu_phases(s: _Shapes, *, M: int, stream_bytes: int, device_cast: bool, act
         rows.append(Row("gpu", "gradients held for clipping", held,
                         {4: "fp32", 2: "bf16"}.get(hold_bytes or 0, "in pinned host memory")))
     fixed = resident + inflight
+    upd = 0.0
+    if update_state_bytes is not None:
+        # the state of the two blocks in flight and of the embedding or head being updated, and one
+        # updated block (master + state) still being written back to the host
+        upd = update_state_bytes * (2 * s.block + max(s.embed, s.head)) + (4 + update_state_bytes) * s.block
+        rows.append(Row("gpu", "optimizer state in flight (device-side update)", upd, "train.update_on=device"))
     phases = {
-        "forward start (all held gradients, no activations)": fixed + held + act_layer + ws / 2,
+        "forward start (all held gradients, no activations)": fixed + held + act_layer + ws / 2 + upd,
         # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
         "loss (all activations, loss chunk)": fixed + acts + lws + s.head * 4 + s.embed * 4
-        + s.V * s.H * (4 + s.dt) + act_layer,
+        + s.V * s.H * (4 + s.dt) + act_layer + upd,
         "backward start (activations, accumulators)": fixed + acts + accum + s.head * 4 + ws
         + (s.head * (hold_bytes or 0) if deferred else 0),
         "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu else 0)
@@ -350,6 +358,15 @@ def _choose_stream_copy(s: "_Shapes", seq_len: int, m, on_gpu: bool, bf16: bool,
     fwd_flops = tokens * (2.0 * s.block + 2.0 * seq_len * m.num_heads * m.dim_per_head)
     ratio = (4.0 * s.block / RATES["h2d"]) / (fwd_flops / RATES["matmul_bf16"])
     return "device" if (ratio <= STREAM_HIDDEN_RATIO or copy_bytes > room) else "host"
+
+
+def _choose_update_on(setting: str, *, on_gpu: bool, n_dev: int, kernel: str, moments: str, bf16: bool,
+                      stream_copy: str) -> str:
+    """``train.update_on=auto``: where the optimizer step runs. Host for now, everywhere (the device-side
+    update is new; RESULTS.md will say where it pays)."""
+    if setting != "auto":
+        return setting
+    return "host"
 
 
 # the host-state modes, fullest first: (name, overrides)
@@ -411,7 +428,14 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
     per_dev_batch = t.batch_size // n_dev if t.batch_size % n_dev == 0 else t.batch_size
     s = _Shapes.of(m, per_dev_batch, cfg.data.seq_len, t.compute_dtype)
     mom = 8.0 if o.kernel == "optax" else MOMENT_BYTES[o.moments]
-    stream_copy = t.stream_copy
+    update_on = _choose_update_on(t.update_on, on_gpu=on_gpu, n_dev=n_dev, kernel=o.kernel, moments=o.moments,
+                                  bf16=bf16, stream_copy=t.stream_copy)
+    if update_on == "device" and n_dev > 1:
+        from megatrain_jax.errors import UserError
+
+        raise UserError("train.update_on", f"device runs on one GPU, and this run uses {n_dev}",
+                        "set train.update_on=host (or auto) for data parallel, or train.devices=1")
+    stream_copy = "device" if (update_on == "device" and bf16) else t.stream_copy
     if stream_copy == "auto":
         room = _usable(host_avail, HOST_MARGIN) - s.P * (4.0 + mom) - RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] \
             - GRAD_SLABS[0] * GRAD_SLAB_ELEMS * 4
@@ -462,7 +486,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
         for k in cands:
             phases, rows = _gpu_phases(s, M=k, stream_bytes=stream_bytes, device_cast=device_cast,
                                        act_on_gpu=act == "device", hold_bytes=holds[hold],
-                                       loss_chunk=t.loss_chunk, deferred=deferred, attn=attn_extra)
+                                       loss_chunk=t.loss_chunk, deferred=deferred, attn=attn_extra,
+                                       update_state_bytes=mom if update_on == "device" else None)
             need = max(phases.values())
             fits = (budget_gpu is None or need <= budget_gpu) and (extra == 0 or extra <= host_room)
             if chosen is None:
@@ -486,7 +511,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
     chunked = o.kernel == "fused"
     slab = (min(GRAD_SLAB_ELEMS, s.largest_group) if chunked else s.largest_group) * 4
     slab_row = Row("host", "gradient staging (pinned slabs)", 0.0)
-    if on_gpu:
+    if on_gpu and update_on == "host":  # device-side updates bring no gradient to the host
         rows.append(slab_row)  # sized below, once the rest of the host plan is known
     if hold == "pinned_host":
         rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * s.P))
@@ -546,10 +571,15 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
     h2d_s = max(h2d_bytes / RATES["h2d"], n_dev * h2d_bytes / RATES["host_read"])
     step = {"compute_s": hw_flops / rate, "h2d_s": h2d_s, "d2h_s": 4 * s.P / (RATES["d2h"] * n_dev),
             "optimizer_s": s.P / opt_rate}
+    if update_on == "device":  # the state crosses PCIe both ways instead of the gradient; no host kernel
+        step["h2d_s"] = (h2d_bytes + mom * s.P) / RATES["h2d"]
+        step["d2h_s"] = (4 + mom) * s.P / RATES["d2h"]
+        step["optimizer_s"] = 0.0
     step["predicted_step_s"] = max(step.values())
     step["binding"] = max(("compute_s", "h2d_s", "d2h_s", "optimizer_s"), key=lambda k: step[k])
 
     decisions = {"micro_batches": M, "activations": act, "grad_hold": hold, "stream_copy": stream_copy,
+                 "update_on": update_on,
                  "attention": attn_info["impl"], "attention_summary": attn_info["summary"],
                  "moments": o.moments, "devices": n_dev, "grad_slab_elems": GRAD_SLAB_ELEMS if chunked else None,
                  "grad_slabs": slabs, "pinned_pool_bytes": _pinned_need(rows),
@@ -640,7 +670,7 @@ def plan_table(p: Plan) -> str:
     d = p.decisions
     lines.append(d.get("attention_summary", ""))
     lines.append(f"decisions: micro_batches={d['micro_batches']}, activations={d['activations']}, "
-                 f"grad_hold={d['grad_hold']}, stream_copy={d['stream_copy']}, moments={d['moments']}, "
+                 f"grad_hold={d['grad_hold']}, stream_copy={d['stream_copy']}, moments={d['moments']}, update_on={d.get('update_on', 'host')}, "
                  f"devices={d['devices']}")
     st = p.step
     lines.append(f"predicted step: {st['predicted_step_s']:.2f} s, bound by {st['binding'][:-2]} (compute "

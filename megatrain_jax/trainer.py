@@ -152,7 +152,8 @@ class Trainer:
                                  clip_norm=cfg.optim.clip_norm, loss_chunk=t.loss_chunk, store=store,
                                  skip_nonfinite=True, offload_activations=d["activations"] == "pinned_host",
                                  grad_hold=d["grad_hold"], grad_slab_elems=d["grad_slab_elems"],
-                                 grad_slabs=d["grad_slabs"], devices=run_devices(t.devices))
+                                 grad_slabs=d["grad_slabs"], devices=run_devices(t.devices),
+                                 update_on=d.get("update_on", "host"))
         self = cls.__new__(cls)  # the parts are made: nothing of __init__'s splitting applies
         self.parts, self.opt, self.engine = parts, optimizer, engine
         self.optimizer_spec, self.steps = cfg.optim, t.steps

@@ -165,6 +165,16 @@ class FusedAdamW:
         """Host bytes of optimizer state per parameter (the memory plan asks)."""
         return 8.0
 
+    moments = "float32"  # the moment format (``device_adamw.device_adamw_step`` takes the same name)
+
+    def device_scalars(self, count: int, grad_scale: float = 1.0) -> tuple:
+        """The step's float32 scalars as the host kernels round them, for the device-side update
+        (``train.update_on=device``: ``optim/device_adamw.py``)."""
+        from megatrain_jax.optim.compact_adamw import _scalars
+
+        return _scalars(self.lr_at(count), self.b1, self.b2, self.eps, self.eps_root, self.weight_decay, count,
+                        grad_scale)
+
     def update(self, params, grad, state, count, grad_scale=1.0, bf16_out=None, unflatten=None) -> None:
         fused_adamw_step(params, grad, state["mu"], state["nu"], bf16_out, lr=self.lr_at(count),
                          b1=self.b1, b2=self.b2, eps=self.eps, eps_root=self.eps_root,

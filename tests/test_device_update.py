@@ -1,0 +1,139 @@
+"""``train.update_on=device``: the optimizer step applied on the device as the next forward fetches each
+group equals the host kernels' step, in every moment format, and its refusals name the field."""
+import numpy as np
+import pytest
+
+from megatrain_jax.config import Config, ModelConfig, OptimConfig, ScheduleConfig, TrainConfig, validate
+from megatrain_jax.engine import Batch, StreamedTrainer
+from megatrain_jax.errors import UserError
+from megatrain_jax.models.llama import init_host_store
+from megatrain_jax.optim import build_host_optimizer
+
+STEPS = 3
+MODEL = ModelConfig(vocab_size=256, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, num_layers=2)
+
+
+def _batches(n, b=4, s=32, vocab=256):
+    rng = np.random.default_rng(3)
+    out = []
+    for _ in range(n):
+        toks = rng.integers(0, vocab, (b, s + 1))
+        out.append(Batch(toks[:, :-1], toks[:, 1:], (rng.random((b, s)) > 0.2).astype(np.float32)))
+    return out
+
+
+def _run(update_on, moments, clip=1.0, grad_hold="gpu_fp32", finish=True, steps=STEPS, **kw):
+    ocfg = OptimConfig(lr=3e-3, b2=0.95, weight_decay=0.1, clip_norm=clip, moments=moments,
+                       schedule=ScheduleConfig(kind="warmup_cosine", warmup_steps=1))
+    parts, store = init_host_store(MODEL, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(ocfg, STEPS), compute_dtype="float32", micro_batches=2,
+                         clip_norm=clip, loss_chunk=48, store=store, grad_hold=grad_hold, update_on=update_on, **kw)
+    losses = [st.step(b).loss for b in _batches(steps)]
+    if finish:
+        st.finish()
+    return st, losses
+
+
+def _state(st):
+    out = {}
+    for g in st.store:
+        out[g.name] = g.master.copy()
+        for k, a in st.opt.state_to_arrays(g.opt_state).items():
+            out[f"{g.name}/{k}"] = np.array(a, copy=True)
+    return out
+
+
+@pytest.mark.parametrize("moments", ["float32", "bfloat16", "int8"])
+def test_device_update_equals_host_update(moments):
+    """Same losses step by step, and after ``finish`` the same host store: every master weight and
+    every moment (codes and scales for int8). The device step is the host kernels' arithmetic in XLA;
+    on the CPU backend they agree to the bit (``optim/device_adamw.py`` says where they may not)."""
+    host, lh = _run("host", moments)
+    dev, ld = _run("device", moments)
+    assert lh == ld
+    a, b = _state(host), _state(dev)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert dev.count == host.count == STEPS
+    host.close()
+    dev.close()
+
+
+def test_device_update_without_clipping_and_with_pinned_gradients():
+    """Without clipping the host applies each update during the backward; the device defers them to
+    the next forward (the gradients are held): the same numbers. Gradients held in pinned host memory
+    are brought back to the device for the update."""
+    host, lh = _run("host", "int8", clip=None)
+    dev, ld = _run("device", "int8", clip=None, grad_hold="pinned_host")
+    assert lh == ld
+    a, b = _state(host), _state(dev)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_pending_device_updates_apply_at_finish_and_not_before():
+    """After a step the store still holds the old state (the update waits for the next fetch);
+    ``finish`` applies every pending update, so a checkpoint or export reads the new one."""
+    dev, _ = _run("device", "bfloat16", finish=False, steps=1)
+    parts, fresh = init_host_store(MODEL, 0, bf16_stream=False)
+    np.testing.assert_array_equal(dev.store["block_0"].master, fresh["block_0"].master)
+    assert not dev.store["block_0"].opt_state["nu_bf16"].any()
+    assert set(dev._dev_updates) == {"embed", "block_0", "block_1", "head"}
+    calls = []
+    dev.before_update = lambda name, count: calls.append((name, count))
+    dev.finish()
+    assert not dev._dev_updates
+    assert calls == [("embed", 1), ("block_0", 1), ("block_1", 1), ("head", 1)]
+    assert dev.store["block_0"].opt_state["nu_bf16"].all()  # (the first step's learning rate is 0: warmup)
+    dev.close()
+
+
+def test_engine_refuses_device_update_with_a_bf16_host_copy():
+    parts, store = init_host_store(MODEL, 0, bf16_stream=True)
+    opt = build_host_optimizer(OptimConfig(clip_norm=1.0), 3)
+    with pytest.raises(ValueError, match="stream_copy=device"):
+        StreamedTrainer(parts, opt, compute_dtype="bfloat16", store=store, update_on="device")
+    with pytest.raises(ValueError, match="update_on must be host or device"):
+        StreamedTrainer(parts, opt, compute_dtype="bfloat16", store=store, update_on="gpu")
+
+
+def _cfg(**train):
+    return Config(model=MODEL, optim=OptimConfig(), train=TrainConfig(**train))
+
+
+@pytest.mark.parametrize("train,optim,field", [
+    (dict(update_on="gpu"), {}, "train.update_on"),
+    (dict(update_on="device"), dict(kernel="optax"), "train.update_on"),
+    (dict(update_on="device", stream_copy="host"), {}, "train.update_on"),
+])
+def test_config_refusals_name_the_field(train, optim, field):
+    cfg = _cfg(**train)
+    for k, v in optim.items():
+        setattr(cfg.optim, k, v)
+    with pytest.raises(UserError) as e:
+        validate(cfg)
+    assert e.value.field == field
+
+
+def test_plan_for_a_device_side_update():
+    """The plan: the fp32 master streams (no host bf16 copy), no gradient slabs on the host, the state
+    in flight on the GPU, and PCIe carrying the state both ways instead of the gradient."""
+    from megatrain_jax.memory import Machine, make_plan
+
+    machine = Machine(backend="gpu", host_bytes=128e9, host_available=128e9, host_source="test", gpu_bytes=80e9,
+                      gpu_source="test", gpu_count=1, gpu_name="test", cpu_cores=16, disk_free={})
+    big = ModelConfig(vocab_size=32000, hidden_size=4096, num_heads=32, num_kv_heads=32, intermediate_size=11008,
+                      num_layers=32)
+    base = Config(model=big, optim=OptimConfig(moments="int8", clip_norm=1.0),
+                  train=TrainConfig(batch_size=16, compute_dtype="bfloat16"))
+    base.data.seq_len = 4096
+    dev = Config(model=big, optim=OptimConfig(moments="int8", clip_norm=1.0),
+                 train=TrainConfig(batch_size=16, compute_dtype="bfloat16", update_on="device"))
+    dev.data.seq_len = 4096
+    p_host, p_dev = make_plan(base, machine), make_plan(dev, machine)
+    assert p_dev.decisions["update_on"] == "device" and p_dev.decisions["stream_copy"] == "device"
+    assert not any("gradient staging" in r.what for r in p_dev.rows)
+    assert any("device-side update" in r.what for r in p_dev.rows)
+    assert p_dev.step["optimizer_s"] == 0.0 and p_dev.step["d2h_s"] > p_host.step["d2h_s"] * 1.2
+    assert p_host.decisions["update_on"] == "host"
