@@ -65,6 +65,43 @@ def main() -> None:
     res["cuMemHostGetFlags_registered_flags"] = flags.value
     res["cuMemHostGetFlags_unregistered_rc"] = lib.cuMemHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(unreg.ctypes.data))
 
+    q8 = alloc_aligned(n, np.uint8)
+    q8[:] = 7
+    x.register("q8", q8)
+    res["h2d_uint8_registered_GBps"] = q8.nbytes / 1e9 / timed(lambda: x.to_device("q8", q8).block_until_ready())
+    d8 = x.to_device("q8", q8)
+    res["d2h_uint8_direct_GBps"] = q8.nbytes / 1e9 / timed(lambda: x.copy_into(d8, q8))
+
+    # one layer of the forward of a device-side update, as the engine issues it: the master and two
+    # int8 moment arrays in, the update, then the write-back on another thread (a 4-layer loop)
+    layers = 4
+    host = [{"p": alloc_aligned(n, np.float32), "mu_q": alloc_aligned(n, np.uint8), "nu_q": alloc_aligned(n, np.uint8),
+             "mu_scale": alloc_aligned(n // 2048, np.float32), "nu_scale": alloc_aligned(n // 2048, np.float32)}
+            for _ in range(layers)]
+    for i, h in enumerate(host):
+        for k, v in h.items():
+            x.register(f"{i}/{k}", v)
+    gl = jax.device_put(np.full(n, 1e-3, np.float32), dev)
+    scal0 = compact_adamw._scalars(1e-4, 0.9, 0.95, 1e-8, 0.0, 0.1, 3, 0.5)
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(1)
+
+    def loop():
+        futs = []
+        put = {}
+        for i in range(layers):
+            put[i] = {k: x.to_device(f"{i}/{k}", v) for k, v in host[i].items()}
+        for i in range(layers):
+            d = put.pop(i)
+            pn, st = device_adamw_step("int8", d.pop("p"), gl, d, scal0)
+            futs.append(pool.submit(lambda i=i, pn=pn, st=st: [x.copy_into(a, host[i][k]) for k, a in
+                                                                   [("p", pn)] + list(st.items())]))
+        for f in futs:
+            f.result()
+    t_loop = timed(loop, reps=2)
+    res["layer_loop_ms_per_layer"] = 1e3 * t_loop / layers
+    res["layer_loop_GBps_each_way"] = layers * 6.0 * n / 1e9 / t_loop
+
     def both():
         t = threading.Thread(target=lambda: x.copy_into(d, p))
         t.start()
