@@ -124,6 +124,43 @@ def main() -> None:
         for a_ in arrs:
             a_.block_until_ready()
     res["h2d_only_loop_GBps"] = layers * 6.0 * n / 1e9 / timed(h2d_only, reps=2)
+    # the engine's forward with a device-side update, three issue orders, next to a stand-in forward
+    # (bf16 matmuls, ~60 ms) that reads the updated weights: per-layer time
+    import jax.numpy as jnp
+
+    mat = jax.device_put(np.full((8192, 8192), 1e-3, np.float32), dev).astype(jnp.bfloat16)
+
+    @jax.jit
+    def fake_fwd(w, a):
+        a = jax.lax.fori_loop(0, 36, lambda _, a: (a @ a) * jnp.bfloat16(1e-3), a)
+        return a + w[0].astype(jnp.bfloat16)
+
+    fake_fwd(gl, mat).block_until_ready()
+    res["fake_forward_ms"] = 1e3 * timed(lambda: fake_fwd(gl, mat).block_until_ready())
+    L = 8
+
+    def engine_like(order):
+        futs = []
+        fetch = lambda i: {k: x.to_device(f"{i % layers}/{k}", v) for k, v in host[i % layers].items()}
+        nxt = fetch(0)
+        a_ = mat
+        for i in range(L):
+            cur = nxt
+            if order == "fetch_first" and i + 1 < L:
+                nxt = fetch(i + 1)
+            pn, st = device_adamw_step("int8", cur.pop("p"), gl, cur, scal0)
+            if order == "update_first" and i + 1 < L:
+                nxt = fetch(i + 1)
+            a_ = fake_fwd(pn, a_)
+            if order == "fetch_after_fwd" and i + 1 < L:
+                nxt = fetch(i + 1)
+            futs.append(pool.submit(lambda i=i, pn=pn, st=st: [x.copy_into(v, host[i % layers][k]) for k, v in
+                                                               [("p", pn)] + list(st.items())]))
+        a_.block_until_ready()
+        for f in futs:
+            f.result()
+    for order in ("fetch_first", "update_first", "fetch_after_fwd"):
+        res[f"engine_like_{order}_ms_per_layer"] = 1e3 * timed(lambda: engine_like(order), reps=2) / L
     t_loop = timed(loop, reps=2)
     res["layer_loop_ms_per_layer"] = 1e3 * t_loop / layers
     res["layer_loop_GBps_each_way"] = layers * 6.0 * n / 1e9 / t_loop
