@@ -340,9 +340,11 @@ class StreamedTrainer:
         inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)
 
         # ---- forward sweep: block i+1's weights are in flight before block i is dispatched
-        emb_w, head_w = self._fetch("embed"), None  # the head is fetched once its update is done
+        # a device-side update is dispatched (``_ready``) before the next transfer is issued: measured
+        # on an H100 (experiments/probe_device_update.py), an update dispatched after the next layer's
+        # transfer waits for that transfer too (89 ms per 14B layer instead of 60)
+        emb_w, head_w = self._ready(self._fetch("embed")), None  # the head is fetched once its update is done
         nxt = self._fetch("block_0")
-        emb_w = self._ready(emb_w)
         hs = [self._embed_fwd(emb_w, mb["tokens"]) for mb in mbs]
         offload = self._decide_offload(sum(h.nbytes for h in hs) * L)
         keep = (lambda hs: [self.xfer.offload(h) for h in hs]) if offload else (lambda hs: hs)
@@ -351,11 +353,13 @@ class StreamedTrainer:
         stack, stats = self.parts.blocks, None  # stats: the auxiliary loss's running sums (per device)
         for i in range(L):
             w, nxt, name = nxt, None, f"block_{i + 1}"
+            w = self._ready(w)  # a device-side update runs here: after block i-1, before block i
             if i + 1 < L and self._update_done(name):
                 nxt = self._fetch(name)  # in flight before block i is dispatched
-            if head_w is None and i >= L - 2 and self._update_done("head"):
-                head_w = self._fetch("head")  # in flight while the last blocks compute
-            w = self._ready(w)  # a device-side update runs here: after block i-1, before block i
+            # the head: in flight while the last blocks compute (device-side updates: during the last
+            # only, so that block L-1's update does not wait for it)
+            if head_w is None and i >= L - (1 if self.update_on == "device" else 2) and self._update_done("head"):
+                head_w = self._fetch("head")
             saved.append(keep(hs))  # block i's input: the boundary checkpoint
             outs = []
             for m, (h, mb) in enumerate(zip(hs, mbs)):

@@ -47,7 +47,24 @@ def _device(p, st):
     return jnp.asarray(p.copy()), {k: jnp.asarray(v.copy()) for k, v in st.items()}
 
 
+ON_GPU = jax.default_backend() == "gpu"
+
+
 def _assert_same(p_dev, st_dev, p, st):
+    """Bit for bit on the CPU. On a GPU (not bit-identical there, measured on an H100: a few int8 codes
+    in thousands one step apart) within a float tolerance and 1% of codes off by one."""
+    if ON_GPU:
+        np.testing.assert_allclose(np.asarray(p_dev), p, rtol=1e-4, atol=1e-7)
+        for k, v in st.items():
+            got = np.asarray(st_dev[k])
+            if v.dtype == np.uint8:
+                diff = np.abs(got.astype(int) - v.astype(int))
+                assert diff.max() <= 1 and (diff > 0).mean() <= 0.01, k
+            elif v.dtype == np.uint16:
+                np.testing.assert_allclose(got.astype(np.uint32) << 16, v.astype(np.uint32) << 16, err_msg=k)
+            else:
+                np.testing.assert_allclose(got, v, rtol=1e-4, atol=1e-7, err_msg=k)
+        return
     np.testing.assert_array_equal(np.asarray(p_dev).view(np.uint32), p.view(np.uint32))
     assert set(st_dev) == set(st)
     for k, v in st.items():
