@@ -182,3 +182,21 @@ def test_refuses_bad_arguments():
         da.device_adamw_step("float32", p, p.astype(jnp.float16), st, sc)
     with pytest.raises(ValueError, match="11"):
         da.device_adamw_step("float32", p, p, st, sc[:10])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_step_equals_host_kernel(mode, monkeypatch):
+    """Groups longer than ``CHUNK`` are stepped slice by slice in place (bounded temporaries): the same
+    bits as the host kernel over the whole group, a partial last slice and block included."""
+    monkeypatch.setattr(da, "CHUNK", 2 * ca.BLOCK)
+    n = 5 * ca.BLOCK + 300  # two full slices and a partial one (a new shape: traced with the small CHUNK)
+    rng = np.random.default_rng(7)
+    p = rng.standard_normal(n).astype(np.float32)
+    st = _state(mode, n)
+    for count in (1, 2):
+        g = _grads(rng, n, count)
+        p_dev, st_dev = _device(p, st)
+        scal = ca._scalars(weight_decay=0.1, count=count, grad_scale=0.5, **KW)
+        p_dev, st_dev = da.device_adamw_step(mode, p_dev, jnp.asarray(g), st_dev, scal)
+        _host_step(mode, p, g, st, weight_decay=0.1, count=count, grad_scale=0.5, **KW)
+        _assert_same(p_dev, st_dev, p, st)

@@ -138,7 +138,7 @@ def test_plan_for_a_device_side_update():
     big = ModelConfig(vocab_size=32000, hidden_size=4096, num_heads=32, num_kv_heads=32, intermediate_size=11008,
                       num_layers=32)
     base = Config(model=big, optim=OptimConfig(moments="int8", clip_norm=1.0),
-                  train=TrainConfig(batch_size=16, compute_dtype="bfloat16"))
+                  train=TrainConfig(batch_size=16, compute_dtype="bfloat16", update_on="host"))
     base.data.seq_len = 4096
     dev = Config(model=big, optim=OptimConfig(moments="int8", clip_norm=1.0),
                  train=TrainConfig(batch_size=16, compute_dtype="bfloat16", update_on="device"))
@@ -149,3 +149,12 @@ def test_plan_for_a_device_side_update():
     assert any("device-side update" in r.what for r in p_dev.rows)
     assert p_dev.step["optimizer_s"] == 0.0 and p_dev.step["d2h_s"] > p_host.step["d2h_s"] * 1.2
     assert p_host.decisions["update_on"] == "host"
+    # auto: the GPU updates compact moments on one GPU; fp32 moments and several GPUs stay on the host
+    auto = Config(model=big, optim=OptimConfig(moments="int8", clip_norm=1.0),
+                  train=TrainConfig(batch_size=16, compute_dtype="bfloat16"))
+    auto.data.seq_len = 4096
+    assert make_plan(auto, machine).decisions["update_on"] == "device"
+    auto.optim.moments = "float32"
+    assert make_plan(auto, machine).decisions["update_on"] == "host"
+    auto.optim.moments = "int8"
+    assert make_plan(auto, machine, devices=2).decisions["update_on"] == "host"

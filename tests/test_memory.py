@@ -35,11 +35,15 @@ def test_slab_pool_is_deep_for_speed_and_shallow_in_the_leanest_mode():
     """auto slabs: 24 where the host has room (they keep the optimizer fed), 6 with int8 moments (the
     leanest state is chosen for memory; its kernel, not the pool, paces the updates); N when set."""
     assert _plan("configs/qwen2.5-7b.yaml").decisions["grad_slabs"] == 24
-    lean = _plan("configs/qwen2.5-7b.yaml", "optim.moments=int8", "train.stream_copy=device")
+    lean = _plan("configs/qwen2.5-7b.yaml", "optim.moments=int8", "train.stream_copy=device", "train.update_on=host")
     assert lean.decisions["grad_slabs"] == 6
     row = [r for r in lean.rows if "pinned slabs" in r.what][0]
     assert row.bytes == 6 * 128 * 2 ** 20
-    assert _plan("configs/qwen2.5-7b.yaml", "optim.moments=int8", "train.grad_slabs=12").decisions["grad_slabs"] == 12
+    assert _plan("configs/qwen2.5-7b.yaml", "optim.moments=int8", "train.grad_slabs=12",
+                 "train.update_on=host").decisions["grad_slabs"] == 12
+    # a device-side update (auto with int8 moments on a GPU) brings no gradient to the host: no slabs
+    dev = _plan("configs/qwen2.5-7b.yaml", "optim.moments=int8", "train.stream_copy=device")
+    assert dev.decisions["update_on"] == "device" and not any("pinned slabs" in r.what for r in dev.rows)
 
 
 def test_stream_copy_auto_casts_on_the_gpu_where_the_transfer_hides_behind_compute():
