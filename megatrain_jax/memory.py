@@ -508,7 +508,13 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
                 break
         if chosen[6]:
             break
-    M, act, hold, phases, gpu_rows, gpu_need, _ = chosen
+    M, act, hold, phases, gpu_rows, gpu_need, fits_gpu = chosen
+    if not fits_gpu and t.update_on == "auto" and update_on == "device":
+        # the device-side update's own GPU memory (and the gradients it must hold there) does not fit:
+        # the host updates instead (e.g. 18.1B parameters on an 80 GB GPU)
+        import dataclasses
+
+        return _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(t, update_on="host")), machine, devices)
 
     # ---- host rows
     rows: list[Row] = []
