@@ -53,6 +53,19 @@ from megatrain_jax.trainer import Trainer, host_bf16_copy  # noqa: F401 - host_b
 Log = Callable[[str], None]
 
 
+
+def few_malloc_arenas(arenas: int = 2) -> bool:
+    """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``, as ``MALLOC_ARENA_MAX`` does) before the
+    backend's and the engine's threads start: each arena keeps what its threads freed. With the
+    device-side update the host runs no optimizer threads, and 2 arenas kept 0.3 GB less resident at
+    the Qwen2.5-7B shape (H100, 2026-11-24). False where glibc is not there."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-8, int(arenas)))  # M_ARENA_MAX = -8
+    except (OSError, AttributeError):
+        return False
+
 def plan_or_refuse(cfg: Config, log: Log = print):
     """The memory plan for ``cfg`` on this machine, or the one-line refusal (``UserError``) before
     anything is allocated. Gives XLA the plan's budgets when its backend has not started yet."""
@@ -63,6 +76,8 @@ def plan_or_refuse(cfg: Config, log: Log = print):
     if err is not None:
         raise err
     apply_gpu_settings(plan)
+    if plan.decisions.get("update_on") == "device":
+        few_malloc_arenas()
     d = plan.decisions
     gpu = f", GPU peak {plan.gpu_need / 1e9:.1f} of {plan.gpu_budget / 1e9:.1f} GB" if plan.gpu_budget else ""
     log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB "
