@@ -62,10 +62,7 @@ def few_malloc_arenas(arenas: int = 2) -> bool:
     import ctypes
 
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        # M_ARENA_MAX = -8; M_MMAP_THRESHOLD = -3 at 1 MiB, fixed: large blocks are mapped and unmapped,
-        # not kept in an arena's heap after a free (glibc otherwise raises the threshold as they are freed)
-        return bool(libc.mallopt(-8, int(arenas))) and bool(libc.mallopt(-3, 1 << 20))
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-8, int(arenas)))  # M_ARENA_MAX = -8
     except (OSError, AttributeError):
         return False
 
