@@ -158,7 +158,8 @@ def test_plan_for_a_device_side_update():
     assert make_plan(auto, machine).decisions["update_on"] == "host"
     auto.optim.moments = "int8"
     assert make_plan(auto, machine, devices=2).decisions["update_on"] == "host"
-    # where the device-side update's GPU memory does not fit (18.1B parameters on the H100 machine), auto
+    # where the device-side update's GPU memory does not fit (18.1B parameters on the H100 machine with a
+    # 4096-token loss chunk), auto
     # falls back to the host and a plan that fits; an explicit device is reported as not fitting
     import os
 
@@ -167,7 +168,10 @@ def test_plan_for_a_device_side_update():
 
     h100 = Machine("gpu", 128 * GiB, 125 * GiB, "MemTotal", 81559 * 2 ** 20, "test", 1, "H100", 16, {})
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "qwen2.5-18b.yaml")
-    p = make_plan(load_config(path, ["train.final_checkpoint=false"]), h100)
+    over = ["train.final_checkpoint=false", "train.loss_chunk=4096"]  # (the config's 2048 leaves room for it)
+    p = make_plan(load_config(path, over), h100)
     assert p.decisions["update_on"] == "host" and p.gpu_need <= p.gpu_budget
-    p = make_plan(load_config(path, ["train.final_checkpoint=false", "train.update_on=device"]), h100)
+    p = make_plan(load_config(path, over + ["train.update_on=device"]), h100)
     assert p.decisions["update_on"] == "device" and p.gpu_need > p.gpu_budget
+    p = make_plan(load_config(path, ["train.final_checkpoint=false"]), h100)
+    assert p.decisions["update_on"] == "device" and p.gpu_need <= p.gpu_budget
