@@ -312,10 +312,11 @@ def _gpu_phases(s: _Shapes, *, M: int, stream_bytes: int, device_cast: bool, act
     fixed = resident + inflight
     upd = upd_loss = 0.0
     if update_state_bytes is not None:
-        # the state of the two blocks in flight and of the embedding or head being updated, two updated
-        # blocks (master + state) still being written back to the host, and the step's temporaries (one
-        # slice of device_adamw.CHUNK values, up to 16 bytes each for int8 moments)
-        upd = update_state_bytes * (2 * s.block + max(s.embed, s.head)) + (4 + update_state_bytes) * 2 * s.block \
+        # the state of the two blocks in flight and of the embedding or head being updated, three updated
+        # blocks (master + state) still being written back to the host (two fell 0.8 GB short of the
+        # 18.1B model's measured peak on the H100), and the step's temporaries (one slice of
+        # device_adamw.CHUNK values, up to 16 bytes each for int8 moments)
+        upd = update_state_bytes * (2 * s.block + max(s.embed, s.head)) + (4 + update_state_bytes) * 3 * s.block \
             + 16.0 * min(DEVICE_UPDATE_CHUNK, max(s.embed, s.head, s.block))
         # at the loss too: measured on the H100, a device-side update run peaks 5-6 GB above the same
         # run updating on the host (Qwen2.5-14B 65.8-66.5 GB against 60.5-60.9), more than the head's
