@@ -158,6 +158,11 @@ def test_plan_for_a_device_side_update():
     assert make_plan(auto, machine).decisions["update_on"] == "host"
     auto.optim.moments = "int8"
     assert make_plan(auto, machine, devices=2).decisions["update_on"] == "host"
+    auto.train.update_on = "device"  # asked for by name on two GPUs: refused, naming the field
+    with pytest.raises(UserError) as e:
+        make_plan(auto, machine, devices=2)
+    assert e.value.field == "train.update_on"
+    auto.train.update_on = "auto"
     # where the device-side update's GPU memory does not fit (18.1B parameters on the H100 machine with a
     # 4096-token loss chunk), auto
     # falls back to the host and a plan that fits; an explicit device is reported as not fitting
