@@ -320,7 +320,8 @@ class CheckpointSaver:
         shutil.rmtree(tmp, ignore_errors=True)
         tr = self.trainer
         order = tr._forward_order() if hasattr(tr, "_forward_order") else [g.name for g in tr.store]
-        pending = dict(getattr(tr, "_pending", {}))  # update K of each group, maybe still running
+        # update K of each group, maybe still running (or, for device-side updates, not yet started)
+        pending = tr.pending_updates() if hasattr(tr, "pending_updates") else dict(getattr(tr, "_pending", {}))
         job = _Job(step, tr.count, final, tmp, meta, pending, order)
         self._job = self._active = job
         job.thread = threading.Thread(target=self._write, args=(job,), name=f"ckpt-save-{step}", daemon=True)

@@ -328,6 +328,7 @@ class StreamedTrainer:
         # thread that writes updated state back into the host store
         self._dev_updates: dict[str, tuple[Any, float, int]] = {}
         self._resident: dict[str, jax.Array] = {}  # current weights already on the device (see step)
+        self._dev_done: dict[str, Future] = {}  # per group: its queued device-side update is in the store
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h-writeback") \
             if update_on == "device" else None
         self._update_error: BaseException | None = None  # the first host update that raised
@@ -439,6 +440,7 @@ class StreamedTrainer:
             if self.update_on == "device":  # applied on the device when the next forward fetches each group
                 for name in self._forward_order():
                     self._dev_updates[name] = (grads.pop(name), scale, self.count)
+                    self._dev_done[name] = Future()  # set once this update is back in the host store
                 # the current weights of the groups needed first and last are on the device already:
                 # their updates start from these instead of crossing PCIe again (the step's first
                 # transfers are exposed: nothing computes before the embedding and block 0)
@@ -512,11 +514,30 @@ class StreamedTrainer:
         self._trace("compute", f"update {w.name}", p_new)  # runs on the compute stream
         g = self.store[w.name]
         targets = [(w.name, p_new, g.master)] + [(f"{w.name}/{k}", state[k], w.host_state[k]) for k in w.host_state]
-        self._pending[w.name] = self._writer.submit(self._write_back, w.name, w.count, targets)
+        self._pending[w.name] = self._writer.submit(self._write_back, w.name, w.count, targets,
+                                                    self._dev_done.pop(w.name, None))
         return p_new
 
-    def _write_back(self, name: str, count: int, targets: list[tuple[str, jax.Array, np.ndarray]]) -> None:
-        """On the write-back thread: the updated master and state into the host store, in place."""
+    def pending_updates(self) -> dict[str, Future]:
+        """Per group, a future that completes once the update queued last is in the host store (a
+        background checkpoint waits for these): host updates in flight, and device-side updates not
+        yet applied (they are applied when the next forward fetches the group)."""
+        return {**self._pending, **self._dev_done}
+
+    def _write_back(self, name: str, count: int, targets: list[tuple[str, jax.Array, np.ndarray]],
+                    done: Future | None) -> None:
+        """On the write-back thread: the updated master and state into the host store, in place;
+        then ``done`` (the future a background checkpoint may wait on) completes."""
+        try:
+            self._write_targets(name, count, targets)
+        except BaseException as e:
+            if done is not None:
+                done.set_exception(e)
+            raise
+        if done is not None:
+            done.set_result(None)
+
+    def _write_targets(self, name: str, count: int, targets: list[tuple[str, jax.Array, np.ndarray]]) -> None:
         if self.before_update is not None:
             self.before_update(name, count)
         t0 = time.perf_counter()

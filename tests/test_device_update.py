@@ -180,3 +180,34 @@ def test_plan_for_a_device_side_update():
     assert p.decisions["update_on"] == "device" and p.gpu_need > p.gpu_budget
     p = make_plan(load_config(path, ["train.final_checkpoint=false"]), h100)
     assert p.decisions["update_on"] == "device" and p.gpu_need <= p.gpu_budget
+
+
+def test_background_checkpoint_holds_the_state_after_its_step(tmp_path):
+    """A checkpoint saved in the background after step 2 holds exactly update 2 of every group, although
+    update 2 is applied only by step 3's forward (device-side updates wait for the next fetch) and
+    update 3 runs while the save proceeds: the saver waits for the queued device updates
+    (``pending_updates``), and update 3 is held until its group is saved."""
+    from megatrain_jax import checkpoint as ck
+
+    ref, _ = _run("host", "int8", steps=2)
+    ocfg = OptimConfig(lr=3e-3, b2=0.95, weight_decay=0.1, clip_norm=1.0, moments="int8",
+                       schedule=ScheduleConfig(kind="warmup_cosine", warmup_steps=1))
+    parts, store = init_host_store(MODEL, 0, bf16_stream=False)
+    dev = StreamedTrainer(parts, build_host_optimizer(ocfg, STEPS), compute_dtype="float32", micro_batches=2,
+                          clip_norm=1.0, loss_chunk=48, store=store, update_on="device")
+    saver = ck.CheckpointSaver(dev, str(tmp_path))
+    batches = _batches(STEPS)
+    dev.step(batches[0])
+    dev.step(batches[1])
+    assert dev._dev_updates and not any(f.done() for f in dev.pending_updates().values())
+    path = saver.save(2, {"note": "test"})  # in the background
+    dev.step(batches[2])  # applies update 2 (the saver waits for it), then queues update 3
+    dev.finish()  # applies update 3: held back group by group until saved
+    saver.wait()
+    arrays, state = ck.load_checkpoint_arrays(path)
+    assert state["count"] == 2
+    got = {(name if k == "master" else f"{name}/{k}"): a for name, group in arrays.items() for k, a in group.items()}
+    _assert_same(_state(ref), got)
+    saver.close()
+    dev.close()
+    ref.close()
