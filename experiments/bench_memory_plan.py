@@ -50,7 +50,9 @@ def _used_gb() -> float:
     return (info["MemTotal"] - info["MemAvailable"]) * 1024 / 1e9
 
 
-def run_case(name: str, spec: str, args) -> dict:
+def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
+    """``procs`` > 1: that many ``train`` processes joined through jax.distributed (MEGATRAIN_*), one GPU
+    each (CUDA_VISIBLE_DEVICES), on this machine; RSS is sampled for each and summed."""
     config, *sets = [x for x in spec.split(";") if x]
     out_dir = tempfile.mkdtemp(prefix=f"bench_{name}_")
     sets = sets + ["train.final_checkpoint=false", "model.init=fast", f"train.steps={args.steps}",
@@ -71,18 +73,27 @@ def run_case(name: str, spec: str, args) -> dict:
     t0 = time.perf_counter()
     log_path = os.path.join(args.out, f"train_{name}.log")
     with open(log_path, "w") as logf:
-        proc = subprocess.Popen(py + ["train", config] + flags, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        if procs == 1:
+            ps = [subprocess.Popen(py + ["train", config] + flags, cwd=ROOT, env=env, stdout=logf,
+                                   stderr=subprocess.STDOUT)]
+        else:
+            port = 12355 + os.getpid() % 1000
+            ps = [subprocess.Popen(py + ["train", config] + flags, cwd=ROOT, stdout=logf if i == 0 else subprocess.DEVNULL,
+                                   stderr=subprocess.STDOUT,
+                                   env=dict(env, MEGATRAIN_COORDINATOR=f"127.0.0.1:{port}",
+                                            MEGATRAIN_NUM_PROCESSES=str(procs), MEGATRAIN_PROCESS_ID=str(i),
+                                            CUDA_VISIBLE_DEVICES=str(i))) for i in range(procs)]
         peak = {"rss_kb": 0, "used_gb": 0.0}
 
         def sample():
-            while proc.poll() is None:
-                peak["rss_kb"] = max(peak["rss_kb"], _status_kb(proc.pid, "VmRSS:"))
+            while any(q.poll() is None for q in ps):
+                peak["rss_kb"] = max(peak["rss_kb"], sum(_status_kb(q.pid, "VmRSS:") for q in ps))
                 peak["used_gb"] = max(peak["used_gb"], _used_gb())
                 time.sleep(0.1)
 
         th = threading.Thread(target=sample, daemon=True)
         th.start()
-        rc = proc.wait()
+        rc = max(abs(q.wait()) for q in ps)
         th.join()
     res.update({"rc": rc, "wall_s": time.perf_counter() - t0, "sampled_peak_rss_gb": peak["rss_kb"] * 1024 / 1e9,
                 "machine_used_before_gb": used0, "machine_used_peak_gb": peak["used_gb"]})
@@ -110,7 +121,10 @@ def run_case(name: str, spec: str, args) -> dict:
                     "model_tflops": statistics.median(r["model_tflops"] for r in timed),
                     "model_tflops_with_attention": statistics.median(r["model_tflops_with_attention"] for r in timed),
                     "losses": [r["loss"] for r in recs]})
-    if recs:
+    if recs and procs > 1:  # process 0's own peak is in its metrics; the sum of all is sampled
+        res["peak_host_rss_gb"] = res["sampled_peak_rss_gb"]
+        res["peak_gpu_gb"] = max(r.get("gpu_peak_gb", 0) for r in recs)
+    elif recs:
         res["peak_host_rss_gb"] = max(r.get("host_peak_rss_gb", 0) for r in recs)
         res["peak_gpu_gb"] = max(r.get("gpu_peak_gb", 0) for r in recs)
     p = res.get("plan")

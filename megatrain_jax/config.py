@@ -194,6 +194,9 @@ class TrainConfig:
     #                          device (the master and state cross PCIe, the GPU updates each block as the next
     #                          forward fetches it; needs stream_copy=device, the fused kernel, one GPU) | auto
     #                          (the plan decides)
+    keep_residuals: int | str = "auto"  # the last N blocks keep their forward's matmul outputs on the GPU, so
+    #                                     the backward does not recompute them: auto (as many as the GPU room the
+    #                                     plan leaves holds; one GPU) | N | 0
     trace_step: int = 0  # > 0: record that step's per-layer timeline (host->GPU, compute, GPU->host, host
     #                      optimizer) to out_dir/timeline_step<N>.{png,json} and log where compute waited
 
@@ -361,6 +364,10 @@ def validate(cfg: Config) -> None:
                                    or t.grad_slabs < 2):
         raise UserError("train.grad_slabs", f"must be auto or an integer >= 2, got {t.grad_slabs!r}",
                         "set train.grad_slabs=auto (or e.g. 6 to save host memory, 24 for speed)")
+    if t.keep_residuals != "auto" and (isinstance(t.keep_residuals, bool) or not isinstance(t.keep_residuals, int)
+                                       or t.keep_residuals < 0):
+        raise UserError("train.keep_residuals", f"must be auto or an integer >= 0, got {t.keep_residuals!r}",
+                        "set train.keep_residuals=auto (or a number of blocks, 0 to recompute every block)")
     if t.devices != "all" and (isinstance(t.devices, bool) or not isinstance(t.devices, int) or t.devices <= 0):
         raise UserError("train.devices", f"must be a positive integer or all, got {t.devices!r}",
                         "set train.devices=all or a number of GPUs")

@@ -249,7 +249,7 @@ class StreamedTrainer:
                  skip_nonfinite: bool = False, offload_activations: bool | None = None,
                  transfer_mode: str = "auto", tracer: Any = None, grad_hold: str = "gpu_fp32",
                  grad_slab_elems: int | None = 32 << 20, grad_slabs: int | None = None, rng_seed: int = 0,
-                 devices: list[jax.Device] | None = None, update_on: str = "host"):
+                 devices: list[jax.Device] | None = None, update_on: str = "host", keep_residuals: int = 0):
         """``grad_hold``: where deferred gradients wait for the step's norm (``gpu_fp32``,
         ``gpu_bf16``: rounded to bf16 after the norm is taken, or ``pinned_host``). The streamed
         dtype follows the store: a store without a bf16 copy streams the fp32 master, which each
@@ -270,7 +270,11 @@ class StreamedTrainer:
         straight into the host store while the block computes. The host CPU does no optimizer work
         and the host memory sees only DMA traffic. Needs a store without a bf16 copy
         (``train.stream_copy=device`` or fp32 compute), an optimizer with ``device_scalars``
-        (the fused AdamW kernels) and one device; updates are always deferred (gradients held)."""
+        (the fused AdamW kernels) and one device; updates are always deferred (gradients held).
+
+        ``keep_residuals``: the last N blocks keep their forward's VJP residuals on the device, so the
+        backward applies them instead of recomputing those blocks' forward (the memory plan sizes N
+        from the GPU room it leaves; one device; never the first block)."""
         if update_on not in ("host", "device"):
             raise ValueError(f"update_on must be host or device, got {update_on!r}")
         if grad_hold not in ("gpu_fp32", "gpu_bf16", "pinned_host"):
@@ -318,6 +322,9 @@ class StreamedTrainer:
                     self.xfer.register(f"{g.name}/{k}", a)
         self.last_step_info: dict[str, Any] = {}
         self.num_layers = self.store.num_blocks
+        if keep_residuals and len(devices) > 1:
+            raise ValueError("keep_residuals runs on one device")
+        self.keep_residuals = max(0, min(int(keep_residuals), self.num_layers - 1))
         self.count = 0  # optimizer steps taken
         self._pending: dict[str, Future] = {}
         self._wait_s = 0.0  # time the dispatching thread spent waiting for host updates
@@ -360,6 +367,8 @@ class StreamedTrainer:
         bring = (lambda hs: [self.xfer.reload(h) for h in hs]) if offload else (lambda hs: hs)
         saved: list[list[jax.Array] | None] = []
         stack, stats = self.parts.blocks, None  # stats: the auxiliary loss's running sums (per device)
+        # the last blocks whose forward keeps its VJP residuals (layers that emit statistics excepted)
+        kept: dict[int, list] = {i: [] for i in range(L - self.keep_residuals, L) if not stack.emits_stats(i)}
         for i in range(L):
             w, nxt, name = nxt, None, f"block_{i + 1}"
             w = self._ready(w)  # a device-side update runs here: after block i-1, before block i
@@ -375,7 +384,11 @@ class StreamedTrainer:
                 # before each micro-batch's compute: copies issued here overlap it, and the host
                 # optimizer gets slabs back to work on several times per block
                 self._issue_grad_copies(through=f"block_{i + self.GRAD_LOOKAHEAD}", wait=False)
-                if stack.emits_stats(i):
+                if i in kept:  # its residuals stay: the backward will not recompute this block
+                    h, res = self._vjp_kernels(i, mb["aux"])[0](w, h, mb["aux"], self._rng(i, m))
+                    kept[i].append(res)
+                    outs.append(h)
+                elif stack.emits_stats(i):
                     if stats is None:
                         stats = self._stats_zeros(i, w, h, mb["aux"], self._rng(i, m))
                     h, stats = self._block_fwd(i, w, h, mb["aux"], self._rng(i, m), stats)
@@ -397,7 +410,10 @@ class StreamedTrainer:
         aux_val, stats_ct = self._aux_total(stats) if stats is not None else (None, None)
 
         # ---- loss and head backward (the last block and its inputs are already in flight)
-        nxt = last_w if last_w is not None else self._fetch(f"block_{L - 1}")
+        if L - 1 in kept:  # applied from its residuals: its weights are not needed again
+            nxt = None
+        else:
+            nxt = last_w if last_w is not None else self._fetch(f"block_{L - 1}")
         acts_nxt, last_w = bring(saved[L - 1]), None
         g_head, g_emb = self._zeros("head"), self._zeros("embed")
         losses, dhs = [], []
@@ -414,10 +430,16 @@ class StreamedTrainer:
 
         # ---- backward sweep: recompute each block from its saved input, VJP, gradient out
         for i in reversed(range(L)):
-            w, nxt = nxt, self._fetch(f"block_{i - 1}") if i > 0 else None
+            w, nxt = nxt, self._fetch(f"block_{i - 1}") if i > 0 and i - 1 not in kept else None
             acts, acts_nxt = acts_nxt, bring(saved[i - 1]) if i > 0 else None
             g = self._zeros(f"block_{i}")
-            for m in range(M):
+            if i in kept:
+                res, kept[i] = kept[i], []
+                bwd_vjp = self._vjp_kernels(i, mbs[0]["aux"])[1]
+                for m in range(M):
+                    dhs[m], g = bwd_vjp(res[m], dhs[m], g)
+                    res[m] = None  # its residuals are freed as soon as they are used
+            for m in range(M if i not in kept else 0):
                 dhs[m], g = self._block_bwd(i, w, acts[m], mbs[m]["aux"], self._rng(i, m), dhs[m], g,
                                             stats_ct if stack.emits_stats(i) else None)
             saved[i] = acts = None  # free this block's boundary activations
@@ -778,6 +800,7 @@ class StreamedTrainer:
                 dw, dh_in = vjp(dh)
                 return dh_in, g + dw.astype(F32)
 
+            self._block_raw[template] = block_fwd
             if not emits_stats:
                 return block_fwd, block_bwd
 
@@ -819,6 +842,8 @@ class StreamedTrainer:
             return ge + dw.astype(F32)
 
         smap = self._smap
+        self._block_raw: dict[Any, Callable] = {}  # per template: its plain forward (for the kept-residual path)
+        self._vjp_jits: dict[Any, tuple] = {}
         self._embed_fwd = jax.jit(smap(embed_fwd, (rep, dat), dat))
         self._block_fns = {k: block_fns(stack.templates[k], self.store[f"block_{stack.kinds.index(k)}"].layout,
                                         aux_loss is not None and k in aux_loss.kinds)
@@ -874,6 +899,43 @@ class StreamedTrainer:
                        self._smap(stats_only, (rep, dat, specs, rep), dat))
             self._block_jits[key] = fns
         return fns
+
+    def _vjp_kernels(self, i: int, aux: Any) -> tuple[Callable, Callable]:
+        """Layer ``i``'s forward that also returns its VJP (the residuals, kept on the device) and
+        the backward that applies it: no recompute. One device only (``keep_residuals``)."""
+        stack = self.parts.blocks
+        kind = stack.kinds[i]
+        key = (kind, jax.tree_util.tree_structure(aux))
+        fns = self._vjp_jits.get(key)
+        if fns is None:
+            fwd = self._block_raw[stack.templates[kind]]
+
+            # matmul outputs are kept; the elementwise rest (norms, activations, rotary, casts) and the
+            # attention's own computation are recomputed from them in the backward, a small part of the
+            # block's forward, for residuals of a few activations per token
+            keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+            def fwd_vjp(w, h, aux, rng):
+                return jax.vjp(jax.checkpoint(lambda w_, h_: fwd(w_, h_, aux, rng), policy=keep), w, h)
+
+            def bwd_vjp(vjp, dh, g):
+                dw, dh_in = vjp(dh)
+                return dh_in, g + dw.astype(F32)
+
+            out = self._batch_sharding
+            fns = (jax.jit(fwd_vjp), jax.jit(bwd_vjp, donate_argnums=(1, 2), out_shardings=(out, None)))
+            self._vjp_jits[key] = fns
+        return fns
+
+    def residual_bytes(self, h: Any, aux: Any) -> int:
+        """Bytes of the VJP residuals the last block keeps for one micro-batch of hidden states
+        shaped like ``h`` (abstract evaluation: nothing runs)."""
+        L = self.num_layers
+        v = self.store[f"block_{L - 1}"].stream_view()
+        w = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        h = jax.ShapeDtypeStruct(h.shape, self.dtype)
+        _, vjp = jax.eval_shape(self._vjp_kernels(L - 1, aux)[0], w, h, aux, self._rng(L - 1, 0))
+        return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(vjp)))
 
     def _block_fwd(self, i: int, w, h, aux, rng, stats=None):
         """Layer ``i``'s output; ``(output, stats + its statistics)`` for a layer that emits them."""

@@ -39,8 +39,16 @@ GPU_MARGIN = (0.05, 1.0 * GiB)  # fraction of the budget + bytes kept free on th
 #                                  workspaces: a Qwen2.5-14B plan at 97% of the budget ran out of memory there)
 XLA_FRACTION = 0.95  # of the device's memory given to XLA's allocator (the rest: CUDA context, cuDNN workspaces)
 MICRO_TOKENS = 16384  # tokens per micro-batch that keep the matmuls efficient (16 x 4096 in 4 micro-batches)
-RUNTIME_HOST_BYTES = {"gpu": 3.8 * GiB, "cpu": 1.0 * GiB}  # Python + JAX + CUDA libraries and context:
-#                                                            a tiny model's whole process on the H100: 4.0 GB
+RUNTIME_HOST_BYTES = {"gpu": 1.45 * GiB, "cpu": 1.0 * GiB}  # Python + JAX + CUDA libraries and context:
+#      a tiny model's whole process on the H100: 4.0 GB, of which 2.52 GB is the allocator's table below
+BFC_TABLE_BYTES_PER_POOL_BYTE = 1.0 / 32  # XLA's BFC allocator keeps one 8-byte chunk handle per 256 bytes of
+# the GPU memory it manages, in host memory, written when a region is made: preallocating 95% of an H100
+# makes a 2.52 GB resident host mapping (experiments/probe_runtime_stages.py: 2.0 GB at a 75% pool, none
+# without preallocation until memory is used)
+PREALLOCATE_ABOVE = 0.75  # of the GPU budget: below it, XLA grows its pool on demand (regions doubling from
+# 2 MiB), so the table covers only what is used (Qwen2.5-7B int8, H100: 49.6 -> 49.2 GB host, same
+# tokens/s); above it the pool is made whole at the start, where one region cannot fragment
+BFC_FIRST_REGION = 2 << 20
 GRAD_SLAB_ELEMS = 32 << 20  # gradient slab: 32M fp32 values (128 MiB) per pinned buffer
 GRAD_SLABS = (6, 24)  # pinned slabs in the pool (fewest, most): transfers of later slabs overlap updates of
 # earlier ones, and the dispatching thread hands out free slabs only between compute dispatches, so a deeper
@@ -247,6 +255,7 @@ class _Shapes:
     tied: bool
     dt: int  # compute dtype bytes
     mlp_ws: float = WS_PER_TOKEN["mlp"]  # working-set bytes per token and unit of F (MoE: "moe_mlp")
+    head_dim: int = 0
 
     @classmethod
     def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str) -> "_Shapes":
@@ -260,7 +269,8 @@ class _Shapes:
         return cls(P=m.total_params(), block=m.block_params(), embed=emb, head=head, L=m.num_layers,
                    H=m.hidden_size, F=mlp, V=m.vocab_size, qkv=q + 2 * kv, B=batch, S=seq,
                    tied=m.tie_embeddings, dt=2 if compute_dtype == "bfloat16" else 4,
-                   mlp_ws=WS_PER_TOKEN["moe_mlp" if getattr(m, "num_experts", None) else "mlp"])
+                   mlp_ws=WS_PER_TOKEN["moe_mlp" if getattr(m, "num_experts", None) else "mlp"],
+                   head_dim=m.dim_per_head)
 
     @property
     def largest_group(self) -> int:
@@ -403,7 +413,8 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
 
     fits_host = lambda q: q.host_need <= _usable(q.host_limit, HOST_MARGIN)  # noqa: E731
     for name, over in MODES.items():
-        t = dataclasses.replace(cfg.train, stream_copy=over.get("stream_copy", cfg.train.stream_copy))
+        t = dataclasses.replace(cfg.train, stream_copy=over.get("stream_copy", cfg.train.stream_copy),
+                                keep_residuals="auto")  # each mode with the residuals its GPU room holds
         o = dataclasses.replace(cfg.optim, moments=over["moments"])
         q = _make_plan(dataclasses.replace(cfg, train=t, optim=o), plan.machine, devices)
         plan.modes[name] = {"host_gb": q.host_need / GB, "bytes_per_param": q.host_bytes_per_param,
@@ -452,8 +463,11 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
         raise UserError("train.update_on", f"device runs on one GPU, and this run uses {n_dev}",
                         "set train.update_on=host (or auto) for data parallel, or train.devices=1")
     stream_copy = "device" if (update_on == "device" and bf16) else t.stream_copy
+    # the runtime at its largest (a preallocated pool's allocator table) while choosing the options
+    runtime_max = RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] \
+        + (XLA_FRACTION * machine.gpu_bytes * BFC_TABLE_BYTES_PER_POOL_BYTE if on_gpu and machine.gpu_bytes else 0.0)
     if stream_copy == "auto":
-        room = _usable(host_avail, HOST_MARGIN) - s.P * (4.0 + mom) - RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] \
+        room = _usable(host_avail, HOST_MARGIN) - s.P * (4.0 + mom) - runtime_max \
             - GRAD_SLABS[0] * GRAD_SLAB_ELEMS * 4
         stream_copy = _choose_stream_copy(s, cfg.data.seq_len, m, on_gpu, bf16, room)
     device_cast = bf16 and stream_copy == "device"
@@ -488,7 +502,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
 
     # host bytes every option needs (the options add pinned activations or pinned gradients)
     host_base = s.P * (4.0 + mom) + (2.0 * s.L * s.block if (bf16 and not device_cast) else 0.0) \
-        + RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] + GRAD_SLABS[0] * GRAD_SLAB_ELEMS * 4
+        + runtime_max + GRAD_SLABS[0] * GRAD_SLAB_ELEMS * 4
     host_extra = {"act": float(s.L * s.B * s.S * s.H * s.dt * n_dev), "hold": 4.0 * s.P}
     host_room = _usable(host_avail, HOST_MARGIN) - host_base
     # preference: what costs nothing first (activations on the GPU, exact fp32 gradients), then bf16
@@ -520,6 +534,17 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
         import dataclasses
 
         return _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(t, update_on="host")), machine, devices)
+    n_keep, per_block = _choose_keep_residuals(t.keep_residuals, s, n_dev=n_dev, on_gpu=on_gpu,
+                                             act_on_gpu=act == "device", moments=o.moments, need=gpu_need,
+                                             budget=gpu_budget, usable=budget_gpu, stream_bytes=stream_bytes,
+                                             moe=bool(getattr(m, "num_experts", None)))
+    if n_keep:
+        gpu_rows.append(Row("gpu", f"forward residuals of the last {n_keep} blocks", n_keep * per_block,
+                            "their backward does not recompute them (train.keep_residuals)"))
+        # on top of the step's peak, wherever the plan puts it: measured peaks with kept residuals sat
+        # above the plan's loss phase plus the residuals (Llama-2-7B by 7 GB), not above its peak plus them
+        phases["loss, residuals kept"] = max(phases.values()) + n_keep * per_block
+        gpu_need = max(phases.values())
 
     # ---- host rows
     rows: list[Row] = []
@@ -545,6 +570,14 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
     rows.append(Row("host", "data loader (one batch, index)", float(t.batch_size * cfg.data.seq_len * 4 * 4 + 64e6)))
     rows.append(Row("host", "runtime (Python, JAX" + (", CUDA context)" if on_gpu else ")"),
                     RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] * (n_dev if on_gpu else 1)))
+    preallocate = None
+    if on_gpu and machine.gpu_bytes:
+        pool = min(XLA_FRACTION, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes) * machine.gpu_bytes
+        preallocate = not (gpu_budget and gpu_need <= PREALLOCATE_ABOVE * gpu_budget)
+        managed = pool if preallocate else min(pool, _grown_pool(gpu_need))
+        rows.append(Row("host", "XLA's GPU allocator table (8 bytes per 256 of its pool)",
+                        managed * BFC_TABLE_BYTES_PER_POOL_BYTE * n_dev,
+                        "pool made at the start" if preallocate else "pool grown on demand"))
     if not on_gpu:
         rows.append(Row("host", "device buffers (the CPU backend's device memory is host memory)", gpu_need))
     # slabs: as many as the host has room for (up to GRAD_SLABS[1]), never fewer than GRAD_SLABS[0]
@@ -584,7 +617,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
     # ---- predicted step from its floor terms
     tokens = t.batch_size * cfg.data.seq_len
     attn = 12.0 * m.num_layers * m.num_heads * m.dim_per_head * cfg.data.seq_len
-    hw_flops = tokens * (8 * m.non_embedding_params() + 8 * s.V * s.H + 4.0 / 6.0 * attn)
+    hw_flops = tokens * (8 * m.non_embedding_params() - 2 * n_keep * s.block + 8 * s.V * s.H + 4.0 / 6.0 * attn)
     rate = RATES["matmul_bf16" if bf16 else "matmul_fp32"] * n_dev
     h2d_bytes = 2 * s.L * s.block * stream_bytes + 4 * (s.embed + s.head)  # blocks twice, embedding/head once
     opt_rate = RATES["adamw_elems"]["optax" if o.kernel == "optax" else o.moments] * min(machine.cpu_cores, 16) / 16
@@ -605,13 +638,65 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
                  "attention": attn_info["impl"], "attention_summary": attn_info["summary"],
                  "moments": o.moments, "devices": n_dev, "grad_slab_elems": GRAD_SLAB_ELEMS if chunked else None,
                  "grad_slabs": slabs, "pinned_pool_bytes": _pinned_need(rows),
-                 "gpu_mem_fraction": None}
+                 "gpu_mem_fraction": None, "gpu_preallocate": preallocate, "keep_residuals": n_keep}
     if on_gpu and machine.gpu_bytes:
         decisions["gpu_mem_fraction"] = round(min(XLA_FRACTION, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes), 4)
     return Plan(rows=rows + gpu_rows + disk_rows, decisions=decisions, host_need=host_need, host_limit=host_avail,
                 host_source=host_source, gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget,
                 gpu_phases=phases, disk_need=disk_need, disk_free=disk_free, step=step, params=s.P,
                 machine=machine, notes=notes)
+
+
+def residual_bytes_per_block(s: "_Shapes", stream_bytes: int, head_dim: int) -> float:
+    """GPU bytes one block's kept forward residuals take for the whole step: the matmul outputs a
+    token keeps (q, k, v, the attention's output projection, gate and up; engine.py's checkpoint
+    policy) and the block's input in the compute dtype, the rotary tables in fp32, and the block's
+    streamed weights, which its backward needs (equal to jax.eval_shape of the engine's kernel:
+    tests/test_memory.py)."""
+    # + dt x (H + qkv): what the GPU keeps beyond the abstract count (cuDNN attention's output and its
+    # inputs after rotary/norms); measured on the H100: Qwen3-8B 8.2 GB per block at 65,536 tokens
+    # where the abstract count is 5.9 (the formula: 7.3), Llama-2-7B 5.6 (formula: 8.1)
+    per_token = s.dt * (3 * s.H + 2 * s.qkv + 2 * s.F) + 4 * head_dim
+    return float(s.B * s.S * per_token + s.block * stream_bytes)
+
+
+def _choose_keep_residuals(asked: Any, s: "_Shapes", *, n_dev: int, on_gpu: bool, act_on_gpu: bool, moments: str,
+                           need: float, budget: float | None, usable: float | None, stream_bytes: int,
+                           moe: bool) -> tuple[int, float]:
+    """How many of the last blocks keep their forward residuals (no recompute in the backward), and
+    the bytes of one. ``auto``: as many as the GPU room the plan leaves holds, on one GPU with the
+    activations there; with int8 moments (the state chosen for host memory) only within the room
+    that keeps XLA's pool growing on demand, whose allocator table is host memory."""
+    from megatrain_jax.errors import UserError
+
+    per_block = residual_bytes_per_block(s, stream_bytes, s.head_dim)
+    if asked != "auto":
+        n = min(int(asked), s.L - 1)
+        if n and n_dev > 1:
+            raise UserError("train.keep_residuals", f"kept residuals run on one GPU, and this run uses {n_dev}",
+                            "set train.keep_residuals=auto (or 0) for data parallel")
+        if n and usable is not None and need + n * per_block > usable:
+            raise UserError("train.keep_residuals",
+                            f"{n} blocks' residuals need {n * per_block / GB:.1f} GB and the GPU room left by the "
+                            f"plan is {max(usable - need, 0) / GB:.1f} GB",
+                            f"set it to {max(int((usable - need) // per_block), 0)} or auto")
+        return n, per_block
+    if not on_gpu or n_dev > 1 or not act_on_gpu or usable is None or moe:
+        return 0, per_block
+    room = usable - need  # the residuals sit on top of the step's peak (see _make_plan)
+    if moments == "int8" and budget and need <= PREALLOCATE_ABOVE * budget:
+        room = min(room, PREALLOCATE_ABOVE * budget - need)
+    return int(max(0, min(s.L - 1, room // per_block))), per_block
+
+
+def _grown_pool(need: float) -> float:
+    """GPU bytes XLA's allocator holds once ``need`` is in use, growing on demand: each new region is
+    twice the last (tsl's BFC allocator with allow_growth), so the pool is the first doubling sum
+    that covers the need."""
+    pool, region = 0.0, float(BFC_FIRST_REGION)
+    while pool < need:
+        pool, region = pool + region, region * 2
+    return pool
 
 
 def _pinned_need(rows: list[Row]) -> float:
@@ -735,6 +820,8 @@ def apply_gpu_settings(p: Plan) -> None:
     d = p.decisions
     if d.get("gpu_mem_fraction"):
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(d["gpu_mem_fraction"]))
+    if d.get("gpu_preallocate") is False:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     pinned = d.get("pinned_pool_bytes") or 0
     if p.machine.backend == "gpu":
         os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(4, math.ceil(pinned * 1.5 / GiB) + 2)))

@@ -83,7 +83,7 @@ def plan_or_refuse(cfg: Config, log: Log = print):
     log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB "
         f"({plan.host_bytes_per_param:.2f} bytes/param){gpu}; micro_batches={d['micro_batches']}, "
         f"activations={d['activations']}, grad_hold={d['grad_hold']}, stream_copy={d['stream_copy']}, "
-        f"moments={d['moments']}, update_on={d.get('update_on', 'host')}; predicted step {plan.step['predicted_step_s']:.2f} s "
+        f"moments={d['moments']}, update_on={d.get('update_on', 'host')}, keep_residuals={d.get('keep_residuals', 0)}; predicted step {plan.step['predicted_step_s']:.2f} s "
         f"({plan.step['binding'][:-2]}-bound)  [megatrain-jax plan CONFIG shows the table]")
     log(d["attention_summary"])
     return plan

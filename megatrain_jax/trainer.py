@@ -153,7 +153,7 @@ class Trainer:
                                  skip_nonfinite=True, offload_activations=d["activations"] == "pinned_host",
                                  grad_hold=d["grad_hold"], grad_slab_elems=d["grad_slab_elems"],
                                  grad_slabs=d["grad_slabs"], devices=run_devices(t.devices),
-                                 update_on=d.get("update_on", "host"))
+                                 update_on=d.get("update_on", "host"), keep_residuals=d.get("keep_residuals", 0))
         self = cls.__new__(cls)  # the parts are made: nothing of __init__'s splitting applies
         self.parts, self.opt, self.engine = parts, optimizer, engine
         self.optimizer_spec, self.steps = cfg.optim, t.steps

@@ -227,3 +227,36 @@ def test_soft_capped_chunked_cross_entropy_and_its_gradient_match_the_plain_form
     np.testing.assert_allclose(cw, gw, rtol=1e-4, atol=1e-6)
     # and capping changes the result (the test would notice it being ignored)
     assert abs(float(chunked_cross_entropy(x, w, y, m, 7)) - float(want)) > 1e-3
+
+
+def _kept_run(cfg, ocfg, batches, keep: int, micro: int, dtype: str, update_on: str = "host"):
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(ocfg, len(batches)), compute_dtype=dtype, store=store,
+                         micro_batches=micro, clip_norm=ocfg.clip_norm, loss_chunk=48, keep_residuals=keep,
+                         update_on=update_on)
+    res = [st.step(b) for b in batches]
+    st.close()
+    return st, [(r.loss, r.grad_norm) for r in res], {g.name: g.master.copy() for g in st.store}
+
+
+@pytest.mark.parametrize("dtype,micro,update_on", [("float32", 2, "host"), ("bfloat16", 1, "host"),
+                                                   ("bfloat16", 2, "device")])
+def test_kept_residuals_equal_recompute(dtype, micro, update_on):
+    """The last blocks' backward from their forward's kept VJP residuals computes exactly what the
+    recompute computes: same losses, norms and weights, bit for bit (the same operations run)."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                      intermediate_size=96)
+    ocfg = OptimConfig(lr=3e-3, clip_norm=1.0)
+    batches = _batches(np.random.default_rng(7), 3, 4, 32, cfg.vocab_size)
+    _, base, w0 = _kept_run(cfg, ocfg, batches, 0, micro, dtype, update_on)
+    st, kept, w2 = _kept_run(cfg, ocfg, batches, 2, micro, dtype, update_on)
+    assert st.keep_residuals == 2 and len(st._vjp_jits) == 1  # one compiled pair serves both blocks
+    assert kept == base
+    for name in w0:
+        np.testing.assert_array_equal(w0[name], w2[name], err_msg=name)
+    # all blocks asked for: the first still recomputes (its weights are the next update's start)
+    st_all, _, _ = _kept_run(cfg, ocfg, batches[:1], 10, micro, dtype, update_on)
+    assert st_all.keep_residuals == cfg.num_layers - 1
+    h = jax.ShapeDtypeStruct((4 // micro, 32, cfg.hidden_size), dtype)
+    aux = st._aux_of(jax.numpy.zeros((4 // micro, 32), jax.numpy.int32), None)
+    assert st.residual_bytes(h, aux) > 4 // micro * 32 * cfg.intermediate_size  # at least the MLP's activations
