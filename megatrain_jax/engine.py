@@ -200,7 +200,7 @@ class _GradOut:
 
     def chunk(self, j: int, engine: "StreamedTrainer") -> np.ndarray:
         """Chunk ``j`` as a host numpy array; waits until it has landed."""
-        if not self._events[j].wait(timeout=engine.issue_wait_s):
+        while not self._events[j].wait(timeout=engine.issue_wait_s):
             engine._issue_through(self, j)
         if self.on_host:
             lo, hi = self.chunks[j]
@@ -622,13 +622,22 @@ class StreamedTrainer:
 
     def _issue_through(self, out: _GradOut, j: int) -> None:
         """The optimizer thread needs chunk ``j`` of ``out`` and nobody has issued it: issue the
-        queue in order up to it (FIFO order keeps the slab pool deadlock-free)."""
-        with self._copy_lock:
+        queue in order up to it (FIFO order keeps the slab pool deadlock-free).
+
+        Never blocks on the copy lock: whoever holds it is issuing the same queue in the same
+        order, and may be waiting for a slab that only this thread can free (a chunk it already
+        issued past ``j``); the caller waits for chunk ``j``'s event and tries again.
+        """
+        if not self._copy_lock.acquire(blocking=False):
+            return
+        try:
             while out.issued <= j and self._copy_queue:
                 head = self._copy_queue[0][1]
                 head.issue_next(self)
                 if head.issued == len(head.chunks):
                     self._copy_queue.pop(0)
+        finally:
+            self._copy_lock.release()
 
     def _submit_update(self, name: str, out: _GradOut, scale: float) -> None:
         self._pending[name] = self._pool.submit(self._update, name, out, scale, self.count)

@@ -141,13 +141,20 @@ def test_plan_predicts_1_2_4_8_gpus_without_them():
     from megatrain_jax.memory import GiB, Machine, make_plan, scaling_table
 
     m = Machine("gpu", 256 * GiB, 250 * GiB, "MemTotal", 141 * 10 ** 9, "sim", 2, "H200", 32, {})
-    cfg = load_config(os.path.join(os.path.dirname(HERE), "configs/7b.yaml"), ["train.batch_size=32"])
+    # no kept residuals: with them (one GPU only) the single-GPU step recomputes less than 1/N of it
+    cfg = load_config(os.path.join(os.path.dirname(HERE), "configs/7b.yaml"),
+                      ["train.batch_size=32", "train.keep_residuals=0"])
     plans = {n: make_plan(cfg, m, devices=n) for n in (1, 2, 4, 8)}
     for n in (2, 4, 8):
         assert plans[n].decisions["devices"] == n
         assert plans[n].gpu_need < plans[1].gpu_need
         assert abs(plans[n].step["compute_s"] * n - plans[1].step["compute_s"]) < 1e-9
         assert abs(plans[n].step["d2h_s"] * n - plans[1].step["d2h_s"]) < 1e-9
+    auto = load_config(os.path.join(os.path.dirname(HERE), "configs/7b.yaml"), ["train.batch_size=32"])
+    one, two = make_plan(auto, m, devices=1), make_plan(auto, m, devices=2)
+    k = one.decisions["keep_residuals"]
+    assert k > 0 and two.decisions["keep_residuals"] == 0  # the 141 GB GPU has room; two GPUs keep none
+    assert one.step["compute_s"] < plans[1].step["compute_s"]  # k blocks' recompute is saved
     table = scaling_table(cfg, m)
     assert "predictions" in table and all(f"\n{n:>4} |" in table for n in (1, 2, 4, 8))
     # train.devices=all counts every GPU of the host

@@ -209,6 +209,35 @@ def test_a_failing_host_update_raises_instead_of_holding_the_slab_pool():
         st.close()
 
 
+def test_the_optimizer_thread_never_waits_for_the_copy_lock_held_by_a_slab_waiter():
+    """The interleaving that hung a CI run: the dispatching thread holds the copy lock while it waits
+    for a slab, and the optimizer thread, which alone frees slabs, timed out on a chunk's event and
+    waited for that lock. Slow copies and an instant issue timeout make it happen every step."""
+    import concurrent.futures
+    import time
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48)
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 4), compute_dtype="float32", store=store,
+                         clip_norm=1.0, grad_slab_elems=500, grad_slabs=2)
+    st.issue_wait_s = 1e-4
+    to_host = st.xfer.to_host
+
+    def slow_to_host(x):
+        time.sleep(0.01)  # the issuing thread holds the copy lock meanwhile
+        return to_host(x)
+
+    st.xfer.to_host = slow_to_host
+    batch = _batches(np.random.default_rng(0), 1, 2, 16, 256)[0]
+    ex = concurrent.futures.ThreadPoolExecutor(1)
+    fut = ex.submit(lambda: ([st.step(batch) for _ in range(3)], st.finish()))
+    try:
+        fut.result(timeout=120)  # a deadlock never returns
+    finally:
+        ex.shutdown(wait=False)
+    st.close()
+
+
 def test_soft_capped_chunked_cross_entropy_and_its_gradient_match_the_plain_formula():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 19, 8)).astype(np.float32)

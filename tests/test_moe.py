@@ -332,7 +332,8 @@ def test_sorted_equals_dense_with_an_idle_expert():
         a = jax.jit(jax.value_and_grad(lambda *z: run(experts_sorted, *z), argnums=(0, 1, 2)))(x, w, logits)
         b = jax.jit(jax.value_and_grad(lambda *z: run(experts_dense, *z), argnums=(0, 1, 2)))(x, w, logits)
         for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-            np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+            # summation order differs (sorted groups vs a dense sum): 3e-5 seen on CI's CPU for values ~10
+            np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------- config, counts, errors
