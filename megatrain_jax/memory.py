@@ -536,8 +536,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
         return _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(t, update_on="host")), machine, devices)
     n_keep, per_block = _choose_keep_residuals(t.keep_residuals, s, n_dev=n_dev, on_gpu=on_gpu,
                                              act_on_gpu=act == "device", moments=o.moments, need=gpu_need,
-                                             budget=gpu_budget, usable=budget_gpu, stream_bytes=stream_bytes,
-                                             moe=bool(getattr(m, "num_experts", None)))
+                                             budget=gpu_budget, usable=budget_gpu, moe=bool(getattr(m, "num_experts", None)))
     if n_keep:
         gpu_rows.append(Row("gpu", f"forward residuals of the last {n_keep} blocks", n_keep * per_block,
                             "their backward does not recompute them (train.keep_residuals)"))
@@ -647,29 +646,26 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
                 machine=machine, notes=notes)
 
 
-def residual_bytes_per_block(s: "_Shapes", stream_bytes: int, head_dim: int) -> float:
+def residual_bytes_per_block(s: "_Shapes", head_dim: int) -> float:
     """GPU bytes one block's kept forward residuals take for the whole step: the matmul outputs a
     token keeps (q, k, v, the attention's output projection, gate and up; engine.py's checkpoint
-    policy) and the block's input in the compute dtype, the rotary tables in fp32, and the block's
-    streamed weights, which its backward needs (equal to jax.eval_shape of the engine's kernel:
-    tests/test_memory.py)."""
-    # + dt x (H + qkv): what the GPU keeps beyond the abstract count (cuDNN attention's output and its
-    # inputs after rotary/norms); measured on the H100: Qwen3-8B 8.2 GB per block at 65,536 tokens
-    # where the abstract count is 5.9 (the formula: 7.3), Llama-2-7B 5.6 (formula: 8.1)
-    per_token = s.dt * (3 * s.H + 2 * s.qkv + 2 * s.F) + 4 * head_dim
-    return float(s.B * s.S * per_token + s.block * stream_bytes)
+    policy) and the rotary tables in fp32 (jax.eval_shape of the engine's kernel: tests). The block's
+    weights and its input are not among them (the backward gets them again)."""
+    # + dt x H: a margin for what the GPU may keep beyond the abstract count (cuDNN attention's inputs
+    # after rotary and norms are recomputed, not kept, by the count)
+    per_token = s.dt * (2 * s.H + s.qkv + 2 * s.F) + 4 * head_dim
+    return float(s.B * s.S * per_token)
 
 
 def _choose_keep_residuals(asked: Any, s: "_Shapes", *, n_dev: int, on_gpu: bool, act_on_gpu: bool, moments: str,
-                           need: float, budget: float | None, usable: float | None, stream_bytes: int,
-                           moe: bool) -> tuple[int, float]:
+                           need: float, budget: float | None, usable: float | None, moe: bool) -> tuple[int, float]:
     """How many of the last blocks keep their forward residuals (no recompute in the backward), and
     the bytes of one. ``auto``: as many as the GPU room the plan leaves holds, on one GPU with the
     activations there; with int8 moments (the state chosen for host memory) only within the room
     that keeps XLA's pool growing on demand, whose allocator table is host memory."""
     from megatrain_jax.errors import UserError
 
-    per_block = residual_bytes_per_block(s, stream_bytes, s.head_dim)
+    per_block = residual_bytes_per_block(s, s.head_dim)
     if asked != "auto":
         n = min(int(asked), s.L - 1)
         if n and n_dev > 1:

@@ -288,4 +288,10 @@ def test_kept_residuals_equal_recompute(dtype, micro, update_on):
     assert st_all.keep_residuals == cfg.num_layers - 1
     h = jax.ShapeDtypeStruct((4 // micro, 32, cfg.hidden_size), dtype)
     aux = st._aux_of(jax.numpy.zeros((4 // micro, 32), jax.numpy.int32), None)
-    assert st.residual_bytes(h, aux) > 4 // micro * 32 * cfg.intermediate_size  # at least the MLP's activations
+    res = st.residual_bytes(h, aux)
+    assert res > 4 // micro * 32 * cfg.intermediate_size  # at least the MLP's activations
+    # neither the block's weights (one copy per micro-batch, as jit outputs) nor its input, which the step
+    # keeps anyway: the residuals are per token, under (q + 2 kv + H + 2 F) values plus the rotary tables
+    per_token = (cfg.hidden_size + 2 * 2 * 16 + cfg.hidden_size + 2 * cfg.intermediate_size) \
+        * np.dtype(dtype).itemsize + 4 * 16
+    assert res <= 4 // micro * 32 * per_token, (res, per_token)
