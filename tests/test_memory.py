@@ -181,3 +181,78 @@ def test_moe_working_set_counts_every_expert_of_the_dense_formulation():
     p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", "train.micro_batches=8")
     dense = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", "train.micro_batches=8", "model.num_experts=8")
     assert dense.gpu_need < p.gpu_need
+
+
+# ------------------------------------------------------------------ kept residuals (train.keep_residuals)
+
+
+def test_kept_residuals_auto_fill_the_gpu_room_and_int8_keeps_the_pool_growing_on_demand():
+    """auto keeps as many blocks' residuals as the room above the step's peak holds, and says so in the
+    rows; with int8 moments (chosen for host memory) only below the line where XLA would preallocate its
+    pool (whose allocator table is host memory), so the leanest mode stays lean."""
+    from megatrain_jax.memory import PREALLOCATE_ABOVE
+
+    full = _plan("configs/7b.yaml")
+    k = full.decisions["keep_residuals"]
+    assert 0 < k < 32 and full.gpu_need <= full.gpu_budget
+    assert any(f"last {k} blocks" in r.what for r in full.rows)
+    assert "loss, residuals kept" in full.gpu_phases
+    none = _plan("configs/7b.yaml", "train.keep_residuals=0")
+    assert none.decisions["keep_residuals"] == 0 and none.gpu_need < full.gpu_need
+    assert full.step["compute_s"] < none.step["compute_s"]  # k blocks' recompute is saved
+
+    # Qwen3-8B on the H100: bf16 moments take the whole room (and a preallocated pool); int8 moments stop
+    # below the preallocation line, with fewer blocks
+    lean = _plan("configs/qwen3-8b.yaml", "optim.moments=int8")
+    roomy = _plan("configs/qwen3-8b.yaml", "optim.moments=bfloat16")
+    assert 0 < lean.decisions["keep_residuals"] < roomy.decisions["keep_residuals"]
+    assert lean.gpu_need <= PREALLOCATE_ABOVE * lean.gpu_budget and lean.decisions["gpu_preallocate"] is False
+    assert roomy.gpu_need > PREALLOCATE_ABOVE * roomy.gpu_budget and roomy.decisions["gpu_preallocate"] is True
+
+
+def test_kept_residuals_asked_for_beyond_the_room_or_on_two_gpus_are_refused_naming_the_field():
+    with pytest.raises(UserError) as e:
+        _plan("configs/qwen3-8b.yaml", "optim.moments=int8", "train.keep_residuals=30")
+    assert e.value.field == "train.keep_residuals" and "GB" in str(e.value) and "or auto" in str(e.value)
+    two = Machine("gpu", 256 * GiB, 250 * GiB, "MemTotal", 141 * 10 ** 9, "sim", 2, "H200", 32, {})
+    with pytest.raises(UserError) as e:
+        _plan("configs/7b.yaml", "train.keep_residuals=2", "train.batch_size=32", machine=two)
+    assert e.value.field == "train.keep_residuals" and "data parallel" in str(e.value)
+    # what fits is taken as asked, and a CPU run keeps none by itself
+    assert _plan("configs/qwen3-8b.yaml", "optim.moments=int8", "train.keep_residuals=2").decisions["keep_residuals"] == 2
+    cpu = Machine("cpu", 24 * GiB, 22 * GiB, "MemTotal", None, "", 0, "", 2, {})
+    assert _plan("configs/tiny.yaml", machine=cpu).decisions["keep_residuals"] == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "many", "true", "2.5"])
+def test_a_bad_keep_residuals_value_is_refused_by_the_config(value):
+    with pytest.raises(UserError) as e:
+        load_config(os.path.join(REPO, "configs/tiny.yaml"), [f"train.keep_residuals={value}"])
+    assert e.value.field == "train.keep_residuals"
+
+
+def test_the_plans_residual_estimate_covers_the_engines_abstract_residuals():
+    """The plan's bytes per kept block are at least what jax.eval_shape of the engine's kernel keeps
+    (and not far above it), for a Llama-like and a Qwen3-like block."""
+    import jax
+    import jax.numpy as jnp
+
+    from megatrain_jax.config import ModelConfig, OptimConfig
+    from megatrain_jax.engine import StreamedTrainer
+    from megatrain_jax.memory import _Shapes, residual_bytes_per_block
+    from megatrain_jax.models.llama import init_host_store
+    from megatrain_jax.optim import build_host_optimizer
+
+    for over in (dict(), dict(family="qwen3", head_dim=32)):
+        cfg = ModelConfig(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                          intermediate_size=320, **over)
+        parts, store = init_host_store(cfg, 0, bf16_stream=False)
+        st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 2), compute_dtype="bfloat16", store=store,
+                             keep_residuals=1)
+        b, s, micro = 4, 64, 2
+        h = jax.ShapeDtypeStruct((b // micro, s, cfg.hidden_size), jnp.bfloat16)
+        aux = st._aux_of(jnp.zeros((b // micro, s), jnp.int32), None)
+        engine = micro * st.residual_bytes(h, aux)
+        plan = residual_bytes_per_block(_Shapes.of(cfg, b, s, "bfloat16"), cfg.dim_per_head)
+        assert engine <= plan <= 1.35 * engine, (over, engine, plan)
+        st.close()
