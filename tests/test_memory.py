@@ -256,3 +256,27 @@ def test_the_plans_residual_estimate_covers_the_engines_abstract_residuals():
         plan = residual_bytes_per_block(_Shapes.of(cfg, b, s, "bfloat16"), cfg.dim_per_head)
         assert engine <= plan <= 1.35 * engine, (over, engine, plan)
         st.close()
+
+
+def test_the_pool_decision_reaches_xla_and_a_users_own_setting_wins(monkeypatch):
+    """apply_gpu_settings turns the plan's gpu_preallocate=False into XLA_PYTHON_CLIENT_PREALLOCATE=false
+    (set before JAX's backend starts); a preallocating plan sets nothing; a variable the user set stays."""
+    from megatrain_jax.memory import apply_gpu_settings
+
+    for var in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
+        monkeypatch.delenv(var, raising=False)
+    lean = _plan("configs/qwen3-8b.yaml", "optim.moments=int8")
+    assert lean.decisions["gpu_preallocate"] is False
+    apply_gpu_settings(lean)
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == str(lean.decisions["gpu_mem_fraction"])
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE")
+    roomy = _plan("configs/qwen3-8b.yaml", "optim.moments=bfloat16")
+    assert roomy.decisions["gpu_preallocate"] is True
+    apply_gpu_settings(roomy)
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    apply_gpu_settings(lean)
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
