@@ -1,0 +1,89 @@
+"""``EngineOptions``: every decision the memory plan makes for the engine, as one frozen object.
+
+The plan (``megatrain_jax.plan``) builds it; ``Trainer`` and the engine take it and nothing else:
+no string keys, no ``.get`` fallbacks, no constant or heuristic of the engine's own that the plan
+decides. Every rule about combinations of options is checked here, once (``__post_init__``), so a
+bad combination fails at construction with a one-line ``UserError`` naming the field.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+from megatrain_jax.errors import UserError
+
+GRAD_SLAB_ELEMS = 32 << 20  # a pinned gradient slab: 32M fp32 values (128 MiB)
+GRAD_SLABS = 8  # pinned gradient slabs in flight at once
+DEVICE_UPDATE_CHUNK = 8192 * 2048  # values per slice of a device-side update (bounded temporaries)
+
+Activations = Literal["device", "pinned_host"]
+GradHold = Literal["gpu_fp32", "gpu_bf16", "pinned_host"]
+StreamCopy = Literal["host", "device"]
+UpdateOn = Literal["host", "device"]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the streamed step runs. Defaults are the plain one-device, host-update path (what a
+    ``Trainer`` built from Python without a plan runs)."""
+
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    micro_batches: int = 1  # micro-batches per step (layer-major: each block sees all of them)
+    loss_chunk: int = 1024  # tokens per chunk of the fused head + cross-entropy
+    clip_norm: float | None = None  # global-norm clipping (None: off)
+    skip_nonfinite: bool = False  # a step with a non-finite loss or norm changes nothing
+    activations: Activations = "device"  # where boundary activations wait for the backward
+    grad_hold: GradHold = "gpu_fp32"  # where deferred gradients wait for the clipping norm
+    grad_slabs: int = GRAD_SLABS  # pinned gradient slabs feeding the host optimizer
+    grad_slab_elems: int | None = GRAD_SLAB_ELEMS  # values per slab (None: whole groups)
+    stream_copy: StreamCopy = "host"  # the bf16 streaming copy lives on the host, or the GPU casts fp32
+    update_on: UpdateOn = "host"  # where each group's optimizer step runs
+    keep_residuals: int = 0  # the last N blocks keep their VJP residuals (no recompute)
+    devices: int | Literal["all"] = 1  # data parallel: devices per process (distributed.run_devices)
+    device_update_chunk: int = DEVICE_UPDATE_CHUNK
+    rng_seed: int = 0  # dropout keys (templates.block_rng)
+    transfer_mode: str = "auto"  # transfer.Transfers: dma-mapped numpy or pinned_host arrays
+
+    def __post_init__(self) -> None:
+        def bad(field: str, problem: str, fix: str) -> None:
+            raise UserError(field, problem, fix)
+
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            bad("train.compute_dtype", f"{self.compute_dtype!r}", "use float32 or bfloat16")
+        if int(self.micro_batches) < 1:
+            bad("train.micro_batches", f"must be >= 1, got {self.micro_batches}", "set a positive integer")
+        if int(self.loss_chunk) < 1:
+            bad("train.loss_chunk", f"must be >= 1, got {self.loss_chunk}", "set a positive integer")
+        if self.activations not in ("device", "pinned_host"):
+            bad("train.activations", f"{self.activations!r}", "use device or pinned_host")
+        if self.grad_hold not in ("gpu_fp32", "gpu_bf16", "pinned_host"):
+            bad("train.grad_hold", f"{self.grad_hold!r}", "use gpu_fp32, gpu_bf16 or pinned_host")
+        if self.stream_copy not in ("host", "device"):
+            bad("train.stream_copy", f"{self.stream_copy!r}", "use host or device")
+        if self.update_on not in ("host", "device"):
+            bad("train.update_on", f"{self.update_on!r}", "use host or device")
+        if int(self.grad_slabs) < 1:
+            bad("train.grad_slabs", f"must be >= 1, got {self.grad_slabs}", "set a positive integer")
+        if int(self.keep_residuals) < 0:
+            bad("train.keep_residuals", f"must be >= 0, got {self.keep_residuals}", "set 0 or more")
+        multi = self.devices == "all" or int(self.devices) > 1
+        if self.update_on == "device":
+            if multi:
+                bad("train.update_on", "device runs on one GPU; data parallel updates on the host",
+                    "set train.update_on=host (or train.devices=1)")
+            if self.stream_copy == "host" and self.compute_dtype == "bfloat16":
+                bad("train.update_on", "device needs a store without a bf16 streaming copy",
+                    "set train.stream_copy=device (or train.update_on=host)")
+        if self.keep_residuals and multi:
+            bad("train.keep_residuals", "kept residuals run on one device", "set train.keep_residuals=0")
+
+    @property
+    def host_bf16_copy(self) -> bool:
+        """Whether the host store keeps a bf16 streaming copy of the blocks."""
+        return self.compute_dtype == "bfloat16" and self.stream_copy == "host"
+
+    def with_(self, **changes: Any) -> "EngineOptions":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
