@@ -215,6 +215,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     modes: dict[str, dict[str, Any]] = field(default_factory=dict)  # host need of each state mode (MODES)
     suggestion: str | None = None  # the leanest-first mode that fits when the configured one does not
+    options: Any = None  # plan.options.EngineOptions: the decisions, typed, as the engine takes them
 
     @property
     def host_bytes_per_param(self) -> float:
@@ -641,7 +642,14 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None) -> Pla
                  "gpu_mem_fraction": None, "gpu_preallocate": preallocate, "keep_residuals": n_keep}
     if on_gpu and machine.gpu_bytes:
         decisions["gpu_mem_fraction"] = round(min(XLA_FRACTION, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes), 4)
-    return Plan(rows=rows + gpu_rows + disk_rows, decisions=decisions, host_need=host_need, host_limit=host_avail,
+    from megatrain_jax.plan.options import EngineOptions
+
+    options = EngineOptions(compute_dtype=t.compute_dtype, micro_batches=M, loss_chunk=t.loss_chunk,
+                            clip_norm=o.clip_norm, skip_nonfinite=True, activations=act, grad_hold=hold,
+                            grad_slabs=slabs, grad_slab_elems=GRAD_SLAB_ELEMS if chunked else None,
+                            stream_copy=stream_copy, update_on=update_on, keep_residuals=n_keep,
+                            devices=t.devices, device_update_chunk=DEVICE_UPDATE_CHUNK)
+    return Plan(rows=rows + gpu_rows + disk_rows, decisions=decisions, options=options, host_need=host_need, host_limit=host_avail,
                 host_source=host_source, gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget,
                 gpu_phases=phases, disk_need=disk_need, disk_free=disk_free, step=step, params=s.P,
                 machine=machine, notes=notes)

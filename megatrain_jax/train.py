@@ -48,45 +48,11 @@ from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
 from megatrain_jax.memory import memory_snapshot
 from megatrain_jax.metrics import MetricsWriter, attention_flops_per_token, model_flops_per_token
-from megatrain_jax.trainer import Trainer, host_bf16_copy  # noqa: F401 - host_bf16_copy: kept importable here
+from megatrain_jax.plan import few_malloc_arenas, plan_or_refuse  # noqa: F401 - importable here too
+from megatrain_jax.trainer import Trainer
 
 Log = Callable[[str], None]
 
-
-
-def few_malloc_arenas(arenas: int = 2) -> bool:
-    """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``, as ``MALLOC_ARENA_MAX`` does) before the
-    backend's and the engine's threads start: each arena keeps what its threads freed. With the
-    device-side update the host runs no optimizer threads, and 2 arenas kept 0.3 GB less resident at
-    the Qwen2.5-7B shape (H100, 2026-11-24). False where glibc is not there."""
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-8, int(arenas)))  # M_ARENA_MAX = -8
-    except (OSError, AttributeError):
-        return False
-
-def plan_or_refuse(cfg: Config, log: Log = print):
-    """The memory plan for ``cfg`` on this machine, or the one-line refusal (``UserError``) before
-    anything is allocated. Gives XLA the plan's budgets when its backend has not started yet."""
-    from megatrain_jax.memory import apply_gpu_settings, make_plan
-
-    plan = make_plan(cfg)
-    err = plan.verdict()
-    if err is not None:
-        raise err
-    apply_gpu_settings(plan)
-    if plan.decisions.get("update_on") == "device":
-        few_malloc_arenas()
-    d = plan.decisions
-    gpu = f", GPU peak {plan.gpu_need / 1e9:.1f} of {plan.gpu_budget / 1e9:.1f} GB" if plan.gpu_budget else ""
-    log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB "
-        f"({plan.host_bytes_per_param:.2f} bytes/param){gpu}; micro_batches={d['micro_batches']}, "
-        f"activations={d['activations']}, grad_hold={d['grad_hold']}, stream_copy={d['stream_copy']}, "
-        f"moments={d['moments']}, update_on={d.get('update_on', 'host')}, keep_residuals={d.get('keep_residuals', 0)}; predicted step {plan.step['predicted_step_s']:.2f} s "
-        f"({plan.step['binding'][:-2]}-bound)  [megatrain-jax plan CONFIG shows the table]")
-    log(d["attention_summary"])
-    return plan
 
 
 def reference_trainer(cfg: Config, model=None):

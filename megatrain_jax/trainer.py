@@ -56,16 +56,15 @@ def host_optimizer(optimizer: Any, steps: int | None = None) -> HostOptimizer:
 def host_bf16_copy(cfg: Config, plan=None) -> bool:
     """Whether the host keeps a bf16 streaming copy (bf16 compute with ``train.stream_copy=host``,
     or ``auto`` where the plan decided ``host``)."""
-    copy = cfg.train.stream_copy
-    if copy == "auto":
-        copy = plan.decisions["stream_copy"] if plan is not None else "host"
-    return cfg.train.compute_dtype == "bfloat16" and copy == "host"
+    if plan is not None:
+        return plan.options.host_bf16_copy
+    return cfg.train.compute_dtype == "bfloat16" and cfg.train.stream_copy in ("host", "auto")
 
 
 def _plan(cfg: Config, plan):
     if plan is not None:
         return plan
-    from megatrain_jax.train import plan_or_refuse  # the CLI's planning step (refuses what does not fit)
+    from megatrain_jax.plan import plan_or_refuse  # refuses what does not fit
 
     return plan_or_refuse(cfg, lambda _: None)
 
@@ -146,18 +145,18 @@ class Trainer:
         whose engine options are the memory plan's decisions (micro-batches, activation placement,
         gradient holding and slabs) and ``cfg``'s, on the run's devices (``train.devices``), exactly
         as ``megatrain-jax train`` runs it. A step with a non-finite loss or norm changes nothing."""
-        t, d = cfg.train, plan.decisions
+        t, o = cfg.train, plan.options
         # skip_nonfinite: every update waits for the step's norm, so a NaN/inf step touches nothing
-        engine = StreamedTrainer(parts, optimizer, compute_dtype=t.compute_dtype, micro_batches=d["micro_batches"],
-                                 clip_norm=cfg.optim.clip_norm, loss_chunk=t.loss_chunk, store=store,
-                                 skip_nonfinite=True, offload_activations=d["activations"] == "pinned_host",
-                                 grad_hold=d["grad_hold"], grad_slab_elems=d["grad_slab_elems"],
-                                 grad_slabs=d["grad_slabs"], devices=run_devices(t.devices),
-                                 update_on=d.get("update_on", "host"), keep_residuals=d.get("keep_residuals", 0))
+        engine = StreamedTrainer(parts, optimizer, compute_dtype=o.compute_dtype, micro_batches=o.micro_batches,
+                                 clip_norm=o.clip_norm, loss_chunk=o.loss_chunk, store=store,
+                                 skip_nonfinite=o.skip_nonfinite, offload_activations=o.activations == "pinned_host",
+                                 grad_hold=o.grad_hold, grad_slab_elems=o.grad_slab_elems,
+                                 grad_slabs=o.grad_slabs, devices=run_devices(o.devices),
+                                 update_on=o.update_on, keep_residuals=o.keep_residuals, rng_seed=o.rng_seed)
         self = cls.__new__(cls)  # the parts are made: nothing of __init__'s splitting applies
         self.parts, self.opt, self.engine = parts, optimizer, engine
         self.optimizer_spec, self.steps = cfg.optim, t.steps
-        self.settings = dict(micro_batches=d["micro_batches"], clip_norm=cfg.optim.clip_norm,
+        self.settings = dict(micro_batches=o.micro_batches, clip_norm=o.clip_norm,
                              compute_dtype=t.compute_dtype, loss_chunk=t.loss_chunk, seed=engine.rng_seed)
         return self
 

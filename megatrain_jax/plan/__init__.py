@@ -1,2 +1,50 @@
-"""The memory plan: what a run needs, where each buffer lives, and the engine's options."""
+"""The memory plan: what a run needs, where each buffer lives, and the engine's options.
+
+``plan_or_refuse`` is the one planning step every entry point takes (the CLI's ``train``, the
+library's ``Trainer.from_config``): the plan on this machine, or the one-line refusal before
+anything is allocated.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
 from megatrain_jax.plan.options import EngineOptions  # noqa: F401
+
+Log = Callable[[str], None]
+
+
+def few_malloc_arenas(arenas: int = 2) -> bool:
+    """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``, as ``MALLOC_ARENA_MAX`` does) before the
+    backend's and the engine's threads start: each arena keeps what its threads freed; with the
+    device-side update the host runs no optimizer threads (0.3 GB less resident at Qwen2.5-7B,
+    experiments/RESULTS.md). False where glibc is not there."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-8, int(arenas)))  # M_ARENA_MAX = -8
+    except (OSError, AttributeError):
+        return False
+
+
+def plan_or_refuse(cfg, log: Log = print):
+    """The memory plan for ``cfg`` on this machine, or the one-line refusal (``UserError``) before
+    anything is allocated. Gives XLA the plan's budgets when its backend has not started yet."""
+    from megatrain_jax.memory import apply_gpu_settings, make_plan
+
+    plan = make_plan(cfg)
+    err = plan.verdict()
+    if err is not None:
+        raise err
+    apply_gpu_settings(plan)
+    o = plan.options
+    if o.update_on == "device":
+        few_malloc_arenas()
+    gpu = f", GPU peak {plan.gpu_need / 1e9:.1f} of {plan.gpu_budget / 1e9:.1f} GB" if plan.gpu_budget else ""
+    log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB "
+        f"({plan.host_bytes_per_param:.2f} bytes/param){gpu}; micro_batches={o.micro_batches}, "
+        f"activations={o.activations}, grad_hold={o.grad_hold}, stream_copy={o.stream_copy}, "
+        f"moments={plan.decisions['moments']}, update_on={o.update_on}, keep_residuals={o.keep_residuals}; "
+        f"predicted step {plan.step['predicted_step_s']:.2f} s "
+        f"({plan.step['binding'][:-2]}-bound)  [megatrain-jax plan CONFIG shows the table]")
+    log(plan.decisions["attention_summary"])
+    return plan

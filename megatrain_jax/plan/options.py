@@ -66,7 +66,7 @@ class EngineOptions:
             bad("train.grad_slabs", f"must be >= 1, got {self.grad_slabs}", "set a positive integer")
         if int(self.keep_residuals) < 0:
             bad("train.keep_residuals", f"must be >= 0, got {self.keep_residuals}", "set 0 or more")
-        multi = self.devices == "all" or int(self.devices) > 1
+        multi = self.devices != "all" and int(self.devices) > 1  # "all": the plan resolves the count
         if self.update_on == "device":
             if multi:
                 bad("train.update_on", "device runs on one GPU; data parallel updates on the host",
