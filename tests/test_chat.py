@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatrain_jax import chat
+from megatrain_jax.data import chat
 from megatrain_jax.cli import main as cli_main
 from megatrain_jax.data import HFTokenizer, load_dataset, prepare
 from megatrain_jax.errors import UserError

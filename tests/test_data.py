@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from megatrain_jax import data as D
+from megatrain_jax.data import packed as packed_mod
+from megatrain_jax.data import pipeline
 from megatrain_jax.errors import UserError
 
 
@@ -198,9 +200,10 @@ def test_uint32_for_large_vocab_and_eos(tmp_path):
 def test_streaming_in_small_pieces_matches_whole(tmp_path, monkeypatch):
     import gzip
 
-    monkeypatch.setattr(D, "_FLUSH_TOKENS", 7)
-    monkeypatch.setattr(D, "_CHUNK_BYTES", 5)
-    monkeypatch.setattr(D, "_TEXT_PIECE_CHARS", 6)
+    monkeypatch.setattr(packed_mod, "_FLUSH_TOKENS", 7)
+    monkeypatch.setattr(packed_mod, "_CHUNK_BYTES", 5)
+    monkeypatch.setattr(pipeline, "_CHUNK_BYTES", 5)
+    monkeypatch.setattr(pipeline, "_TEXT_PIECE_CHARS", 6)
     tok = _wordlevel(tmp_path)
     words = " ".join(["hello", "world"] * 40)
     text = _write(tmp_path / "a.txt", words.replace(" world hello", "\nworld  hello", 5))
