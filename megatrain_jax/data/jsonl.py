@@ -57,11 +57,17 @@ class _Report:
     def __init__(self):
         self.read = self.written = self.chat = 0
         self.dropped: dict[str, int] = {}
+        self.dropped_in: dict[str, dict[str, int]] = {}  # reason -> file -> count
         self.bad_lines: list[str] = []
         self.n_bad = 0
 
-    def drop(self, why: str) -> None:
+    def drop(self, why: str, path: str = "") -> None:
         self.dropped[why] = self.dropped.get(why, 0) + 1
+        files = self.dropped_in.setdefault(why, {})
+        files[path] = files.get(path, 0) + 1
+
+
+NO_ASSISTANT = "no assistant tokens (nothing to learn)"
 
 
 def _process_lines(lines: list[tuple[int, bytes]], path: str, tok, template, chat_format: str, on_error: str):
@@ -72,12 +78,15 @@ def _process_lines(lines: list[tuple[int, bytes]], path: str, tok, template, cha
     A bad line with ``on_error='stop'`` raises its ``UserError`` (naming file:line)."""
     recs, bad, dropped = [], [], []
     for lineno, line in lines:
+        where = f"{path}:{lineno}"
         try:
-            rec = _parse_record(line, f"{path}:{lineno}", chat_format)
-            if rec[0] == "chat" and template is None:
-                raise UserError("--chat-template", f"{path}:{lineno} is a conversation but no chat template "
-                                "was found", "pass --chat-template MODEL_DIR (with tokenizer_config.json or "
-                                "chat_template.jinja), or --chat-template chatml")
+            rec = _parse_record(line, where, chat_format)
+            if rec[0] == "chat":
+                if template is None:
+                    raise UserError("--chat-template", f"{where} is a conversation but no chat template "
+                                    "was found", "pass --chat-template MODEL_DIR (with tokenizer_config.json or "
+                                    "chat_template.jinja), or --chat-template chatml")
+                rec = ("chat", *template.render_with_spans(rec[1], where))  # a template may refuse a record
         except UserError as e:
             if on_error == "stop" or e.field == "--chat-template":
                 raise
@@ -86,16 +95,15 @@ def _process_lines(lines: list[tuple[int, bytes]], path: str, tok, template, cha
         recs.append(rec)
     texts = [s for r in recs if r[0] != "chat" for s in r[1:]]
     encoded = iter(tok.encode_batch(texts)) if texts else iter(())
-    rendered = [template.render_with_spans(r[1]) for r in recs if r[0] == "chat"]
-    with_offsets = iter(tok.encode_with_offsets([t for t, _ in rendered])) if rendered else iter(())
-    spans = iter([sp for _, sp in rendered])
+    rendered = [r[1] for r in recs if r[0] == "chat"]
+    with_offsets = iter(tok.encode_with_offsets(rendered)) if rendered else iter(())
     docs = []
     for r in recs:
         if r[0] == "chat":
             ids, offs = next(with_offsets)
-            mask = chat.token_mask(offs, next(spans))
+            mask = chat.token_mask(offs, r[2])
             if not mask.any():
-                dropped.append("no assistant tokens (nothing to learn)")
+                dropped.append(NO_ASSISTANT)
                 continue
             docs.append([(ids, mask, True)])
         elif r[0] == "text":
@@ -120,8 +128,8 @@ def _work(args):
     lines, path, chat_format, on_error = args
     try:
         return _process_lines(lines, path, _WORKER["tok"], _WORKER["template"], chat_format, on_error)
-    except UserError as e:
-        return e
+    except UserError as e:  # as its parts: a UserError does not survive pickling back to the parent
+        return ("error", e.field, e.problem, e.fix)
 
 
 def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, nf: int,
@@ -140,8 +148,8 @@ def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, n
     chunk_lines = 2048
 
     def write(result, nbytes) -> None:
-        if isinstance(result, UserError):
-            raise result
+        if result[0] == "error":  # a worker's UserError
+            raise UserError(*result[1:])
         docs, bad, dropped = result
         for doc in docs:
             w.start_doc()
@@ -151,7 +159,7 @@ def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, n
             report.written += 1
             report.chat += int(doc[0][2])
         for why in dropped:
-            report.drop(why)
+            report.drop(why, path)
         report.n_bad += len(bad)
         report.bad_lines.extend(bad[: max(0, 20 - len(report.bad_lines))])
         prog.update(nbytes, w, fi, nf)

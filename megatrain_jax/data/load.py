@@ -145,13 +145,15 @@ def _check_tokenizer_matches(spec: str | None, desc: dict, prefix: str) -> None:
                         "set data.tokenizer to the tokenizer the data was prepared with, or re-run prepare")
 
 
-def load_dataset(data_cfg, vocab_size: int, *, verify: str = "auto") -> PackedDataset:
+def load_dataset(data_cfg, vocab_size: int, *, verify: str = "auto", batch_size: int | None = None) -> PackedDataset:
     """Open ``data_cfg.path``: a ``.txt`` file (tokenized in memory; with the byte tokenizer it is
     memory-mapped as is) or a prefix written by ``megatrain-jax prepare`` (memory-mapped, checked).
 
     ``verify``: ``full`` checks sizes and sha256 of every file; ``size`` checks sizes only; ``auto`` (default)
     is ``full`` for token files up to 1 GiB and ``size`` above. Token ids are always checked against
-    ``vocab_size`` (one streamed max). Every problem raises ``UserError``.
+    ``vocab_size`` (one streamed max). With ``batch_size``, one batch of ``data_cfg.seq_len`` must fit in
+    the data too, so a run that calls this first refuses too little data before it writes anything.
+    Every problem raises ``UserError``.
     """
     if verify not in ("auto", "full", "size"):
         raise ValueError(f"verify must be auto, full or size, not {verify!r}")
@@ -164,9 +166,15 @@ def load_dataset(data_cfg, vocab_size: int, *, verify: str = "auto") -> PackedDa
         if prefix.endswith(suffix) and os.path.isfile(prefix[: -len(suffix)] + ".json"):
             prefix = prefix[: -len(suffix)]
     if os.path.isfile(prefix + ".json"):
-        return _load_prepared(prefix, data_cfg, vocab_size, verify)
-    if path.lower().endswith(".txt") and os.path.isfile(path):
-        return _load_text(path, data_cfg, vocab_size)
+        ds = _load_prepared(prefix, data_cfg, vocab_size, verify)
+    elif path.lower().endswith(".txt") and os.path.isfile(path):
+        ds = _load_text(path, data_cfg, vocab_size)
+    else:
+        ds = None
+    if ds is not None:
+        if batch_size is not None:
+            ds.check(batch_size, data_cfg.seq_len)
+        return ds
     if os.path.exists(path):
         raise UserError("data.path", f"{path!r} is neither a .txt file nor a prepared data prefix",
                         f"run `megatrain-jax prepare {raw} --out PREFIX` and set data.path=PREFIX")

@@ -66,6 +66,26 @@ def _max_id(tokens: np.ndarray) -> int:
     return max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
 
 
+def _durable_close(f: IO) -> None:
+    """Flush, fsync and close: a data file is on disk before the rename that publishes it."""
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
 class _PackedWriter:
     """Streams documents into temporary files; ``commit`` renames them into place, ``abort`` deletes them."""
 
@@ -149,12 +169,13 @@ class _PackedWriter:
 
     def commit(self, extra: dict[str, Any]) -> dict[str, Any]:
         self.flush()
-        self._tok_f.close()
+        _durable_close(self._tok_f)
         if self._mask_f is not None:
-            self._mask_f.close()
+            _durable_close(self._mask_f)
         docs = np.frombuffer(self.doc_starts, dtype=np.int64) if len(self.doc_starts) else np.zeros(0, np.int64)
-        with open(self.tmp["docs"], "wb") as f:
-            np.save(f, docs)
+        f = open(self.tmp["docs"], "wb")
+        np.save(f, docs)
+        _durable_close(f)
         base = os.path.basename(self.prefix)
         index = {
             "format": FORMAT_NAME,
@@ -171,17 +192,22 @@ class _PackedWriter:
             "docs": {"file": base + ".docs.npy", "bytes": os.path.getsize(self.tmp["docs"]),
                      "sha256": _sha256_file(self.tmp["docs"])},
         }
-        with open(self.tmp["index"], "w") as f:
-            json.dump(index, f, indent=1)
-            f.write("\n")
-        # Data files first, the index last: an index on disk means a complete data set.
+        f = open(self.tmp["index"], "w")
+        json.dump(index, f, indent=1)
+        f.write("\n")
+        _durable_close(f)
+        # An index on disk means a complete data set: an earlier one's index goes first (a kill from here
+        # on leaves no data set at that prefix, never a mix), then the data files, the new index last.
+        if os.path.isfile(self.final["index"]):
+            os.remove(self.final["index"])
         os.replace(self.tmp["tokens"], self.final["tokens"])
         os.replace(self.tmp["docs"], self.final["docs"])
         if self._mask_f is not None:
             os.replace(self.tmp["mask"], self.final["mask"])
-        elif os.path.exists(self.final["mask"]):
+        elif os.path.isfile(self.final["mask"]):
             os.remove(self.final["mask"])  # stale mask of an earlier prepare to the same prefix
         os.replace(self.tmp["index"], self.final["index"])
+        _fsync_dir(os.path.dirname(os.path.abspath(self.prefix)))
         return index
 
     def abort(self) -> None:
@@ -239,6 +265,10 @@ class PackedDataset:
         if batch_size <= 0:
             raise UserError("train.batch_size", f"must be positive, got {batch_size}", "set a positive batch size")
         n = self.n_samples(s)
+        if n == 0:  # not one window: no batch size helps
+            raise UserError("data.seq_len", f"{self.path} has {self.n_tokens:,} tokens, fewer than one sample of "
+                            f"data.seq_len={s} (+1 for the last label)",
+                            f"set data.seq_len to at most {max(self.n_tokens - 1, 1)}, or use more data")
         if n < batch_size:
             raise UserError("train.batch_size",
                             f"{self.path} has {self.n_tokens:,} tokens = {n} samples of data.seq_len={s}, "

@@ -15,8 +15,8 @@ from typing import IO, Any, Iterator
 import numpy as np
 
 from megatrain_jax.data import chat
-from megatrain_jax.data.jsonl import _open_binary, _prepare_jsonl, _Report
-from megatrain_jax.data.packed import _PackedWriter
+from megatrain_jax.data.jsonl import NO_ASSISTANT, _open_binary, _prepare_jsonl, _Report
+from megatrain_jax.data.packed import SUFFIXES, _PackedWriter
 from megatrain_jax.data.tokenizer import ByteTokenizer, dtype_for_vocab, load_tokenizer
 from megatrain_jax.errors import UserError
 
@@ -141,9 +141,77 @@ def _prepare_text(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, nf
     w.end_doc()
 
 
+def _run_dir_holding(path: str) -> str | None:
+    """The run directory (one whose ``checkpoints/`` holds a ``step_*`` entry) that ``path`` is or lies in."""
+    d = os.path.realpath(path)
+    while True:
+        ckpts = os.path.join(d, "checkpoints")
+        try:
+            if os.path.isdir(ckpts) and any(n.startswith("step_") for n in os.listdir(ckpts)):
+                return d
+        except OSError:
+            pass
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
+def _check_out(out: str, overwrite: bool) -> str:
+    """Refuse an ``--out`` whose files would replace something prepare did not write, or an earlier data
+    set without ``overwrite``; returns the prefix. Runs before anything is written."""
+    if not out:
+        raise UserError("--out", "is empty", "give an output prefix such as data/mycorpus")
+    for suffix in (".json", ".tokens.bin"):
+        if out.endswith(suffix):
+            out = out[: -len(suffix)]
+    if out.endswith(("/", os.sep)) or os.path.isdir(out):
+        raise UserError("--out", f"{out} is a directory; prepare writes PREFIX.json, PREFIX.tokens.bin, ... "
+                        "beside a prefix", f"give a prefix, e.g. {os.path.join(out, 'data')}")
+    run = _run_dir_holding(os.path.dirname(os.path.abspath(out)))
+    if run is not None:
+        raise UserError("--out", f"{out} lies in the run directory {run}, which holds checkpoints",
+                        "write prepared data outside run directories, e.g. data/NAME")
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError("--out", f"{parent!r} is a file, not a directory", "choose an output prefix in a directory")
+    existing = [out + s for s in SUFFIXES if os.path.lexists(out + s)]
+    for p in existing:
+        if not os.path.isfile(p) or os.path.islink(p):
+            raise UserError("--out", f"{p} exists and is not a file prepare wrote", "choose another --out prefix")
+    if existing and not overwrite:
+        raise UserError("--out", f"{out} already holds a prepared data set "
+                        f"({', '.join(os.path.basename(p) for p in existing)})",
+                        "pass --overwrite to replace it, or choose another --out prefix")
+    return out
+
+
+def _make_dirs(path: str) -> list[str]:
+    """``os.makedirs`` that returns the directories it created, outermost first."""
+    made, d = [], os.path.abspath(path)
+    while not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(path, exist_ok=True)
+    return made[::-1]
+
+
+def _no_assistant_error(report: _Report) -> UserError:
+    files = report.dropped_in.get(NO_ASSISTANT, {})
+    n = sum(files.values())
+    field = next(iter(files)) if len(files) == 1 else "INPUTS"
+    where = "" if len(files) == 1 else f" in {', '.join(files)}"
+    return UserError(field, f"no assistant tokens: none of the {n:,} conversation(s){where} has an assistant turn, "
+                     "so there is nothing to train on",
+                     'give each conversation an assistant turn ({"role": "assistant", ...} or {"from": "gpt", ...}), '
+                     'or write plain text as {"text": ...} records')
+
+
 def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "auto",
             quiet: bool = False, chat_format: str = "auto", chat_template: str | None = None,
-            on_error: str = "stop", workers: int | None = None) -> dict[str, Any]:
+            on_error: str = "stop", workers: int | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Tokenize ``inputs`` into the packed data set ``out`` (a prefix); returns the index written.
 
     Text files: each whole file is one document. JSONL (``.jsonl``/``.ndjson``/``.json``, or ``fmt='jsonl'``):
@@ -155,6 +223,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
     record or forced by ``chat_format``) are rendered with ``chat_template`` (a model/tokenizer folder, or
     ``chatml``; default: the tokenizer's folder) and only assistant tokens count in the loss (``chat.py``).
     ``on_error``: ``stop`` at the first bad line (one line naming file:line), or ``skip`` it and count it.
+    An existing data set at ``out`` is refused unless ``overwrite``; then only its own files are replaced,
+    and only once the new one is complete. Never a directory, nor a prefix inside a run with checkpoints.
     """
     if chat_format not in ("auto", "none") + chat.FORMATS:
         raise UserError("--chat-format", f"{chat_format!r} is not a format", "use auto, none, messages, sharegpt or alpaca")
@@ -164,11 +234,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
         raise UserError("--format", f"{fmt!r} is not a format", "use auto, text or jsonl")
     if not inputs:
         raise UserError("INPUTS", "no input files given", "pass one or more .txt / .jsonl files")
-    if not out:
-        raise UserError("--out", "is empty", "give an output prefix such as data/mycorpus")
-    for suffix in (".json", ".tokens.bin"):
-        if out.endswith(suffix):
-            out = out[: -len(suffix)]
+    out = _check_out(out, overwrite)
     files = _expand_inputs(inputs)
     tok = load_tokenizer(tokenizer, "--tokenizer")
     if chat_template == "chatml":
@@ -187,10 +253,6 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
     workers = workers or (os.cpu_count() or 1)
     dtype = dtype_for_vocab(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(out))
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError("--out", f"{out_dir!r} is a file, not a directory", "choose an output prefix in a directory")
-    os.makedirs(out_dir, exist_ok=True)
-
     total = 0
     for p in files:
         try:
@@ -198,9 +260,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
         except OSError:
             pass
     prog = _Progress(total, quiet)
+    made: list[str] = []
     try:
+        made = _make_dirs(out_dir)
         w = _PackedWriter(out, dtype, tok.eos_id)
     except OSError as e:
+        _remove_empty(made)
         raise UserError("--out", f"cannot write under {out_dir!r} ({e.strerror or e})",
                         "choose a writable output directory") from None
     try:
@@ -215,6 +280,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
             except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
                 raise UserError(p, f"could not be processed ({e.__class__.__name__}: {e})",
                                 "check that the input is readable and the output directory has space") from None
+        if w.n_tokens < 2 and report.dropped.get(NO_ASSISTANT):
+            raise _no_assistant_error(report)
         if w.n_tokens < 2:
             raise UserError("INPUTS", f"the inputs hold {w.n_tokens} tokens", "pass non-empty text or JSONL files")
         summary = {"examples_read": report.read, "examples_written": report.written, "conversations": report.chat,
@@ -223,6 +290,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
                           "sources": [os.path.abspath(p) for p in files], "report": summary})
     except BaseException:
         w.abort()
+        _remove_empty(made)  # directories this run created: nothing is left behind
         raise
     if not quiet:
         masked = f", {index['mask']['n_masked']:,} masked" if index["mask"] else ""
@@ -236,6 +304,14 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
             for line in report.bad_lines[:5]:
                 print(f"prepare: skipped {line}", flush=True)
     return index
+
+
+def _remove_empty(dirs: list[str]) -> None:
+    for d in reversed(dirs):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
 
 
 def prepare_main(argv: list[str]) -> int:
@@ -261,9 +337,11 @@ def prepare_main(argv: list[str]) -> int:
     ap.add_argument("--on-error", default="stop", choices=("stop", "skip"),
                     help="a malformed line stops the run (default) or is skipped and counted")
     ap.add_argument("--workers", type=int, default=None, help="processes for JSONL (default: every core)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier data set at PREFIX (its own files only, once the new one is complete)")
     args = ap.parse_args(argv)
     if args.workers is not None and args.workers < 1:
         raise UserError("--workers", f"must be >= 1, got {args.workers}", "pass a positive number of processes")
     prepare(args.inputs, args.out, args.tokenizer, args.format, args.quiet, args.chat_format, args.chat_template,
-            args.on_error, args.workers)
+            args.on_error, args.workers, args.overwrite)
     return 0
