@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatrain_jax import chat
+from megatrain_jax.data import chat
 from megatrain_jax.cli import main as cli_main
 from megatrain_jax.data import HFTokenizer, load_dataset, prepare
 from megatrain_jax.errors import UserError
@@ -193,3 +193,56 @@ def test_worker_processes_write_the_same_data_set(tok_dirs, tmp_path):
     assert a["report"] == b["report"] and a["report"]["examples_written"] == 5002
     for suffix in (".tokens.bin", ".mask.bin"):
         assert (tmp_path / f"a{suffix}").read_bytes() == (tmp_path / f"b{suffix}").read_bytes()
+
+
+def _tree(root):
+    """Every path under ``root`` with bytes and mtime (equal: nothing created or changed)."""
+    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
+def test_conversations_without_any_assistant_turn_say_so(tmp_path, capsys):
+    f = tmp_path / "d.jsonl"
+    _write(f, [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(3)])
+    before = _tree(tmp_path)
+    rc = cli_main(["prepare", str(f), "--out", str(tmp_path / "o" / "data"), "--chat-template", "chatml"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "no assistant tokens" in err and str(f) in err, err
+    assert "assistant" in err.split("fix:")[1] and "0 tokens" not in err
+    assert _tree(tmp_path) == before  # not even the output directory
+
+
+GEMMA_LIKE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+              "supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != "
+              "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+              "user/assistant/user/assistant/...') }}{% endif %}{{ '<start_of_turn>' + (message['role'] | "
+              "replace('assistant', 'model')) + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+
+
+def test_a_template_that_refuses_a_record_names_its_line_and_skip_skips_it(tmp_path, capsys):
+    tpl = tmp_path / "gemma"
+    tpl.mkdir()
+    (tpl / "tokenizer_config.json").write_text(json.dumps({"chat_template": GEMMA_LIKE, "bos_token": "<bos>"}))
+    f = tmp_path / "d.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    _write(f, [good,
+               {"messages": [{"role": "system", "content": "S"}, *good["messages"]]},
+               {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                             {"role": "assistant", "content": "c"}]},
+               good])
+    out = tmp_path / "o" / "data"
+    before = _tree(tmp_path)
+    rc = cli_main(["prepare", str(f), "--out", str(out), "--chat-template", str(tpl)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"{f}:2" in err and "System role not supported" in err, err
+    assert _tree(tmp_path) == before
+    for workers in ("1", "2"):
+        rc = cli_main(["prepare", str(f), "--out", str(out), "--chat-template", str(tpl), "--on-error", "skip",
+                       "--workers", workers, "--overwrite"])
+        printed = capsys.readouterr().out
+        assert rc == 0 and "bad lines skipped: 2" in printed and "4 examples read, 2 written" in printed, printed
+        report = json.loads((tmp_path / "o" / "data.json").read_text())["report"]
+        assert report["bad_lines_skipped"] == 2
+        assert f"{f}:2" in report["bad_lines_first"][0] and "System role" in report["bad_lines_first"][0]
+        assert f"{f}:3" in report["bad_lines_first"][1] and "must alternate" in report["bad_lines_first"][1]

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from megatrain_jax import data as D
+from megatrain_jax.data import packed as packed_mod
+from megatrain_jax.data import pipeline
 from megatrain_jax.errors import UserError
 
 
@@ -198,9 +200,10 @@ def test_uint32_for_large_vocab_and_eos(tmp_path):
 def test_streaming_in_small_pieces_matches_whole(tmp_path, monkeypatch):
     import gzip
 
-    monkeypatch.setattr(D, "_FLUSH_TOKENS", 7)
-    monkeypatch.setattr(D, "_CHUNK_BYTES", 5)
-    monkeypatch.setattr(D, "_TEXT_PIECE_CHARS", 6)
+    monkeypatch.setattr(packed_mod, "_FLUSH_TOKENS", 7)
+    monkeypatch.setattr(packed_mod, "_CHUNK_BYTES", 5)
+    monkeypatch.setattr(pipeline, "_CHUNK_BYTES", 5)
+    monkeypatch.setattr(pipeline, "_TEXT_PIECE_CHARS", 6)
     tok = _wordlevel(tmp_path)
     words = " ".join(["hello", "world"] * 40)
     text = _write(tmp_path / "a.txt", words.replace(" world hello", "\nworld  hello", 5))
@@ -385,7 +388,146 @@ def test_reprepare_replaces_and_removes_stale_mask(tmp_path):
     out = str(tmp_path / "ds")
     D.prepare([_jsonl(tmp_path / "d.jsonl", [{"prompt": "p" * 20, "response": "r" * 20}])], out, quiet=True)
     assert os.path.exists(out + ".mask.bin")
-    D.prepare([_write(tmp_path / "t.txt", "plain " * 20)], out + ".json", quiet=True)  # suffix is stripped
+    D.prepare([_write(tmp_path / "t.txt", "plain " * 20)], out + ".json", quiet=True,  # suffix is stripped
+              overwrite=True)
     assert _outputs(tmp_path) == ["ds.docs.npy", "ds.json", "ds.tokens.bin"]
     ds = D.load_dataset(Cfg(out), vocab_size=256)
     assert ds.mask is None and ds.n_tokens == 120
+
+
+# ---------------------------------------------------------------------------------- prepare never loses data
+
+
+def _snapshot(root):
+    """Every path under ``root`` with its bytes and mtime: equal snapshots mean nothing was created or changed."""
+    snap = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames:
+            snap[os.path.relpath(os.path.join(dirpath, n), root) + "/"] = None
+        for n in filenames:
+            p = os.path.join(dirpath, n)
+            with open(p, "rb") as f:
+                snap[os.path.relpath(p, root)] = (f.read(), os.stat(p).st_mtime_ns)
+    return snap
+
+
+def _refused(capsys, argv, *names):
+    """``megatrain-jax prepare ...`` in-process: exit 2, one stderr line naming ``names``."""
+    from megatrain_jax.cli import main
+
+    capsys.readouterr()
+    assert main(["prepare", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    for n in names:
+        assert n in err, (n, err)
+    return err
+
+
+def test_prepare_refuses_an_existing_prefix_without_overwrite(tmp_path, capsys):
+    from megatrain_jax.cli import main
+
+    out = str(tmp_path / "ds")
+    big = _write(tmp_path / "big.txt", "the original corpus " * 50)
+    small = _write(tmp_path / "small.txt", "tiny " * 20)
+    assert main(["prepare", big, "--out", out, "--quiet"]) == 0
+    before = _snapshot(tmp_path)
+    for spelling in (out, out + ".json", out + ".tokens.bin"):
+        _refused(capsys, [small, "--out", spelling, "--quiet"], "--out", out, "--overwrite")
+        assert _snapshot(tmp_path) == before
+    # any one file of a data set counts (a data set whose index was lost is still someone's data)
+    os.remove(out + ".json")
+    before = _snapshot(tmp_path)
+    _refused(capsys, [small, "--out", out, "--quiet"], "--out", "ds.tokens.bin")
+    assert _snapshot(tmp_path) == before
+    # --overwrite replaces it; files beside it that prepare did not write stay as they are
+    (tmp_path / "ds.notes.txt").write_text("mine")
+    assert main(["prepare", small, "--out", out, "--quiet", "--overwrite"]) == 0
+    assert D.load_dataset(Cfg(out), vocab_size=256).n_tokens == 100
+    assert (tmp_path / "ds.notes.txt").read_text() == "mine"
+
+
+def test_prepare_refuses_a_directory_or_a_run_directory_whatever_the_flags(tmp_path, capsys):
+    text = _write(tmp_path / "a.txt", "some text " * 30)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "adir" / "keep.txt").write_text("x")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000010" / "manifest.json").write_text("{}")
+    (tmp_path / "ds.tokens.bin").mkdir()  # a directory where prepare would write a file
+    before = _snapshot(tmp_path)
+    for flags in ([], ["--overwrite"]):
+        _refused(capsys, [text, "--out", str(tmp_path / "adir"), *flags], "--out", "adir", "directory")
+        _refused(capsys, [text, "--out", str(tmp_path / "adir") + os.sep, *flags], "--out", "directory")
+        _refused(capsys, [text, "--out", str(run / "data"), *flags], "--out", str(run), "checkpoints")
+        _refused(capsys, [text, "--out", str(run / "checkpoints" / "data"), *flags], str(run), "checkpoints")
+        _refused(capsys, [text, "--out", str(run / "checkpoints" / "step_00000010" / "new" / "data"), *flags],
+                 str(run), "checkpoints")
+        _refused(capsys, [text, "--out", str(tmp_path / "ds"), *flags], "ds.tokens.bin")
+        assert _snapshot(tmp_path) == before  # nothing created, nothing changed, no directory made
+
+
+def test_a_failed_or_interrupted_overwrite_leaves_the_old_data_set(tmp_path, monkeypatch):
+    out = str(tmp_path / "ds")
+    D.prepare([_write(tmp_path / "a.txt", "the good data set " * 30)], out, quiet=True)
+    before = _snapshot(tmp_path)
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"text": "new data"}\n' * 100 + "{broken\n")
+    with pytest.raises(UserError):  # a bad line after many good ones
+        D.prepare([str(bad)], out, quiet=True, overwrite=True)
+    after = _snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if k != "b.jsonl"} == {k: v for k, v in before.items() if k != "b.jsonl"}
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "_prepare_text", interrupt)  # Ctrl-C while tokenizing
+    with pytest.raises(KeyboardInterrupt):
+        D.prepare([str(tmp_path / "a.txt")], out, quiet=True, overwrite=True)
+    assert _snapshot(tmp_path) == after
+    monkeypatch.undo()
+
+    # killed between renames: the old index goes first, so what is left is no data set, never a mix
+    replace, calls = os.replace, []
+
+    def dies_on_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(packed_mod.os, "replace", dies_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        D.prepare([_write(tmp_path / "c.txt", "other " * 40)], out, quiet=True, overwrite=True)
+    monkeypatch.undo()
+    assert not os.path.exists(out + ".json")
+    with pytest.raises(UserError, match="does not exist"):
+        D.load_dataset(Cfg(out), vocab_size=256)
+    assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]  # temporary files removed
+
+
+def test_a_worker_process_reports_a_bad_line_by_file_and_line(tmp_path):
+    """With worker processes a bad line is the same one-line error (it used to hang the run: a
+    UserError does not survive pickling back to the parent)."""
+    f = _jsonl(tmp_path / "d.jsonl", [{"text": f"line {i}"} for i in range(10)])
+    with open(f, "a") as fh:
+        fh.write("{broken\n")
+    with pytest.raises(UserError) as e:
+        D.prepare([f], str(tmp_path / "ds"), quiet=True, workers=2)
+    assert e.value.field == f"{f}:11" and "JSON" in e.value.problem
+    assert _outputs(tmp_path) == []
+    index = D.prepare([f], str(tmp_path / "ds"), quiet=True, workers=2, on_error="skip")
+    assert index["report"]["bad_lines_skipped"] == 1 and index["report"]["examples_written"] == 10
+
+
+def test_load_dataset_with_a_batch_size_refuses_too_little_data(tmp_path):
+    """``load_dataset(..., batch_size=)`` checks that one batch fits, so train can refuse before it writes."""
+    path = _write(tmp_path / "small.txt", "x" * 300)
+    with pytest.raises(UserError) as e:
+        D.load_dataset(Cfg(path, seq_len=512), vocab_size=256, batch_size=1)
+    assert e.value.field == "data.seq_len" and "300 tokens" in e.value.problem and "299" in e.value.fix
+    with pytest.raises(UserError) as e:
+        D.load_dataset(Cfg(path, seq_len=64), vocab_size=256, batch_size=8)  # 4 samples
+    assert e.value.field == "train.batch_size" and "4 samples" in e.value.problem
+    assert D.load_dataset(Cfg(path, seq_len=64), vocab_size=256, batch_size=4).n_samples() == 4
+    assert D.load_dataset(Cfg(path, seq_len=512), vocab_size=256).n_tokens == 300  # no batch size: no batch check

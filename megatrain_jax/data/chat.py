@@ -180,9 +180,11 @@ class ChatTemplate:
         src = find_template(folder)
         return None if src is None else cls(src, _special_tokens(folder), where)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False, track: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, track: bool = False,
+               where: str | None = None) -> str:
         """The template's output; with ``track``, generation spans are recorded (streamed rendering, as
-        transformers does it, so each block knows where it starts)."""
+        transformers does it, so each block knows where it starts). A template that raises (its own
+        ``raise_exception``, e.g. for a system message it takes none of) is a ``UserError`` naming ``where``."""
         try:
             if not track:
                 return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -199,24 +201,29 @@ class ChatTemplate:
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - a template's raise_exception or a bad variable
-            raise UserError(self.where, f"rendering failed ({type(e).__name__}: {e})",
-                            "check the conversation against what the template expects") from None
+            msg = " ".join(str(e).split()) or "no message"  # one line, whatever the template raised
+            raise UserError(where or self.where, f"the chat template fails on this conversation "
+                            f"({type(e).__name__}: {msg})", "make the record what the template expects (e.g. no "
+                            "system turn, user/assistant turns alternating), or pass --on-error skip to skip such "
+                            "records") from None
 
-    def render_with_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the character spans of its assistant turns."""
+    def render_with_spans(self, messages: list[dict], where: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans of its assistant turns (``where``, e.g.
+        file:line, names the record in errors)."""
         if self.has_generation:
-            text = self.render(messages, track=True)
+            text = self.render(messages, track=True, where=where)
             return text, [sp for sp in self._track["indices"] if sp[1] > sp[0]]
-        text = self.render(messages)
+        text = self.render(messages, where=where)
         spans = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            start = len(self.render(messages[:i], add_generation_prompt=True))
-            end = len(self.render(messages[:i + 1]))
-            if text[:end] != self.render(messages[:i + 1]) or start > end:
-                raise UserError(self.where, "the template does not render conversations as prefixes of each other",
-                                "use a template with {% generation %} markers around assistant turns")
+            start = len(self.render(messages[:i], add_generation_prompt=True, where=where))
+            end = len(self.render(messages[:i + 1], where=where))
+            if text[:end] != self.render(messages[:i + 1], where=where) or start > end:
+                at = f" ({where})" if where else ""
+                raise UserError(self.where, f"the template does not render conversations as prefixes of each "
+                                f"other{at}", "use a template with {% generation %} markers around assistant turns")
             spans.append((start, end))
         return text, spans
 
