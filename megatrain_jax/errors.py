@@ -12,3 +12,6 @@ class UserError(Exception):
     def __init__(self, field: str, problem: str, fix: str):
         self.field, self.problem, self.fix = field, problem, fix
         super().__init__(f"{field}: {problem} (fix: {fix})")
+
+    def __reduce__(self):  # crosses process boundaries intact (prepare's worker processes)
+        return (type(self), (self.field, self.problem, self.fix))
