@@ -103,9 +103,9 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
             current = {"float32": 0, "bfloat16": 1}.get(cfg.optim.moments, len(order))
             for name in order[current + 1:]:
                 if plan.modes[name]["fits_host"]:
-                    m = plan.modes[name]
-                    plan.suggestion = (f"{m['settings']} ({name}: {m['bytes_per_param']:.1f} bytes/param, "
-                                       f"{m['host_gb']:.1f} GB)")
+                    mode = plan.modes[name]
+                    plan.suggestion = (f"{mode['settings']} ({name}: {mode['bytes_per_param']:.1f} bytes/param, "
+                                       f"{mode['host_gb']:.1f} GB)")
                     break
     if not plan.fits_host() and plan.suggestion is None:
         from megatrain_jax.plan.refusal import host_fix
@@ -127,60 +127,60 @@ def _mode_plan(cfg: Config, machine: Machine, devices: int | None, attention: bo
 
 
 def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attention: bool = True) -> Plan:
-    t, o, m = cfg.train, cfg.optim, cfg.model
-    machine = machine or detect_machine((t.out_dir,) + ((t.export,) if t.export else ()))
-    n_dev = choose.resolve_devices(t.devices, machine.gpu_count, process_count(), devices)
-    host_limit = t.host_memory_gb * GB if t.host_memory_gb else machine.host_bytes
-    host_source = "train.host_memory_gb" if t.host_memory_gb else machine.host_source
-    host_avail = host_limit if t.host_memory_gb else machine.host_available
+    train, optim, model = cfg.train, cfg.optim, cfg.model
+    machine = machine or detect_machine((train.out_dir,) + ((train.export,) if train.export else ()))
+    n_dev = choose.resolve_devices(train.devices, machine.gpu_count, process_count(), devices)
+    host_limit = train.host_memory_gb * GB if train.host_memory_gb else machine.host_bytes
+    host_source = "train.host_memory_gb" if train.host_memory_gb else machine.host_source
+    host_avail = host_limit if train.host_memory_gb else machine.host_available
     on_gpu = machine.backend == "gpu"
-    gpu_budget = choose.gpu_budget_of(machine.gpu_bytes, on_gpu, t.gpu_memory_gb)
+    gpu_budget = choose.gpu_budget_of(machine.gpu_bytes, on_gpu, train.gpu_memory_gb)
     gpu_usable = choose.gpu_usable_of(gpu_budget)
     rates = step_rates(machine)
 
-    bf16 = t.compute_dtype == "bfloat16"
+    bf16 = train.compute_dtype == "bfloat16"
     notes: list[str] = []
-    per_dev_batch = t.batch_size // n_dev if t.batch_size % n_dev == 0 else t.batch_size
-    s = Shapes.of(m, per_dev_batch, cfg.data.seq_len, t.compute_dtype)
-    mom = 8.0 if o.kernel == "optax" else MOMENT_BYTES[o.moments]
-    update_on = choose.choose_update_on(t.update_on, on_gpu=on_gpu, devices=n_dev, kernel=o.kernel,
-                                        moments=o.moments, bf16=bf16, stream_copy=t.stream_copy)
-    asked_keep = 0 if t.keep_residuals == "auto" else min(int(t.keep_residuals), s.layers - 1)
+    per_dev_batch = train.batch_size // n_dev if train.batch_size % n_dev == 0 else train.batch_size
+    shapes = Shapes.of(model, per_dev_batch, cfg.data.seq_len, train.compute_dtype)
+    moment_bytes = 8.0 if optim.kernel == "optax" else MOMENT_BYTES[optim.moments]
+    update_on = choose.choose_update_on(train.update_on, on_gpu=on_gpu, devices=n_dev, kernel=optim.kernel,
+                                        moments=optim.moments, bf16=bf16, stream_copy=train.stream_copy)
+    asked_keep = 0 if train.keep_residuals == "auto" else min(int(train.keep_residuals), shapes.layers - 1)
     check_one_device(n_dev, update_on=update_on, keep_residuals=asked_keep)
-    stream_copy = "device" if (update_on == "device" and bf16) else t.stream_copy
+    stream_copy = "device" if (update_on == "device" and bf16) else train.stream_copy
     # the runtime at its largest (a preallocated pool's allocator table) while choosing the options
     runtime_max = RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] \
         + (XLA_FRACTION * machine.gpu_bytes * BFC_TABLE_BYTES_PER_POOL_BYTE if on_gpu and machine.gpu_bytes else 0.0)
-    store_bytes = s.params * (4.0 + mom)
+    store_bytes = shapes.params * (4.0 + moment_bytes)
     fewest_slabs = GRAD_SLABS[0] * GRAD_SLAB_ELEMS * 4
     if stream_copy == "auto":
         room = usable(host_limit, HOST_MARGIN) - store_bytes - runtime_max - fewest_slabs
-        stream_copy = choose.choose_stream_copy(s, cfg.data.seq_len, m, on_gpu, bf16, room, rates["h2d"],
+        stream_copy = choose.choose_stream_copy(shapes, cfg.data.seq_len, model, on_gpu, bf16, room, rates["h2d"],
                                                 rates["matmul_bf16"])
     device_cast = bf16 and stream_copy == "device"
     stream_bytes = 2 if (bf16 and not device_cast) else 4
 
     # ---- micro-batches, activation placement, gradient holding
-    micro_candidates = choose.micro_batch_candidates(t.micro_batches, s.batch, s.seq, n_dev)
-    order = choose.placement_order(t.activations, t.grad_hold, cpu_only=not on_gpu and gpu_budget is None)
-    attn_info, attn_extra = _attention(cfg, s, micro_candidates[0], on_gpu) if attention else (None, None)
-    host_base = store_bytes + (2.0 * s.layers * s.block if (bf16 and not device_cast) else 0.0) \
+    micro_candidates = choose.micro_batch_candidates(train.micro_batches, shapes.batch, shapes.seq, n_dev)
+    order = choose.placement_order(train.activations, train.grad_hold, cpu_only=not on_gpu and gpu_budget is None)
+    attn_info, attn_extra = _attention(cfg, shapes, micro_candidates[0], on_gpu) if attention else (None, None)
+    host_base = store_bytes + (2.0 * shapes.layers * shapes.block if (bf16 and not device_cast) else 0.0) \
         + runtime_max + fewest_slabs  # host bytes every placement needs
-    host_act_bytes = float(s.layers * s.batch * s.seq * s.hidden * s.dtype_bytes * n_dev)
+    host_act_bytes = float(shapes.layers * shapes.batch * shapes.seq * shapes.hidden * shapes.dtype_bytes * n_dev)
     placed = choose.choose_placement(
-        s, order, micro_candidates, gpu_usable=gpu_usable, host_room=usable(host_limit, HOST_MARGIN) - host_base,
-        host_act_bytes=host_act_bytes, loss_chunk=t.loss_chunk, stream_bytes=stream_bytes, device_cast=device_cast,
-        attn=attn_extra, update_state_bytes=mom if update_on == "device" else None)
-    if not placed.fits and t.update_on == "auto" and update_on == "device":
+        shapes, order, micro_candidates, gpu_usable=gpu_usable, host_room=usable(host_limit, HOST_MARGIN) - host_base,
+        host_act_bytes=host_act_bytes, loss_chunk=train.loss_chunk, stream_bytes=stream_bytes, device_cast=device_cast,
+        attn=attn_extra, update_state_bytes=moment_bytes if update_on == "device" else None)
+    if not placed.fits and train.update_on == "auto" and update_on == "device":
         # the device-side update's own GPU memory (and the gradients it must hold there) does not fit:
         # the host updates instead (e.g. 18.1B parameters on an 80 GB GPU)
-        host_cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, update_on="host"))
+        host_cfg = dataclasses.replace(cfg, train=dataclasses.replace(train, update_on="host"))
         return _make_plan(host_cfg, machine, devices, attention)
     phases, gpu_rows, gpu_need = placed.phases, placed.gpu_rows, placed.gpu_need
     n_keep, per_block = choose.choose_keep_residuals(
-        t.keep_residuals, s, on_gpu=on_gpu, devices=n_dev, act_on_gpu=placed.activations == "device",
-        moments=o.moments, need=gpu_need, budget=gpu_budget, gpu_usable=gpu_usable,
-        moe=bool(getattr(m, "num_experts", None)))
+        train.keep_residuals, shapes, on_gpu=on_gpu, devices=n_dev, act_on_gpu=placed.activations == "device",
+        moments=optim.moments, need=gpu_need, budget=gpu_budget, gpu_usable=gpu_usable,
+        moe=bool(getattr(model, "num_experts", None)))
     if n_keep:
         gpu_rows.append(Row("gpu", f"forward residuals of the last {n_keep} blocks", n_keep * per_block,
                             "their backward does not recompute them (train.keep_residuals)"))
@@ -189,25 +189,26 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         gpu_need = max(phases.values())
 
     # ---- host rows
-    rows: list[Row] = [Row("host", "fp32 master weights", 4.0 * s.params)]
-    if o.kernel == "optax":
+    rows: list[Row] = [Row("host", "fp32 master weights", 4.0 * shapes.params)]
+    if optim.kernel == "optax":
         notes.append("optim.kernel=optax: optimizer state estimated as Adam's 8 bytes/param")
-    rows.append(Row("host", f"optimizer state ({o.moments} moments)", mom * s.params))
+    rows.append(Row("host", f"optimizer state ({optim.moments} moments)", moment_bytes * shapes.params))
     if bf16 and not device_cast:
-        rows.append(Row("host", "bf16 streaming copy (blocks)", 2.0 * s.layers * s.block,
+        rows.append(Row("host", "bf16 streaming copy (blocks)", 2.0 * shapes.layers * shapes.block,
                         "train.stream_copy=device removes it"))
-    chunked = o.kernel == "fused"
-    slab = (min(GRAD_SLAB_ELEMS, s.largest_group) if chunked else s.largest_group) * 4
+    chunked = optim.kernel == "fused"
+    slab = (min(GRAD_SLAB_ELEMS, shapes.largest_group) if chunked else shapes.largest_group) * 4
     slab_row = Row("host", "gradient staging (pinned slabs)", 0.0)
     if on_gpu and update_on == "host":  # device-side updates bring no gradient to the host
         rows.append(slab_row)  # sized below, once the rest of the host plan is known
     if placed.grad_hold == "pinned_host":
-        rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * s.params))
+        rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * shapes.params))
     if placed.activations == "pinned_host":
         rows.append(Row("host", "boundary activations (pinned)", host_act_bytes))
-    if t.final_checkpoint or t.ckpt_every:
-        rows.append(Row("host", "checkpoint writer (one group in flight)", s.largest_group * (4 + mom)))
-    rows.append(Row("host", "data loader (one batch, index)", float(t.batch_size * cfg.data.seq_len * 4 * 4 + 64e6)))
+    if train.final_checkpoint or train.ckpt_every:
+        rows.append(Row("host", "checkpoint writer (one group in flight)", shapes.largest_group * (4 + moment_bytes)))
+    rows.append(Row("host", "data loader (one batch, index)",
+                    float(train.batch_size * cfg.data.seq_len * 4 * 4 + 64e6)))
     rows.append(Row("host", "runtime (Python, JAX" + (", CUDA context)" if on_gpu else ")"),
                     RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] * (n_dev if on_gpu else 1)))
     preallocate = gpu_mem_fraction = None
@@ -222,7 +223,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         gpu_mem_fraction = round(gpu_mem_fraction, 4)
     if not on_gpu:
         rows.append(Row("host", "device buffers (the CPU backend's device memory is host memory)", gpu_need))
-    slabs = choose.choose_slabs(t.grad_slabs, chunked=chunked, on_gpu=on_gpu, moments=o.moments,
+    slabs = choose.choose_slabs(train.grad_slabs, chunked=chunked, on_gpu=on_gpu, moments=optim.moments,
                                 host_room=usable(host_limit, HOST_MARGIN) - sum(r.bytes for r in rows),
                                 slab_bytes=slab)
     slab_row.bytes, slab_row.note = float(slab * slabs), f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)"
@@ -232,28 +233,29 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                      f"{host_limit / GB:.1f} GB) and the plan needs {host_need / GB:.1f} GB: other processes hold "
                      "the rest; free it, or the run may be killed")
 
-    disk_rows, disk_need = _disk_rows(cfg, s.params, mom)
-    step = predicted_step(cfg, s, rates, n_dev=n_dev, n_keep=n_keep, stream_bytes=stream_bytes, mom=mom,
+    disk_rows, disk_need = _disk_rows(cfg, shapes.params, moment_bytes)
+    step = predicted_step(cfg, shapes, rates, n_dev=n_dev, n_keep=n_keep, stream_bytes=stream_bytes,
+                          moment_bytes=moment_bytes,
                           update_on=update_on, cpu_cores=machine.cpu_cores, attention=attention)
     settings = choose.RuntimeSettings(
         attention=attn_info["impl"] if attn_info else None,
-        attention_summary=attn_info["summary"] if attn_info else None, moments=o.moments, devices=n_dev,
+        attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=n_dev,
         pinned_pool_bytes=pinned_need(rows), gpu_mem_fraction=gpu_mem_fraction, gpu_preallocate=preallocate)
-    options = EngineOptions(compute_dtype=t.compute_dtype, micro_batches=placed.micro_batches,
-                            loss_chunk=t.loss_chunk, clip_norm=o.clip_norm, skip_nonfinite=True,
+    options = EngineOptions(compute_dtype=train.compute_dtype, micro_batches=placed.micro_batches,
+                            loss_chunk=train.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
                             activations=placed.activations, grad_hold=placed.grad_hold, grad_slabs=slabs,
                             grad_slab_elems=GRAD_SLAB_ELEMS if chunked else None, stream_copy=stream_copy,
-                            update_on=update_on, keep_residuals=n_keep, devices=t.devices,
+                            update_on=update_on, keep_residuals=n_keep, devices=train.devices,
                             device_update_chunk=DEVICE_UPDATE_CHUNK)
     return Plan(rows=rows + gpu_rows + disk_rows, settings=settings, options=options, host_need=host_need,
                 host_limit=host_limit, host_available=host_avail, host_source=host_source,
                 gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget, gpu_phases=phases,
-                disk_need=disk_need, disk_free=machine.disk_free.get(t.out_dir) if machine.disk_free else None,
-                step=step, params=s.params, machine=machine, notes=notes,
+                disk_need=disk_need, disk_free=machine.disk_free.get(train.out_dir) if machine.disk_free else None,
+                step=step, params=shapes.params, machine=machine, notes=notes,
                 step_basis=_step_basis(machine))
 
 
-def _attention(cfg: Config, s: Shapes, first_micro: int, on_gpu: bool):
+def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool):
     """The attention path (attention.py) and its working set beyond what the coefficients include."""
     from megatrain_jax import attention as attn_mod
 
@@ -267,7 +269,7 @@ def _attention(cfg: Config, s: Shapes, first_micro: int, on_gpu: bool):
         d = describe(batch)
         return float(max(d["extra_over_cudnn_bytes"], 0)), d["impl"]
 
-    return describe(max(s.batch // first_micro, 1)), extra
+    return describe(max(shapes.batch // first_micro, 1)), extra
 
 
 def _disk_rows(cfg: Config, params: int, mom: float) -> tuple[list[Row], float]:
@@ -311,25 +313,26 @@ def _step_basis(machine: Machine) -> str:
     return "H100 rates"
 
 
-def predicted_step(cfg: Config, s: Shapes, rates: dict[str, float], *, n_dev: int, n_keep: int, stream_bytes: int,
-                   mom: float, update_on: str, cpu_cores: int, attention: bool = True) -> dict[str, Any]:
+def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_dev: int, n_keep: int, stream_bytes: int,
+                   moment_bytes: float, update_on: str, cpu_cores: int, attention: bool = True) -> dict[str, Any]:
     """The step's floor terms (compute, host->GPU, GPU->host, optimizer) and the largest of them.
     N GPUs: each receives every block over its own link, all read the one host memory at once; the
     summed gradient leaves once, its chunks spread over the N links."""
-    t, o, m = cfg.train, cfg.optim, cfg.model
-    tokens = t.batch_size * cfg.data.seq_len
-    attn = 12.0 * m.num_layers * m.num_heads * m.dim_per_head * cfg.data.seq_len if attention else 0.0
-    hw_flops = tokens * (8 * m.non_embedding_params() - 2 * n_keep * s.block + 8 * s.vocab * s.hidden
+    train, optim, model = cfg.train, cfg.optim, cfg.model
+    tokens = train.batch_size * cfg.data.seq_len
+    attn = 12.0 * model.num_layers * model.num_heads * model.dim_per_head * cfg.data.seq_len if attention else 0.0
+    hw_flops = tokens * (8 * model.non_embedding_params() - 2 * n_keep * shapes.block + 8 * shapes.vocab * shapes.hidden
                          + 4.0 / 6.0 * attn)
-    rate = rates["matmul_bf16" if t.compute_dtype == "bfloat16" else "matmul_fp32"] * n_dev
-    h2d_bytes = 2 * s.layers * s.block * stream_bytes + 4 * (s.embed + s.head)  # blocks twice, embedding/head once
-    opt_rate = RATES["adamw_elems"]["optax" if o.kernel == "optax" else o.moments] * min(cpu_cores, 16) / 16
+    rate = rates["matmul_bf16" if train.compute_dtype == "bfloat16" else "matmul_fp32"] * n_dev
+    # blocks twice (forward, backward), embedding and head once
+    h2d_bytes = 2 * shapes.layers * shapes.block * stream_bytes + 4 * (shapes.embed + shapes.head)
+    opt_rate = RATES["adamw_elems"]["optax" if optim.kernel == "optax" else optim.moments] * min(cpu_cores, 16) / 16
     h2d_s = max(h2d_bytes / rates["h2d"], n_dev * h2d_bytes / rates["host_read"])
-    step = {"compute_s": hw_flops / rate, "h2d_s": h2d_s, "d2h_s": 4 * s.params / (rates["d2h"] * n_dev),
-            "optimizer_s": s.params / opt_rate}
+    step = {"compute_s": hw_flops / rate, "h2d_s": h2d_s, "d2h_s": 4 * shapes.params / (rates["d2h"] * n_dev),
+            "optimizer_s": shapes.params / opt_rate}
     if update_on == "device":  # the state crosses PCIe both ways instead of the gradient; no host kernel
-        step["h2d_s"] = (h2d_bytes + mom * s.params) / rates["h2d"]
-        step["d2h_s"] = (4 + mom) * s.params / rates["d2h"]
+        step["h2d_s"] = (h2d_bytes + moment_bytes * shapes.params) / rates["h2d"]
+        step["d2h_s"] = (4 + moment_bytes) * shapes.params / rates["d2h"]
         step["optimizer_s"] = 0.0
     step["predicted_step_s"] = max(step.values())
     step["binding"] = max(("compute_s", "h2d_s", "d2h_s", "optimizer_s"), key=lambda k: step[k])

@@ -70,7 +70,7 @@ def choose_update_on(setting: str, *, on_gpu: bool, devices: int, kernel: str, m
     return "host"
 
 
-def choose_stream_copy(s: Shapes, seq_len: int, m, on_gpu: bool, bf16: bool, room: float,
+def choose_stream_copy(shapes: Shapes, seq_len: int, model, on_gpu: bool, bf16: bool, room: float,
                        h2d_rate: float = RATES["h2d"], matmul_rate: float = RATES["matmul_bf16"]) -> str:
     """``train.stream_copy=auto``: stream the fp32 master and cast it on the GPU (saving the host's
     2-byte copy of every block) where that doubled transfer stays hidden behind a block's forward
@@ -78,11 +78,11 @@ def choose_stream_copy(s: Shapes, seq_len: int, m, on_gpu: bool, bf16: bool, roo
     ratio 0.18 cost 1% of tokens/s, 0.35 cost 4%)."""
     if not bf16:
         return "host"  # fp32 compute streams the master itself: there is no copy to save
-    copy_bytes = 2.0 * s.layers * s.block
+    copy_bytes = 2.0 * shapes.layers * shapes.block
     if not on_gpu:
         return "host" if copy_bytes <= room else "device"
-    fwd_flops = s.tokens * (2.0 * s.block + 2.0 * seq_len * m.num_heads * m.dim_per_head)
-    ratio = (4.0 * s.block / h2d_rate) / (fwd_flops / matmul_rate)
+    fwd_flops = shapes.tokens * (2.0 * shapes.block + 2.0 * seq_len * model.num_heads * model.dim_per_head)
+    ratio = (4.0 * shapes.block / h2d_rate) / (fwd_flops / matmul_rate)
     return "device" if (ratio <= STREAM_HIDDEN_RATIO or copy_bytes > room) else "host"
 
 
@@ -110,7 +110,7 @@ def placement_order(activations: str, grad_hold: str, *, cpu_only: bool) -> list
     return pairs
 
 
-def choose_placement(s: Shapes, order: list[tuple[str, str]], micro_candidates: list[int], *,
+def choose_placement(shapes: Shapes, order: list[tuple[str, str]], micro_candidates: list[int], *,
                      gpu_usable: float | None, host_room: float, host_act_bytes: float, loss_chunk: int,
                      stream_bytes: int, device_cast: bool, attn: AttentionExtra | None,
                      update_state_bytes: float | None) -> Placement:
@@ -118,9 +118,9 @@ def choose_placement(s: Shapes, order: list[tuple[str, str]], micro_candidates: 
     and whose pinned host bytes fit the host's room; the first one tried when none fits."""
     first = None
     for act, hold in order:
-        extra = (host_act_bytes if act == "pinned_host" else 0) + (4.0 * s.params if hold == "pinned_host" else 0)
+        extra = (host_act_bytes if act == "pinned_host" else 0) + (4.0 * shapes.params if hold == "pinned_host" else 0)
         for micro in micro_candidates:
-            phases, rows = gpu_phases(s, micro_batches=micro, stream_bytes=stream_bytes, device_cast=device_cast,
+            phases, rows = gpu_phases(shapes, micro_batches=micro, stream_bytes=stream_bytes, device_cast=device_cast,
                                       act_on_gpu=act == "device", hold_bytes=HOLD_BYTES[hold], loss_chunk=loss_chunk,
                                       deferred=True, attn=attn, update_state_bytes=update_state_bytes)
             need = max(phases.values())
@@ -132,15 +132,15 @@ def choose_placement(s: Shapes, order: list[tuple[str, str]], micro_candidates: 
     return first
 
 
-def choose_keep_residuals(asked: Any, s: Shapes, *, on_gpu: bool, devices: int, act_on_gpu: bool, moments: str,
+def choose_keep_residuals(asked: Any, shapes: Shapes, *, on_gpu: bool, devices: int, act_on_gpu: bool, moments: str,
                           need: float, budget: float | None, gpu_usable: float | None, moe: bool) -> tuple[int, float]:
     """How many of the last blocks keep their forward residuals (no recompute in the backward), and
     the bytes of one. ``auto``: as many as the GPU room the plan leaves holds, on one GPU with the
     activations there; with int8 moments (the state chosen for host memory) only within the room
     that keeps XLA's pool growing on demand, whose allocator table is host memory."""
-    per_block = residual_bytes_per_block(s, s.head_dim)
+    per_block = residual_bytes_per_block(shapes, shapes.head_dim)
     if asked != "auto":
-        kept = min(int(asked), s.layers - 1)  # one device: checked before (options.check_one_device)
+        kept = min(int(asked), shapes.layers - 1)  # one device: checked before (options.check_one_device)
         if kept and gpu_usable is not None and need + kept * per_block > gpu_usable:
             raise UserError("train.keep_residuals",
                             f"{kept} blocks' residuals need {kept * per_block / GB:.1f} GB and the GPU room left by "
@@ -152,7 +152,7 @@ def choose_keep_residuals(asked: Any, s: Shapes, *, on_gpu: bool, devices: int, 
     room = gpu_usable - need  # the residuals sit on top of the step's peak
     if moments == "int8" and budget and need <= PREALLOCATE_ABOVE * budget:
         room = min(room, PREALLOCATE_ABOVE * budget - need)
-    return int(max(0, min(s.layers - 1, room // per_block))), per_block
+    return int(max(0, min(shapes.layers - 1, room // per_block))), per_block
 
 
 def choose_slabs(setting: Any, *, chunked: bool, on_gpu: bool, moments: str, host_room: float,

@@ -91,19 +91,21 @@ def host_fix(cfg: Config, plan, devices: int | None, attention: bool) -> tuple[s
 
     smallest = planned(shaped(min_batch, min_seq), None)
     token_bytes = plan.host_need - smallest.host_need if smallest is not None else 0.0
-    leanest = planned(shaped(min_batch, min_seq), list(MODES.values())[-1]) if len(modes) > 1 else smallest
+    lean_over = list(MODES.values())[-1] if cfg.optim.kernel == "fused" else None
+    leanest = planned(shaped(min_batch, min_seq), lean_over)
     if leanest is None or not leanest.fits_host():
         floor = leanest or smallest
         need = floor.host_need if floor is not None else plan.host_need
-        what = "even the leanest state mode" if len(modes) > 1 else "the smallest batch and sequence"
         limit = math.ceil(host_limit_needed(need) / GB)
         for _ in range(4):  # auto decisions follow the host's room: check the limit named, at that limit
             bigger = dataclasses.replace(shaped(min_batch, min_seq), train=dataclasses.replace(
                 t, batch_size=min_batch, host_memory_gb=limit))
-            q = planned(bigger, modes[-1][1])
+            q = planned(bigger, lean_over)
             if q is None or q.fits_host():
+                need = q.host_need if q is not None else need
                 break
             limit = max(limit + 1, math.ceil(host_limit_needed(q.host_need) / GB))
+        what = "even the leanest state mode" if lean_over else "the smallest batch and sequence"
         return (f"this machine cannot hold this model: {what} needs {need / GB:.1f} GB "
                 f"({need / max(plan.params, 1):.1f} bytes/param at {min_batch} x {min_seq} tokens); a host limit of "
                 f"{limit} GB or more would", None)

@@ -108,51 +108,52 @@ class Shapes:
         return self.tokens * self.hidden * self.dtype_bytes
 
 
-def block_working_set(s: Shapes, tokens_mb: int) -> float:
+def block_working_set(shapes: Shapes, tokens_mb: int) -> float:
     w = WS_PER_TOKEN
-    return tokens_mb * (w["hidden"] * s.hidden + s.mlp_ws * s.mlp_width + w["qkv"] * s.qkv_width) \
-        * s.dtype_bytes / 2 * (2 if s.dtype_bytes == 4 else 1)
+    return tokens_mb * (w["hidden"] * shapes.hidden + shapes.mlp_ws * shapes.mlp_width + w["qkv"] * shapes.qkv_width) \
+        * shapes.dtype_bytes / 2 * (2 if shapes.dtype_bytes == 4 else 1)
 
 
-def loss_working_set(s: Shapes, tokens_mb: int, loss_chunk: int) -> float:
+def loss_working_set(shapes: Shapes, tokens_mb: int, loss_chunk: int) -> float:
     chunk = min(loss_chunk, tokens_mb)
-    return chunk * s.vocab * LOSS_BYTES_PER_LOGIT + 3 * tokens_mb * s.hidden * 4
+    return chunk * shapes.vocab * LOSS_BYTES_PER_LOGIT + 3 * tokens_mb * shapes.hidden * 4
 
 
 AttentionExtra = Callable[[int], "tuple[float, str]"]  # sequences per micro-batch -> (bytes, implementation)
 
 
-def gpu_phases(s: Shapes, *, micro_batches: int, stream_bytes: int, device_cast: bool, act_on_gpu: bool,
+def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_cast: bool, act_on_gpu: bool,
                hold_bytes: int | None, loss_chunk: int, deferred: bool, attn: AttentionExtra | None = None,
                update_state_bytes: float | None = None) -> tuple[dict[str, float], list[Row]]:
     """Bytes on the GPU at each phase of a step, and the rows that explain them.
     ``update_state_bytes``: optimizer state bytes/param of a device-side update (``train.update_on=device``),
     None for host updates."""
-    dt = s.dtype_bytes
-    tok_mb = s.batch * s.seq // micro_batches
+    dt = shapes.dtype_bytes
+    tok_mb = shapes.batch * shapes.seq // micro_batches
     rows = []
     # the embedding and head always stream their fp32 master (hoststore.py) and are cast in each jit
-    resident = (s.embed + s.head) * 4 + (s.embed + s.head) * (dt if dt == 2 else 0)
+    resident = (shapes.embed + shapes.head) * 4 + (shapes.embed + shapes.head) * (dt if dt == 2 else 0)
     rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
                     "fp32 + compute-dtype cast" if dt == 2 else "fp32"))
-    inflight = 2 * s.block * stream_bytes + (s.block * dt if device_cast else 0)
+    inflight = 2 * shapes.block * stream_bytes + (shapes.block * dt if device_cast else 0)
     rows.append(Row("gpu", "two blocks in flight", inflight, "fp32 master, cast on the GPU" if device_cast else ""))
-    act_layer = s.batch * s.seq * s.hidden * dt
-    acts = s.layers * act_layer if act_on_gpu else 2 * act_layer
-    rows.append(Row("gpu", "boundary activations", acts, f"{s.layers} layers x {s.batch * s.seq} tokens" if act_on_gpu
+    act_layer = shapes.batch * shapes.seq * shapes.hidden * dt
+    acts = shapes.layers * act_layer if act_on_gpu else 2 * act_layer
+    rows.append(Row("gpu", "boundary activations", acts,
+                    f"{shapes.layers} layers x {shapes.tokens} tokens" if act_on_gpu
                     else "in pinned host memory; 2 layers reloaded"))
-    ws = block_working_set(s, tok_mb)
+    ws = block_working_set(shapes, tok_mb)
     rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"))
     if attn is not None:  # what the chosen attention path needs beyond the calibrated (cuDNN) coefficients
-        extra, impl = attn(max(s.batch // micro_batches, 1))
+        extra, impl = attn(max(shapes.batch // micro_batches, 1))
         rows.append(Row("gpu", "attention working set beyond cuDNN's", extra, impl))
         ws += extra
-    accum = s.block * 4 + (s.embed * 4)  # current block's fp32 accumulator + the embedding's
-    rows.append(Row("gpu", "gradient accumulators (fp32)", accum + s.head * 4, "current block, embedding, head"))
-    loss_ws = loss_working_set(s, tok_mb, loss_chunk)
+    accum = shapes.block * 4 + (shapes.embed * 4)  # current block's fp32 accumulator + the embedding's
+    rows.append(Row("gpu", "gradient accumulators (fp32)", accum + shapes.head * 4, "current block, embedding, head"))
+    loss_ws = loss_working_set(shapes, tok_mb, loss_chunk)
     rows.append(Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
                     f"chunk {min(loss_chunk, tok_mb)} tokens"))
-    held = (s.params * hold_bytes) if (deferred and hold_bytes) else 0
+    held = (shapes.params * hold_bytes) if (deferred and hold_bytes) else 0
     if deferred:
         rows.append(Row("gpu", "gradients held for clipping", held,
                         {4: "fp32", 2: "bf16"}.get(hold_bytes or 0, "in pinned host memory")))
@@ -162,31 +163,32 @@ def gpu_phases(s: Shapes, *, micro_batches: int, stream_bytes: int, device_cast:
         # the state of the two blocks in flight and of the embedding or head being updated, three updated
         # blocks (master + state) being written back, and one slice of the update's temporaries (up to 16
         # bytes a value); counted at the loss too, where the H100 measured it (RESULTS.md)
-        update = update_state_bytes * (2 * s.block + max(s.embed, s.head)) \
-            + (4 + update_state_bytes) * 3 * s.block + 16.0 * min(DEVICE_UPDATE_CHUNK, max(s.embed, s.head, s.block))
+        update = update_state_bytes * (2 * shapes.block + max(shapes.embed, shapes.head)) \
+            + (4 + update_state_bytes) * 3 * shapes.block \
+            + 16.0 * min(DEVICE_UPDATE_CHUNK, max(shapes.embed, shapes.head, shapes.block))
         rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
                         "train.update_on=device"))
     phases = {
         "forward start (all held gradients, no activations)": fixed + held + act_layer + ws / 2 + update,
         # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
-        "loss (all activations, loss chunk)": fixed + acts + loss_ws + s.head * 4 + s.embed * 4
-        + s.vocab * s.hidden * (4 + dt) + act_layer + update,
-        "backward start (activations, accumulators)": fixed + acts + accum + s.head * 4 + ws
-        + (s.head * (hold_bytes or 0) if deferred else 0),
+        "loss (all activations, loss chunk)": fixed + acts + loss_ws + shapes.head * 4 + shapes.embed * 4
+        + shapes.vocab * shapes.hidden * (4 + dt) + act_layer + update,
+        "backward start (activations, accumulators)": fixed + acts + accum + shapes.head * 4 + ws
+        + (shapes.head * (hold_bytes or 0) if deferred else 0),
         "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu else 0)
         + act_layer,
     }
     return phases, rows
 
 
-def residual_bytes_per_block(s: Shapes, head_dim: int) -> float:
+def residual_bytes_per_block(shapes: Shapes, head_dim: int) -> float:
     """GPU bytes one block's kept forward residuals take for the whole step: the matmul outputs a
     token keeps (q, k, v, the attention's output projection, gate and up; engine.py's checkpoint
     policy) and the rotary tables in fp32 (jax.eval_shape of the engine's kernel: tests). The block's
     weights and its input are not among them (the backward gets them again)."""
     # + dt x H: a margin for what the GPU may keep beyond the abstract count
-    per_token = s.dtype_bytes * (2 * s.hidden + s.qkv_width + 2 * s.mlp_width) + 4 * head_dim
-    return float(s.batch * s.seq * per_token)
+    per_token = shapes.dtype_bytes * (2 * shapes.hidden + shapes.qkv_width + 2 * shapes.mlp_width) + 4 * head_dim
+    return float(shapes.batch * shapes.seq * per_token)
 
 
 def grown_pool(need: float) -> float:
