@@ -61,7 +61,7 @@ def plan_or_refuse(cfg, log: Log = print):
     if o.update_on == "device":
         few_malloc_arenas()
     gpu = f", GPU peak {plan.gpu_need / 1e9:.1f} of {plan.gpu_budget / 1e9:.1f} GB" if plan.gpu_budget else ""
-    log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB "
+    log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB ({plan.host_source}) "
         f"({plan.host_bytes_per_param:.2f} bytes/param){gpu}; micro_batches={o.micro_batches}, "
         f"activations={o.activations}, grad_hold={o.grad_hold}, stream_copy={o.stream_copy}, "
         f"moments={plan.settings.moments}, update_on={o.update_on}, keep_residuals={o.keep_residuals}; "

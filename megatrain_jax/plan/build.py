@@ -97,7 +97,7 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
         for name, over in choose.MODES.items():
             mode = _mode_plan(cfg, plan.machine, devices, attention, over)
             plan.modes[name] = {"host_gb": mode.host_need / GB, "bytes_per_param": mode.host_bytes_per_param,
-                                "fits_host": mode.fits_host(), "settings": _mode_settings(over)}
+                                "fits_host": mode.fits_host(), "settings": choose.mode_settings(over)}
         if not plan.fits_host():
             order = list(choose.MODES)  # fullest first; suggest only modes leaner than the configured one
             current = {"float32": 0, "bfloat16": 1}.get(cfg.optim.moments, len(order))
@@ -110,12 +110,12 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     if not plan.fits_host() and plan.suggestion is None:
         from megatrain_jax.plan.refusal import host_fix
 
-        plan.host_fix, plan.token_bytes = host_fix(cfg, plan, devices, attention)
+        def replan(variant: Config, over: dict[str, str] | None) -> Plan:
+            return _make_plan(variant, plan.machine, devices, attention) if over is None else \
+                _mode_plan(variant, plan.machine, devices, attention, over)
+
+        plan.host_fix, plan.token_bytes = host_fix(cfg, plan, replan)
     return plan
-
-
-def _mode_settings(over: dict[str, str]) -> str:
-    return " ".join(f"{'optim' if k == 'moments' else 'train'}.{k}={v}" for k, v in over.items())
 
 
 def _mode_plan(cfg: Config, machine: Machine, devices: int | None, attention: bool, over: dict[str, str]) -> Plan:

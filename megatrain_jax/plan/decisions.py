@@ -18,6 +18,13 @@ from megatrain_jax.plan.sizes import (GB, GPU_MARGIN, GRAD_SLABS, HOLD_BYTES, MI
 MODES = {"full": {"moments": "float32"},
          "compact": {"moments": "bfloat16", "stream_copy": "device"},
          "leanest": {"moments": "int8", "stream_copy": "device"}}
+
+
+def mode_settings(over: dict[str, str]) -> str:
+    """A state mode's overrides as the settings a user types."""
+    return " ".join(f"{'optim' if k == 'moments' else 'train'}.{k}={v}" for k, v in over.items())
+
+
 STREAM_HIDDEN_RATIO = 0.25  # fp32 stream time / block forward compute below which the device cast is free
 
 

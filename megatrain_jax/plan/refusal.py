@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Callable
 
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
+from megatrain_jax.plan.decisions import MODES, mode_settings
 from megatrain_jax.plan.sizes import GB, GPU_MARGIN, HOST_MARGIN, GiB, usable
 
 MIN_SEQ = 64  # the shortest sequence a fix proposes (below it, the model is what does not fit)
@@ -58,35 +60,30 @@ def host_limit_needed(need: float) -> float:
     return (need + HOST_MARGIN[1]) / (1 - HOST_MARGIN[0])
 
 
-def host_fix(cfg: Config, plan, devices: int | None, attention: bool) -> tuple[str, float | None]:
+def host_fix(cfg: Config, plan, replan: Callable[[Config, dict | None], Any]) -> tuple[str, float | None]:
     """The fix of a host refusal that no state mode fixes at this batch and sequence length: the
     most tokens per step that fit (in the configured mode, else the fullest leaner one), or, where
-    none fits, that this machine cannot hold the model and what host would. Returns (fix, the bytes
-    that grow with the tokens when fewer tokens fit, else None)."""
-    from megatrain_jax.plan.build import _make_plan, _mode_plan, _mode_settings
-    from megatrain_jax.plan.decisions import MODES
-
-    machine = plan.machine
-
+    none fits, that this machine cannot hold the model and what host would. ``replan(cfg, mode)``
+    plans a variant of the config on the same machine (``mode``: MODES overrides, or None). Returns
+    (fix, the bytes that grow with the tokens when fewer tokens fit, else None)."""
     def planned(c: Config, over: dict | None):
         try:
-            return _make_plan(c, machine, devices, attention) if over is None else \
-                _mode_plan(c, machine, devices, attention, over)
+            return replan(c, over)
         except UserError:  # a setting of the config refuses this shape (e.g. kept residuals): not a fix
             return None
 
     modes: list[tuple[str, dict | None]] = [("", None)]
     if cfg.optim.kernel == "fused":
         current = {"float32": 0, "bfloat16": 1}.get(cfg.optim.moments, len(MODES))
-        modes += [(_mode_settings(over), over) for over in list(MODES.values())[current + 1:]]
-    t, seq = cfg.train, cfg.data.seq_len
+        modes += [(mode_settings(over), over) for over in list(MODES.values())[current + 1:]]
+    train, seq = cfg.train, cfg.data.seq_len
     n_dev = plan.settings.devices
-    micro = t.micro_batches if t.micro_batches != "auto" else 1
+    micro = train.micro_batches if train.micro_batches != "auto" else 1
     step = micro * n_dev // math.gcd(micro, n_dev)  # batch sizes must split into micro-batches and GPUs
-    min_batch, min_seq = min(step, t.batch_size), min(seq, MIN_SEQ)
+    min_batch, min_seq = min(step, train.batch_size), min(seq, MIN_SEQ)
 
     def shaped(batch: int, length: int) -> Config:
-        return dataclasses.replace(cfg, train=dataclasses.replace(t, batch_size=batch),
+        return dataclasses.replace(cfg, train=dataclasses.replace(train, batch_size=batch),
                                    data=dataclasses.replace(cfg.data, seq_len=length))
 
     smallest = planned(shaped(min_batch, min_seq), None)
@@ -99,7 +96,7 @@ def host_fix(cfg: Config, plan, devices: int | None, attention: bool) -> tuple[s
         limit = math.ceil(host_limit_needed(need) / GB)
         for _ in range(4):  # auto decisions follow the host's room: check the limit named, at that limit
             bigger = dataclasses.replace(shaped(min_batch, min_seq), train=dataclasses.replace(
-                t, batch_size=min_batch, host_memory_gb=limit))
+                train, batch_size=min_batch, host_memory_gb=limit))
             q = planned(bigger, lean_over)
             if q is None or q.fits_host():
                 need = q.host_need if q is not None else need
@@ -110,7 +107,7 @@ def host_fix(cfg: Config, plan, devices: int | None, attention: bool) -> tuple[s
                 f"({need / max(plan.params, 1):.1f} bytes/param at {min_batch} x {min_seq} tokens); a host limit of "
                 f"{limit} GB or more would", None)
 
-    batches = _halvings(t.batch_size, min_batch, step)
+    batches = _halvings(train.batch_size, min_batch, step)
     seqs = _halvings(seq, min_seq, 1)
     def first_fit(candidates, over):
         for label, c in candidates:
@@ -121,8 +118,8 @@ def host_fix(cfg: Config, plan, devices: int | None, attention: bool) -> tuple[s
 
     for settings, over in modes:
         fewer = first_fit([(f"train.batch_size={b}", shaped(b, seq)) for b in batches[1:]], over)
-        shorter = first_fit([(f"data.seq_len={n}", shaped(t.batch_size, n)) for n in seqs[1:]], over)
-        if shorter is None and min_batch != t.batch_size:
+        shorter = first_fit([(f"data.seq_len={n}", shaped(train.batch_size, n)) for n in seqs[1:]], over)
+        if shorter is None and min_batch != train.batch_size:
             shorter = first_fit([(f"data.seq_len={n} with train.batch_size={min_batch}", shaped(min_batch, n))
                                  for n in seqs[1:]], over)
         found = [f for f in (fewer, shorter) if f]
