@@ -189,38 +189,17 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         gpu_need = max(phases.values())
 
     # ---- host rows
-    rows: list[Row] = [Row("host", "fp32 master weights", 4.0 * shapes.params)]
     if optim.kernel == "optax":
         notes.append("optim.kernel=optax: optimizer state estimated as Adam's 8 bytes/param")
-    rows.append(Row("host", f"optimizer state ({optim.moments} moments)", moment_bytes * shapes.params))
-    if bf16 and not device_cast:
-        rows.append(Row("host", "bf16 streaming copy (blocks)", 2.0 * shapes.layers * shapes.block,
-                        "train.stream_copy=device removes it"))
     chunked = optim.kernel == "fused"
     slab = (min(GRAD_SLAB_ELEMS, shapes.largest_group) if chunked else shapes.largest_group) * 4
-    slab_row = Row("host", "gradient staging (pinned slabs)", 0.0)
-    if on_gpu and update_on == "host":  # device-side updates bring no gradient to the host
-        rows.append(slab_row)  # sized below, once the rest of the host plan is known
-    if placed.grad_hold == "pinned_host":
-        rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * shapes.params))
-    if placed.activations == "pinned_host":
-        rows.append(Row("host", "boundary activations (pinned)", host_act_bytes))
-    if train.final_checkpoint or train.ckpt_every:
-        rows.append(Row("host", "checkpoint writer (one group in flight)", shapes.largest_group * (4 + moment_bytes)))
-    rows.append(Row("host", "data loader (one batch, index)",
-                    float(train.batch_size * cfg.data.seq_len * 4 * 4 + 64e6)))
-    rows.append(Row("host", "runtime (Python, JAX" + (", CUDA context)" if on_gpu else ")"),
-                    RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] * (n_dev if on_gpu else 1)))
-    preallocate = gpu_mem_fraction = None
-    if on_gpu and machine.gpu_bytes:
-        gpu_mem_fraction = min(XLA_FRACTION, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes)
-        preallocate = choose.preallocate_pool(gpu_budget, gpu_need)
-        pool = gpu_mem_fraction * machine.gpu_bytes
-        managed = pool if preallocate else min(pool, grown_pool(gpu_need))
-        rows.append(Row("host", "XLA's GPU allocator table (8 bytes per 256 of its pool)",
-                        managed * BFC_TABLE_BYTES_PER_POOL_BYTE * n_dev,
-                        "pool made at the start" if preallocate else "pool grown on demand"))
-        gpu_mem_fraction = round(gpu_mem_fraction, 4)
+    slab_row = Row("host", "gradient staging (pinned slabs)", 0.0)  # sized below, once the rest is known
+    rows = _host_rows(cfg, shapes, moment_bytes, host_copy=bf16 and not device_cast, on_gpu=on_gpu, n_dev=n_dev,
+                      placed=placed, host_act_bytes=host_act_bytes,
+                      slab_row=slab_row if on_gpu and update_on == "host" else None)
+    pool_row, gpu_mem_fraction, preallocate = _xla_pool(machine, gpu_budget, gpu_need, n_dev)
+    if pool_row is not None:
+        rows.append(pool_row)
     if not on_gpu:
         rows.append(Row("host", "device buffers (the CPU backend's device memory is host memory)", gpu_need))
     slabs = choose.choose_slabs(train.grad_slabs, chunked=chunked, on_gpu=on_gpu, moments=optim.moments,
@@ -235,8 +214,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
 
     disk_rows, disk_need = _disk_rows(cfg, shapes.params, moment_bytes)
     step = predicted_step(cfg, shapes, rates, n_dev=n_dev, n_keep=n_keep, stream_bytes=stream_bytes,
-                          moment_bytes=moment_bytes,
-                          update_on=update_on, cpu_cores=machine.cpu_cores, attention=attention)
+                          moment_bytes=moment_bytes, update_on=update_on, cpu_cores=machine.cpu_cores,
+                          attention=attention)
     settings = choose.RuntimeSettings(
         attention=attn_info["impl"] if attn_info else None,
         attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=n_dev,
@@ -253,6 +232,47 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                 disk_need=disk_need, disk_free=machine.disk_free.get(train.out_dir) if machine.disk_free else None,
                 step=step, params=shapes.params, machine=machine, notes=notes,
                 step_basis=_step_basis(machine))
+
+
+def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bool, on_gpu: bool, n_dev: int,
+               placed: choose.Placement, host_act_bytes: float, slab_row: Row | None) -> list[Row]:
+    """Host memory by component: the store, the pinned buffers the placement asks for, the checkpoint
+    writer, the data loader and the runtime (``slab_row``: the gradient slabs of a host update)."""
+    train = cfg.train
+    rows = [Row("host", "fp32 master weights", 4.0 * shapes.params),
+            Row("host", f"optimizer state ({cfg.optim.moments} moments)", moment_bytes * shapes.params)]
+    if host_copy:
+        rows.append(Row("host", "bf16 streaming copy (blocks)", 2.0 * shapes.layers * shapes.block,
+                        "train.stream_copy=device removes it"))
+    if slab_row is not None:  # device-side updates bring no gradient to the host
+        rows.append(slab_row)
+    if placed.grad_hold == "pinned_host":
+        rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * shapes.params))
+    if placed.activations == "pinned_host":
+        rows.append(Row("host", "boundary activations (pinned)", host_act_bytes))
+    if train.final_checkpoint or train.ckpt_every:
+        rows.append(Row("host", "checkpoint writer (one group in flight)", shapes.largest_group * (4 + moment_bytes)))
+    rows.append(Row("host", "data loader (one batch, index)",
+                    float(train.batch_size * cfg.data.seq_len * 4 * 4 + 64e6)))
+    rows.append(Row("host", "runtime (Python, JAX" + (", CUDA context)" if on_gpu else ")"),
+                    RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] * (n_dev if on_gpu else 1)))
+    return rows
+
+
+def _xla_pool(machine: Machine, gpu_budget: float | None, gpu_need: float,
+              n_dev: int) -> tuple[Row | None, float | None, bool | None]:
+    """XLA's memory fraction, whether its pool is made whole at the start, and the host row of its
+    allocator table (None on the CPU backend)."""
+    if machine.backend != "gpu" or not machine.gpu_bytes:
+        return None, None, None
+    fraction = min(XLA_FRACTION, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes)
+    preallocate = choose.preallocate_pool(gpu_budget, gpu_need)
+    pool = fraction * machine.gpu_bytes
+    managed = pool if preallocate else min(pool, grown_pool(gpu_need))
+    row = Row("host", "XLA's GPU allocator table (8 bytes per 256 of its pool)",
+              managed * BFC_TABLE_BYTES_PER_POOL_BYTE * n_dev,
+              "pool made at the start" if preallocate else "pool grown on demand")
+    return row, round(fraction, 4), preallocate
 
 
 def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool):
