@@ -143,6 +143,12 @@ def test_one_device_rules_are_checked_once_with_one_message():
     assert engine.value.fix == plan.value.fix
 
 
+def test_a_plan_for_zero_devices_is_refused_not_taken_as_one():
+    with pytest.raises(UserError) as e:
+        _plan("configs/tiny.yaml", machine=CPU24, devices=0)
+    assert e.value.field == "devices"
+
+
 def test_scaling_rows_are_data_and_the_table_prints_them():
     two = Machine("gpu", 256 * GiB, 250 * GiB, "MemTotal", 141 * 10 ** 9, "sim", 2, "H200", 32, {})
     cfg = _cfg("configs/7b.yaml", "train.batch_size=12")

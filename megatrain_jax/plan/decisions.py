@@ -61,6 +61,9 @@ class Placement:
 def resolve_devices(train_devices: Any, gpu_count: int, processes: int, devices: int | None) -> int:
     """GPUs the run uses in all: ``devices`` when asked (scaling predictions), else the config's count
     (``all``: every GPU of the host) times the processes."""
+    if devices is not None and (isinstance(devices, bool) or int(devices) < 1):
+        raise UserError("devices", f"the plan is for 1 GPU or more, got {devices!r}",
+                        "give the number of GPUs to plan for (--devices N with N >= 1)")
     return devices or ((gpu_count if train_devices == "all" else int(train_devices)) or 1) * processes
 
 
