@@ -27,7 +27,7 @@ def plan_table(p: Plan) -> str:
     Console(file=buf, width=130, force_terminal=False, color_system=None).print(tab)
     lines = [buf.getvalue().rstrip()]
     avail = "" if p.host_available is None or p.host_available >= p.host_limit else \
-        f", {p.host_available / GB:.1f} GB available now (MemAvailable)"
+        f", {p.host_available / GB:.1f} GB available now" + (" (MemAvailable)" if p.host_source == "MemTotal" else "")
     lines.append(f"host: need {p.host_need / GB:.1f} GB ({p.host_bytes_per_param:.2f} bytes/param), limit "
                  f"{p.host_limit / GB:.1f} GB ({p.host_source}{avail}), margin {HOST_MARGIN[0]:.0%} + "
                  f"{HOST_MARGIN[1] / GiB:.0f} GiB")
