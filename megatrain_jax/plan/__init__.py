@@ -1,14 +1,24 @@
 """The memory plan: what a run needs, where each buffer lives, and the engine's options.
 
-``plan_or_refuse`` is the one planning step every entry point takes (the CLI's ``train``, the
-library's ``Trainer.from_config``): the plan on this machine, or the one-line refusal before
-anything is allocated.
+``machine`` (what the run may use), ``sizes`` (bytes of each buffer), ``decisions`` (every auto),
+``build`` (``make_plan``), ``refusal`` (the verdict and its fix), ``report`` (table, JSON,
+scaling). ``plan_or_refuse`` is the one planning step every entry point takes (the CLI's
+``train``, the library's ``Trainer.from_config``): the plan on this machine, or the one-line
+refusal before anything is allocated.
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import Callable
 
+from megatrain_jax.plan.build import Plan, make_plan, predicted_step  # noqa: F401
+from megatrain_jax.plan.decisions import MODES, Placement, RuntimeSettings  # noqa: F401
+from megatrain_jax.plan.machine import (Machine, _jax_backend_ready, detect_machine, host_limit,  # noqa: F401
+                                        jax_backend_ready, memory_snapshot, target_machine)
 from megatrain_jax.plan.options import EngineOptions  # noqa: F401
+from megatrain_jax.plan.report import plan_json, plan_table, scaling_rows, scaling_table  # noqa: F401
+from megatrain_jax.plan.sizes import GB, GiB, Row, Shapes  # noqa: F401
 
 Log = Callable[[str], None]
 
@@ -26,11 +36,22 @@ def few_malloc_arenas(arenas: int = 2) -> bool:
         return False
 
 
+def apply_gpu_settings(p: Plan) -> None:
+    """Give XLA the plan's budgets before its backend starts (no hand-set variable is needed; one
+    that the user did set is respected)."""
+    r = p.settings
+    if r.gpu_mem_fraction:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(r.gpu_mem_fraction))
+    if r.gpu_preallocate is False:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if p.machine.backend == "gpu":
+        limit = max(4, math.ceil((r.pinned_pool_bytes or 0) * 1.5 / GiB) + 2)
+        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(limit))
+
+
 def plan_or_refuse(cfg, log: Log = print):
     """The memory plan for ``cfg`` on this machine, or the one-line refusal (``UserError``) before
     anything is allocated. Gives XLA the plan's budgets when its backend has not started yet."""
-    from megatrain_jax.memory import apply_gpu_settings, make_plan
-
     plan = make_plan(cfg)
     err = plan.verdict()
     if err is not None:
@@ -40,11 +61,14 @@ def plan_or_refuse(cfg, log: Log = print):
     if o.update_on == "device":
         few_malloc_arenas()
     gpu = f", GPU peak {plan.gpu_need / 1e9:.1f} of {plan.gpu_budget / 1e9:.1f} GB" if plan.gpu_budget else ""
-    log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB "
+    log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB ({plan.host_source}) "
         f"({plan.host_bytes_per_param:.2f} bytes/param){gpu}; micro_batches={o.micro_batches}, "
         f"activations={o.activations}, grad_hold={o.grad_hold}, stream_copy={o.stream_copy}, "
-        f"moments={plan.decisions['moments']}, update_on={o.update_on}, keep_residuals={o.keep_residuals}; "
-        f"predicted step {plan.step['predicted_step_s']:.2f} s "
-        f"({plan.step['binding'][:-2]}-bound)  [megatrain-jax plan CONFIG shows the table]")
-    log(plan.decisions["attention_summary"])
+        f"moments={plan.settings.moments}, update_on={o.update_on}, keep_residuals={o.keep_residuals}; "
+        f"predicted step {plan.step['predicted_step_s']:.2f} s ({plan.step['binding'][:-2]}-bound, "
+        f"{plan.step_basis})  [megatrain-jax plan CONFIG shows the table]")
+    for note in plan.notes:
+        log(f"plan: note: {note}")
+    if plan.settings.attention_summary:
+        log(plan.settings.attention_summary)
     return plan

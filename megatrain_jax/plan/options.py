@@ -22,6 +22,17 @@ StreamCopy = Literal["host", "device"]
 UpdateOn = Literal["host", "device"]
 
 
+def check_one_device(devices: int, *, update_on: str, keep_residuals: int) -> None:
+    """Device-side updates and kept residuals run on one GPU: the one place this rule is checked (the
+    plan calls it with the resolved device count, ``EngineOptions`` with its own)."""
+    if devices > 1 and update_on == "device":
+        raise UserError("train.update_on", f"device runs on one GPU, and this run uses {devices}",
+                        "set train.update_on=host (or auto) for data parallel, or train.devices=1")
+    if devices > 1 and keep_residuals:
+        raise UserError("train.keep_residuals", f"kept residuals run on one GPU, and this run uses {devices}",
+                        "set train.keep_residuals=auto (or 0) for data parallel")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How the streamed step runs. Defaults are the plain one-device, host-update path (what a
@@ -66,16 +77,11 @@ class EngineOptions:
             bad("train.grad_slabs", f"must be >= 1, got {self.grad_slabs}", "set a positive integer")
         if int(self.keep_residuals) < 0:
             bad("train.keep_residuals", f"must be >= 0, got {self.keep_residuals}", "set 0 or more")
-        multi = self.devices != "all" and int(self.devices) > 1  # "all": the plan resolves the count
-        if self.update_on == "device":
-            if multi:
-                bad("train.update_on", "device runs on one GPU; data parallel updates on the host",
-                    "set train.update_on=host (or train.devices=1)")
-            if self.stream_copy == "host" and self.compute_dtype == "bfloat16":
-                bad("train.update_on", "device needs a store without a bf16 streaming copy",
-                    "set train.stream_copy=device (or train.update_on=host)")
-        if self.keep_residuals and multi:
-            bad("train.keep_residuals", "kept residuals run on one device", "set train.keep_residuals=0")
+        if self.devices != "all":  # "all": the plan resolves the count and checks it (check_one_device)
+            check_one_device(int(self.devices), update_on=self.update_on, keep_residuals=int(self.keep_residuals))
+        if self.update_on == "device" and self.stream_copy == "host" and self.compute_dtype == "bfloat16":
+            bad("train.update_on", "device needs a store without a bf16 streaming copy",
+                "set train.stream_copy=device (or train.update_on=host)")
 
     @property
     def host_bf16_copy(self) -> bool:

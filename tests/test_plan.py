@@ -2,6 +2,7 @@
 is allocated; the `plan` command and the train command's one-line refusal."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ import pytest
 
 from megatrain_jax.config import load_config
 from megatrain_jax.errors import UserError
-from megatrain_jax.memory import GB, GiB, Machine, make_plan, plan_json, plan_table
+from megatrain_jax.plan import GB, GiB, Machine, make_plan, plan_json, plan_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = Machine("gpu", 128 * GiB, 125 * GiB, "MemTotal", 81559 * 2 ** 20, "test", 1, "H100", 16, {})
@@ -99,13 +100,24 @@ def test_refusals_name_the_component_the_bytes_and_the_fix(what, sets, machine, 
     assert "GB" in text and "fix:" in text and "\n" not in text
 
 
-def test_host_refusal_suggests_compact_state_and_the_override():
+def test_host_refusal_names_no_mode_that_does_not_fit():
+    """7B on a 24 GiB machine: even the leanest state mode needs far more than the host (issue 26 item 7:
+    the fix named optim.moments=int8 while the modes line said it needs 81.5 GB). The fix names no mode and
+    no setting that leaves it refused; it says the machine cannot hold the model, and what host would (a
+    limit at which the leanest mode at the smallest batch fits), and still offers the override."""
     cpu24 = Machine("cpu", 24 * GiB, 22 * GiB, "MemTotal", None, "", 0, "", 2, {})
-    err = _plan("configs/7b.yaml", "train.stream_copy=host", machine=cpu24).verdict()
-    assert "optim.moments=int8" in err.fix and "train.stream_copy=device" in err.fix and "train.host_memory_gb" in err.fix
-    # auto already dropped the copy (it cannot fit): not suggested again
-    err = _plan("configs/7b.yaml", machine=cpu24).verdict()
-    assert "optim.moments=int8" in err.fix and "train.stream_copy" not in err.fix
+    for sets in (("train.stream_copy=host",), ()):
+        p = _plan("configs/7b.yaml", *sets, machine=cpu24)
+        err = p.verdict()
+        assert not any(m["fits_host"] for m in p.modes.values())
+        assert "optim.moments" not in err.fix and "train.stream_copy" not in err.fix, err.fix
+        assert "cannot hold this model" in err.fix and "train.host_memory_gb" in err.fix
+        limit = int(re.search(r"a host limit of (\d+) GB or more would", err.fix).group(1))
+        batch, seq = re.search(r"at (\d+) x (\d+) tokens", err.fix).groups()
+        big = Machine("cpu", limit * GB, limit * GB, "MemTotal", None, "", 0, "", 2, {})
+        lean = _plan("configs/7b.yaml", *sets, "optim.moments=int8", "train.stream_copy=device",
+                     f"train.batch_size={batch}", f"data.seq_len={seq}", machine=big)
+        assert lean.fits_host()
 
 
 def test_host_memory_override_is_used_and_named():
@@ -190,7 +202,7 @@ def test_kept_residuals_auto_fill_the_gpu_room_and_int8_keeps_the_pool_growing_o
     """auto keeps as many blocks' residuals as the room above the step's peak holds, and says so in the
     rows; with int8 moments (chosen for host memory) only below the line where XLA would preallocate its
     pool (whose allocator table is host memory), so the leanest mode stays lean."""
-    from megatrain_jax.memory import PREALLOCATE_ABOVE
+    from megatrain_jax.plan.sizes import PREALLOCATE_ABOVE
 
     full = _plan("configs/7b.yaml")
     k = full.decisions["keep_residuals"]
@@ -239,7 +251,7 @@ def test_the_plans_residual_estimate_covers_the_engines_abstract_residuals():
 
     from megatrain_jax.config import ModelConfig, OptimConfig
     from megatrain_jax.engine import StreamedTrainer
-    from megatrain_jax.memory import _Shapes, residual_bytes_per_block
+    from megatrain_jax.plan.sizes import Shapes, residual_bytes_per_block
     from megatrain_jax.models.llama import init_host_store
     from megatrain_jax.optim import build_host_optimizer
 
@@ -253,7 +265,7 @@ def test_the_plans_residual_estimate_covers_the_engines_abstract_residuals():
         h = jax.ShapeDtypeStruct((b // micro, s, cfg.hidden_size), jnp.bfloat16)
         aux = st._aux_of(jnp.zeros((b // micro, s), jnp.int32), None)
         engine = micro * st.residual_bytes(h, aux)
-        plan = residual_bytes_per_block(_Shapes.of(cfg, b, s, "bfloat16"), cfg.dim_per_head)
+        plan = residual_bytes_per_block(Shapes.of(cfg, b, s, "bfloat16"), cfg.dim_per_head)
         assert engine <= plan <= 1.35 * engine, (over, engine, plan)
         st.close()
 
@@ -261,7 +273,7 @@ def test_the_plans_residual_estimate_covers_the_engines_abstract_residuals():
 def test_the_pool_decision_reaches_xla_and_a_users_own_setting_wins(monkeypatch):
     """apply_gpu_settings turns the plan's gpu_preallocate=False into XLA_PYTHON_CLIENT_PREALLOCATE=false
     (set before JAX's backend starts); a preallocating plan sets nothing; a variable the user set stays."""
-    from megatrain_jax.memory import apply_gpu_settings
+    from megatrain_jax.plan import apply_gpu_settings
 
     for var in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
         monkeypatch.delenv(var, raising=False)

@@ -1,0 +1,197 @@
+"""The plan's choices: every ``auto`` of the config decided from sizes (``sizes.py``) and the machine.
+
+Micro-batches, where boundary activations and held gradients live, the streaming copy, where the
+update runs, kept residuals, gradient slabs, and XLA's pool. Each function decides one thing and
+says why; ``build.py`` calls them in order and turns the result into ``EngineOptions``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatrain_jax.errors import UserError
+from megatrain_jax.plan.sizes import (GB, GPU_MARGIN, GRAD_SLABS, HOLD_BYTES, MICRO_TOKENS, PREALLOCATE_ABOVE,
+                                      RATES, XLA_FRACTION, AttentionExtra, Row, Shapes, gpu_phases,
+                                      residual_bytes_per_block, usable)
+
+# the host-state modes, fullest first: (name, overrides)
+MODES = {"full": {"moments": "float32"},
+         "compact": {"moments": "bfloat16", "stream_copy": "device"},
+         "leanest": {"moments": "int8", "stream_copy": "device"}}
+
+
+def mode_settings(over: dict[str, str]) -> str:
+    """A state mode's overrides as the settings a user types."""
+    return " ".join(f"{'optim' if k == 'moments' else 'train'}.{k}={v}" for k, v in over.items())
+
+
+STREAM_HIDDEN_RATIO = 0.25  # fp32 stream time / block forward compute below which the device cast is free
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """The plan's decisions that are not the engine's (``EngineOptions``): reported, or given to XLA
+    before its backend starts (``apply_gpu_settings``)."""
+
+    attention: str | None  # the attention implementation (None: the model has no attention)
+    attention_summary: str | None  # one line for the log (None: no attention)
+    moments: str  # optimizer moment dtype
+    devices: int  # GPUs of the run, resolved (train.devices=all, processes)
+    pinned_pool_bytes: float  # pinned host memory the plan puts in rows
+    gpu_mem_fraction: float | None  # XLA_PYTHON_CLIENT_MEM_FRACTION (None: CPU backend)
+    gpu_preallocate: bool | None  # XLA_PYTHON_CLIENT_PREALLOCATE (None: CPU backend)
+
+
+@dataclass
+class Placement:
+    """One candidate of the placement search: micro-batches, where activations and held gradients
+    live, and the GPU phases it makes."""
+
+    micro_batches: int
+    activations: str  # device | pinned_host
+    grad_hold: str  # gpu_fp32 | gpu_bf16 | pinned_host
+    phases: dict[str, float]
+    gpu_rows: list[Row]
+    gpu_need: float
+    fits: bool
+    host_extra: float = 0.0  # pinned host bytes it adds
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_devices(train_devices: Any, gpu_count: int, processes: int, devices: int | None) -> int:
+    """GPUs the run uses in all: ``devices`` when asked (scaling predictions), else the config's count
+    (``all``: every GPU of the host) times the processes."""
+    if devices is not None and (isinstance(devices, bool) or int(devices) < 1):
+        raise UserError("devices", f"the plan is for 1 GPU or more, got {devices!r}",
+                        "give the number of GPUs to plan for (--devices N with N >= 1)")
+    return devices or ((gpu_count if train_devices == "all" else int(train_devices)) or 1) * processes
+
+
+def choose_update_on(setting: str, *, on_gpu: bool, devices: int, kernel: str, moments: str, bf16: bool,
+                     stream_copy: str) -> str:
+    """``train.update_on=auto``: the GPU applies the update where the moments are compact (bf16 or
+    int8), on one GPU, with the fused kernel; the host elsewhere (fp32 moments: 8 bytes/param more each
+    way over PCIe, not measured to pay). RESULTS.md: Qwen2.5-14B int8 350 -> 391 model-TFLOPS."""
+    if setting != "auto":
+        return setting
+    if on_gpu and devices == 1 and kernel == "fused" and moments in ("bfloat16", "int8") \
+            and not (bf16 and stream_copy == "host"):
+        return "device"
+    return "host"
+
+
+def choose_stream_copy(shapes: Shapes, seq_len: int, model, on_gpu: bool, bf16: bool, room: float,
+                       h2d_rate: float = RATES["h2d"], matmul_rate: float = RATES["matmul_bf16"]) -> str:
+    """``train.stream_copy=auto``: stream the fp32 master and cast it on the GPU (saving the host's
+    2-byte copy of every block) where that doubled transfer stays hidden behind a block's forward
+    compute, or where the copy does not fit the host; otherwise keep the bf16 host copy (RESULTS.md:
+    ratio 0.18 cost 1% of tokens/s, 0.35 cost 4%)."""
+    if not bf16:
+        return "host"  # fp32 compute streams the master itself: there is no copy to save
+    copy_bytes = 2.0 * shapes.layers * shapes.block
+    if not on_gpu:
+        return "host" if copy_bytes <= room else "device"
+    fwd_flops = shapes.tokens * (2.0 * shapes.block + 2.0 * seq_len * model.num_heads * model.dim_per_head)
+    ratio = (4.0 * shapes.block / h2d_rate) / (fwd_flops / matmul_rate)
+    return "device" if (ratio <= STREAM_HIDDEN_RATIO or copy_bytes > room) else "host"
+
+
+def micro_batch_candidates(setting: Any, batch: int, seq: int, devices: int) -> list[int]:
+    """``auto``: the divisors of the per-GPU batch from the fewest micro-batches of at most
+    MICRO_TOKENS tokens upward (fewer only costs memory); a number: that one (split over the GPUs)."""
+    if setting == "auto":
+        divisors = [k for k in range(1, batch + 1) if batch % k == 0]
+        return [k for k in divisors if batch * seq // k <= MICRO_TOKENS] or divisors[-1:]
+    asked = int(setting)
+    return [asked // devices if devices > 1 and asked % devices == 0 else asked]
+
+
+def placement_order(activations: str, grad_hold: str, *, cpu_only: bool) -> list[tuple[str, str]]:
+    """(activations, grad_hold) pairs in order of preference: what costs nothing first (activations on
+    the GPU, exact fp32 gradients), then bf16 holding, then pinned host memory for activations, then
+    for gradients. On the CPU backend without a budget all "device" memory is host memory."""
+    holds = ["gpu_fp32", "gpu_bf16", "pinned_host"] if grad_hold == "auto" else [grad_hold]
+    acts = ["device", "pinned_host"] if activations == "auto" else [activations]
+    if cpu_only:
+        holds = ["gpu_fp32"] if grad_hold == "auto" else holds
+        acts = ["device"] if activations == "auto" else acts
+    pairs = [(a, h) for h in holds for a in acts]
+    pairs.sort(key=lambda ah: (ah[1] == "pinned_host", ah[0] == "pinned_host", ah[1] == "gpu_bf16"))
+    return pairs
+
+
+def choose_placement(shapes: Shapes, order: list[tuple[str, str]], micro_candidates: list[int], *,
+                     gpu_usable: float | None, host_room: float, host_act_bytes: float, loss_chunk: int,
+                     stream_bytes: int, device_cast: bool, attn: AttentionExtra | None,
+                     update_state_bytes: float | None) -> Placement:
+    """The first placement in ``order`` (and within it the first micro-batch count) that fits the GPU
+    and whose pinned host bytes fit the host's room; the first one tried when none fits."""
+    first = None
+    for act, hold in order:
+        extra = (host_act_bytes if act == "pinned_host" else 0) + (4.0 * shapes.params if hold == "pinned_host" else 0)
+        for micro in micro_candidates:
+            phases, rows = gpu_phases(shapes, micro_batches=micro, stream_bytes=stream_bytes, device_cast=device_cast,
+                                      act_on_gpu=act == "device", hold_bytes=HOLD_BYTES[hold], loss_chunk=loss_chunk,
+                                      deferred=True, attn=attn, update_state_bytes=update_state_bytes)
+            need = max(phases.values())
+            fits = (gpu_usable is None or need <= gpu_usable) and (extra == 0 or extra <= host_room)
+            candidate = Placement(micro, act, hold, phases, rows, need, fits, extra)
+            if fits:
+                return candidate
+            first = first or candidate  # reported if nothing fits
+    return first
+
+
+def choose_keep_residuals(asked: Any, shapes: Shapes, *, on_gpu: bool, devices: int, act_on_gpu: bool, moments: str,
+                          need: float, budget: float | None, gpu_usable: float | None, moe: bool) -> tuple[int, float]:
+    """How many of the last blocks keep their forward residuals (no recompute in the backward), and
+    the bytes of one. ``auto``: as many as the GPU room the plan leaves holds, on one GPU with the
+    activations there; with int8 moments (the state chosen for host memory) only within the room
+    that keeps XLA's pool growing on demand, whose allocator table is host memory."""
+    per_block = residual_bytes_per_block(shapes, shapes.head_dim)
+    if asked != "auto":
+        kept = min(int(asked), shapes.layers - 1)  # one device: checked before (options.check_one_device)
+        if kept and gpu_usable is not None and need + kept * per_block > gpu_usable:
+            raise UserError("train.keep_residuals",
+                            f"{kept} blocks' residuals need {kept * per_block / GB:.1f} GB and the GPU room left by "
+                            f"the plan is {max(gpu_usable - need, 0) / GB:.1f} GB",
+                            f"set it to {max(int((gpu_usable - need) // per_block), 0)} or auto")
+        return kept, per_block
+    if not on_gpu or devices > 1 or not act_on_gpu or gpu_usable is None or moe:
+        return 0, per_block
+    room = gpu_usable - need  # the residuals sit on top of the step's peak
+    if moments == "int8" and budget and need <= PREALLOCATE_ABOVE * budget:
+        room = min(room, PREALLOCATE_ABOVE * budget - need)
+    return int(max(0, min(shapes.layers - 1, room // per_block))), per_block
+
+
+def choose_slabs(setting: Any, *, chunked: bool, on_gpu: bool, moments: str, host_room: float,
+                 slab_bytes: float) -> int:
+    """Pinned gradient slabs: as many as the host has room for (up to GRAD_SLABS[1]), never fewer than
+    GRAD_SLABS[0]; int8 moments (the leanest state, chosen for memory) take the fewest: the int8 kernel,
+    not the pool, paces those updates (RESULTS.md: Qwen2.5-7B 54.2 -> 50.7 GB host)."""
+    if not chunked:
+        return 3
+    if setting != "auto":
+        return int(setting)
+    most = GRAD_SLABS[0] if moments == "int8" else GRAD_SLABS[1]
+    return int(max(GRAD_SLABS[0], min(most, host_room // slab_bytes))) if on_gpu else GRAD_SLABS[0]
+
+
+def gpu_budget_of(gpu_bytes: float | None, on_gpu: bool, gpu_memory_gb: float | None) -> float | None:
+    """What XLA's allocator is given (``apply_gpu_settings``), capped by ``train.gpu_memory_gb``; a CPU
+    run honours that budget too (its "device" is host RAM)."""
+    if on_gpu:
+        budget = gpu_bytes * XLA_FRACTION
+        return min(budget, gpu_memory_gb * GB) if gpu_memory_gb else budget
+    return gpu_memory_gb * GB if gpu_memory_gb else None
+
+
+def gpu_usable_of(budget: float | None) -> float | None:
+    return usable(budget, GPU_MARGIN) if budget else None
+
+
+def preallocate_pool(budget: float | None, need: float) -> bool:
+    """Whether XLA makes its pool whole at the start: not where the step stays below
+    PREALLOCATE_ABOVE of the budget (the pool grows on demand and its host-side table stays small)."""
+    return not (budget and need <= PREALLOCATE_ABOVE * budget)

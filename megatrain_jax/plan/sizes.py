@@ -1,0 +1,204 @@
+"""Sizes: the bytes each buffer of a step takes, from the model's shapes, and the stated constants.
+
+Two terms are empirical and stated as such: the per-token working set of one block's recompute +
+VJP, and the process's fixed runtime (Python, JAX, CUDA context); both were calibrated against
+peaks measured on an H100 (experiments/RESULTS.md, "memory plan vs measured"). A safety margin
+(``HOST_MARGIN``, ``GPU_MARGIN``) is part of every verdict.
+
+Peak GPU memory is not the sum of its rows: the gradients held for clipping and the boundary
+activations never coexist in full, so the peak is taken over the phases of a step (``gpu_phases``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from megatrain_jax.config import ModelConfig
+from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK
+
+GB = 1e9
+GiB = 1 << 30
+
+HOST_MARGIN = (0.03, 1.0 * GiB)  # fraction of the limit + bytes kept free on the host
+GPU_MARGIN = (0.05, 1.0 * GiB)  # fraction of the budget + bytes kept free on the GPU (XLA autotuning
+#                                  workspaces: a Qwen2.5-14B plan at 97% of the budget ran out of memory there)
+XLA_FRACTION = 0.95  # of the device's memory given to XLA's allocator (the rest: CUDA context, cuDNN workspaces)
+MICRO_TOKENS = 16384  # tokens per micro-batch that keep the matmuls efficient (16 x 4096 in 4 micro-batches)
+RUNTIME_HOST_BYTES = {"gpu": 1.45 * GiB, "cpu": 1.0 * GiB}  # Python + JAX + CUDA libraries and context
+BFC_TABLE_BYTES_PER_POOL_BYTE = 1.0 / 32  # XLA's BFC allocator: one 8-byte chunk handle per 256 bytes of the
+# GPU pool, in host memory (experiments/probe_runtime_stages.py; RESULTS.md)
+PREALLOCATE_ABOVE = 0.75  # of the GPU budget: below it XLA grows its pool on demand, so the allocator table
+# covers only what is used; above it the pool is made whole at the start (RESULTS.md)
+BFC_FIRST_REGION = 2 << 20
+GRAD_SLAB_ELEMS = 32 << 20  # gradient slab: 32M fp32 values (128 MiB) per pinned buffer
+GRAD_SLABS = (6, 24)  # pinned slabs in the pool (fewest, most): a deeper pool keeps the host optimizer fed
+# (RESULTS.md: 6 -> 24 slabs, Llama-2-7B 388 -> 397 model-TFLOPS on the H100)
+# block recompute + VJP working set per token, bytes = coefficients x widths x dtype bytes / 2, calibrated
+# against XLA's memory analysis of the block VJP on an H100; "moe_mlp" replaces "mlp" for a mixture of experts
+# in its dense formulation (OLMoE shape, RESULTS.md 2026-11-24)
+WS_PER_TOKEN = {"hidden": 26.0, "mlp": 8.0, "qkv": 4.0, "moe_mlp": 13.0}
+LOSS_BYTES_PER_LOGIT = 10.0  # fp32 logits + fp32 softmax - onehot + bf16 copy of one chunk, fwd/bwd
+# floor rates for the predicted step (H100 measurements, DESIGN.md §1 and RESULTS.md); host_read is all
+# GPUs' host->GPU streams together (an assumption: DDR bandwidth is the cap beyond two links)
+RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9, "host_read": 200e9,
+         # 16 threads of the H100 machine's host (experiments/bench_compact_adamw.py)
+         "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 3.5e9, "optax": 1.0e9}}
+MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
+HOLD_BYTES = {"gpu_fp32": 4, "gpu_bf16": 2, "pinned_host": None}  # GPU bytes/param of each gradient hold
+
+
+@dataclass
+class Row:
+    where: str  # host | gpu | disk
+    what: str
+    bytes: float
+    note: str = ""
+
+
+def usable(limit: float, margin: tuple[float, float]) -> float:
+    """What a limit leaves after its safety margin."""
+    return limit * (1 - margin[0]) - margin[1]
+
+
+@dataclass
+class Shapes:
+    """The sizes the plan needs, read once from the config (per device: ``batch`` is per GPU)."""
+
+    params: int
+    block: int  # parameters of one block
+    embed: int
+    head: int  # the head's parameters (final norm + output matrix where untied)
+    layers: int
+    hidden: int
+    mlp_width: int  # the MLP width a token's working set holds (MoE: every expert's)
+    vocab: int
+    qkv_width: int
+    batch: int
+    seq: int
+    tied: bool
+    dtype_bytes: int  # compute dtype bytes
+    mlp_ws: float = WS_PER_TOKEN["mlp"]  # working-set bytes per token and unit of mlp_width
+    head_dim: int = 0
+
+    @classmethod
+    def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str) -> "Shapes":
+        q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
+        emb = m.vocab_size * m.hidden_size
+        head = m.hidden_size + (0 if m.tie_embeddings else emb)
+        # a mixture of experts computes every expert on every token in its dense formulation (and
+        # ragged_dot lowers to the same masked product)
+        moe = bool(getattr(m, "num_experts", None))
+        mlp = (m.moe_intermediate_size or m.intermediate_size) * m.num_experts if moe else m.intermediate_size
+        return cls(params=m.total_params(), block=m.block_params(), embed=emb, head=head, layers=m.num_layers,
+                   hidden=m.hidden_size, mlp_width=mlp, vocab=m.vocab_size, qkv_width=q + 2 * kv, batch=batch,
+                   seq=seq, tied=m.tie_embeddings, dtype_bytes=2 if compute_dtype == "bfloat16" else 4,
+                   mlp_ws=WS_PER_TOKEN["moe_mlp" if moe else "mlp"], head_dim=m.dim_per_head)
+
+    @property
+    def largest_group(self) -> int:
+        return max(self.block, self.embed, self.head)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def activation_layer(self) -> int:
+        """Bytes of one layer's boundary activation for the whole (per-device) batch."""
+        return self.tokens * self.hidden * self.dtype_bytes
+
+
+def block_working_set(shapes: Shapes, tokens_mb: int) -> float:
+    w = WS_PER_TOKEN
+    return tokens_mb * (w["hidden"] * shapes.hidden + shapes.mlp_ws * shapes.mlp_width + w["qkv"] * shapes.qkv_width) \
+        * shapes.dtype_bytes / 2 * (2 if shapes.dtype_bytes == 4 else 1)
+
+
+def loss_working_set(shapes: Shapes, tokens_mb: int, loss_chunk: int) -> float:
+    chunk = min(loss_chunk, tokens_mb)
+    return chunk * shapes.vocab * LOSS_BYTES_PER_LOGIT + 3 * tokens_mb * shapes.hidden * 4
+
+
+AttentionExtra = Callable[[int], "tuple[float, str]"]  # sequences per micro-batch -> (bytes, implementation)
+
+
+def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_cast: bool, act_on_gpu: bool,
+               hold_bytes: int | None, loss_chunk: int, deferred: bool, attn: AttentionExtra | None = None,
+               update_state_bytes: float | None = None) -> tuple[dict[str, float], list[Row]]:
+    """Bytes on the GPU at each phase of a step, and the rows that explain them.
+    ``update_state_bytes``: optimizer state bytes/param of a device-side update (``train.update_on=device``),
+    None for host updates."""
+    dt = shapes.dtype_bytes
+    tok_mb = shapes.batch * shapes.seq // micro_batches
+    rows = []
+    # the embedding and head always stream their fp32 master (hoststore.py) and are cast in each jit
+    resident = (shapes.embed + shapes.head) * 4 + (shapes.embed + shapes.head) * (dt if dt == 2 else 0)
+    rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
+                    "fp32 + compute-dtype cast" if dt == 2 else "fp32"))
+    inflight = 2 * shapes.block * stream_bytes + (shapes.block * dt if device_cast else 0)
+    rows.append(Row("gpu", "two blocks in flight", inflight, "fp32 master, cast on the GPU" if device_cast else ""))
+    act_layer = shapes.batch * shapes.seq * shapes.hidden * dt
+    acts = shapes.layers * act_layer if act_on_gpu else 2 * act_layer
+    rows.append(Row("gpu", "boundary activations", acts,
+                    f"{shapes.layers} layers x {shapes.tokens} tokens" if act_on_gpu
+                    else "in pinned host memory; 2 layers reloaded"))
+    ws = block_working_set(shapes, tok_mb)
+    rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"))
+    if attn is not None:  # what the chosen attention path needs beyond the calibrated (cuDNN) coefficients
+        extra, impl = attn(max(shapes.batch // micro_batches, 1))
+        rows.append(Row("gpu", "attention working set beyond cuDNN's", extra, impl))
+        ws += extra
+    accum = shapes.block * 4 + (shapes.embed * 4)  # current block's fp32 accumulator + the embedding's
+    rows.append(Row("gpu", "gradient accumulators (fp32)", accum + shapes.head * 4, "current block, embedding, head"))
+    loss_ws = loss_working_set(shapes, tok_mb, loss_chunk)
+    rows.append(Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
+                    f"chunk {min(loss_chunk, tok_mb)} tokens"))
+    held = (shapes.params * hold_bytes) if (deferred and hold_bytes) else 0
+    if deferred:
+        rows.append(Row("gpu", "gradients held for clipping", held,
+                        {4: "fp32", 2: "bf16"}.get(hold_bytes or 0, "in pinned host memory")))
+    fixed = resident + inflight
+    update = 0.0
+    if update_state_bytes is not None:
+        # the state of the two blocks in flight and of the embedding or head being updated, three updated
+        # blocks (master + state) being written back, and one slice of the update's temporaries (up to 16
+        # bytes a value); counted at the loss too, where the H100 measured it (RESULTS.md)
+        update = update_state_bytes * (2 * shapes.block + max(shapes.embed, shapes.head)) \
+            + (4 + update_state_bytes) * 3 * shapes.block \
+            + 16.0 * min(DEVICE_UPDATE_CHUNK, max(shapes.embed, shapes.head, shapes.block))
+        rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
+                        "train.update_on=device"))
+    phases = {
+        "forward start (all held gradients, no activations)": fixed + held + act_layer + ws / 2 + update,
+        # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
+        "loss (all activations, loss chunk)": fixed + acts + loss_ws + shapes.head * 4 + shapes.embed * 4
+        + shapes.vocab * shapes.hidden * (4 + dt) + act_layer + update,
+        "backward start (activations, accumulators)": fixed + acts + accum + shapes.head * 4 + ws
+        + (shapes.head * (hold_bytes or 0) if deferred else 0),
+        "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu else 0)
+        + act_layer,
+    }
+    return phases, rows
+
+
+def residual_bytes_per_block(shapes: Shapes, head_dim: int) -> float:
+    """GPU bytes one block's kept forward residuals take for the whole step: the matmul outputs a
+    token keeps (q, k, v, the attention's output projection, gate and up; engine.py's checkpoint
+    policy) and the rotary tables in fp32 (jax.eval_shape of the engine's kernel: tests). The block's
+    weights and its input are not among them (the backward gets them again)."""
+    # + dt x H: a margin for what the GPU may keep beyond the abstract count
+    per_token = shapes.dtype_bytes * (2 * shapes.hidden + shapes.qkv_width + 2 * shapes.mlp_width) + 4 * head_dim
+    return float(shapes.batch * shapes.seq * per_token)
+
+
+def grown_pool(need: float) -> float:
+    """GPU bytes XLA's allocator holds once ``need`` is in use, growing on demand: each new region is
+    twice the last (tsl's BFC allocator with allow_growth)."""
+    pool, region = 0.0, float(BFC_FIRST_REGION)
+    while pool < need:
+        pool, region = pool + region, region * 2
+    return pool
+
+
+def pinned_need(rows: list[Row]) -> float:
+    return sum(r.bytes for r in rows if "pinned" in r.what)
