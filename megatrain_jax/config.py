@@ -417,6 +417,10 @@ def validate(cfg: Config) -> None:
         raise UserError("train.compute_dtype", f"{t.compute_dtype!r} is not supported", "use bfloat16 or float32")
     if t.engine not in ("streamed", "reference"):
         raise UserError("train.engine", f"{t.engine!r} is not an engine", "use streamed or reference")
+    for name, value in (("train.trace_step", t.trace_step), ("train.export", t.export)):
+        if t.engine == "reference" and value:  # the reference keeps no host store and no per-layer timeline
+            raise UserError(name, "is not available with train.engine=reference",
+                            f"set train.engine=streamed, or remove {name}")
     if o.kernel not in ("fused", "optax"):
         raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use fused or optax")
     if o.name not in ("adamw", "sgd", "optax"):
