@@ -16,8 +16,7 @@ import sys
 
 import pytest
 
-from cli_runner import (REPO, SHAKESPEARE, TINY, check_user_error, cli_env as make_env, run_cli,
-                        run_in_process, sets)
+from cli_runner import SHAKESPEARE, TINY, check_user_error, run_cli, run_in_process, sets
 
 TINY_RUN = ("model.num_layers=1", "data.seq_len=32", "train.batch_size=2", "optim.schedule.warmup_steps=1",
             f"data.path={SHAKESPEARE}")
