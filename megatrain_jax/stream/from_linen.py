@@ -81,79 +81,13 @@ def stream_linen(module, params, *, blocks, embed_fn, head_fn, aux_fn, block_fn,
         raise UserError("params", f"{type(module).__name__}.apply(params, tokens) failed: {type(e).__name__}: "
                         f"{str(e).splitlines()[0][:200]}", "pass the module's params (variables['params'])") from None
     # ---- the blocks: sibling modules <prefix>_<i> of one class
-    groups: dict[tuple, list] = {}
-    for idx, (path, meth, mod, args, kwargs) in enumerate(calls):
-        mt = re.match(r"^(.*?)_?(\d+)$", path[-1]) if path and meth == "__call__" else None
-        if mt:
-            groups.setdefault((path[:-1], mt.group(1), type(mod)), []).append((int(mt.group(2)), idx))
-    if blocks is not None:
-        groups = {k: v for k, v in groups.items() if k[1] == blocks.rstrip("_")}
-        if not groups:
-            raise UserError(f"blocks={blocks!r}", "no submodules named like that are called",
-                            "name the prefix of the block submodules, e.g. blocks='encoderdecoderblock'")
-    if not groups:
-        raise UserError("blocks", f"{type(module).__name__} calls no numbered submodules (<name>_<i>)",
-                        "build the blocks as a list attribute or with name=f'block_{i}', and pass blocks='block'")
-    if blocks is None:  # automatic names (Dense_0, LayerNorm_1) are parts of blocks, not blocks
-        named = {k: v for k, v in groups.items() if k[1] != k[2].__name__}
-        groups = named or {k: v for k, v in groups.items() if len(v) >= 2}
-    if not groups:
-        raise UserError("blocks", f"{type(module).__name__} calls no numbered submodules (<name>_<i>)",
-                        "build the blocks as a list attribute or with name=f'block_{i}', and pass blocks='block'")
-    best = max(len(v) for v in groups.values())
-    top = [k for k, v in groups.items() if len(v) == best]
-    shallow = min(len(k[0]) for k in top)
-    top = [k for k in top if len(k[0]) == shallow]
-    if len(top) > 1 and blocks is None:
-        raise UserError("blocks", f"several stacks of {best} numbered submodules: "
-                        f"{', '.join('/'.join(k[0] + (k[1],)) for k in top)}", "name one: blocks='prefix'")
-    parent, prefix, _cls = top[0]
-    members = sorted(groups[top[0]])
-    if [i for i, _ in members] != list(range(len(members))) or [j for _, j in members] != sorted(j for _, j in members):
-        raise UserError(f"blocks={prefix!r}", "the blocks are not called once each, in order", "stream a model "
-                        "that calls every block once, in order")
-    n = len(members)
-    block_calls = [calls[j] for _, j in members]
-    bpaths = [c[0] for c in block_calls]
-    first_idx, last_idx = members[0][1], members[-1][1]
-    mods = [c[2].clone(parent=None) for c in block_calls]
-    cfg0 = {f.name: getattr(mods[0], f.name) for f in dataclasses.fields(mods[0]) if f.name not in ("parent", "name")}
-    for i, m in enumerate(mods[1:], 1):
-        cfg = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("parent", "name")}
-        if cfg != cfg0:
-            raise UserError("/".join(bpaths[i]), f"is configured differently from {'/'.join(bpaths[0])}",
-                            "the blocks of a stack must be identical modules")
-    block_w = [_get(params, p) for p in bpaths]
-    ref = _structure(block_w[0])
-    for i, w in enumerate(block_w[1:], 1):
-        if _structure(w) != ref:
-            raise UserError("/".join(bpaths[i]), f"has a different weight structure from {'/'.join(bpaths[0])}",
-                            "the blocks of a stack must be identical")
+    parent, prefix, block_calls, bpaths, first_idx, last_idx, mods, block_w = _linen_stack(module, calls, params,
+                                                                                          blocks)
+    n = len(block_calls)
     block_mod = mods[0]
 
     # ---- embed / head: every other parameter, by when its module runs
-    flat = _flat(params)
-    owners = {}
-    containers = {bpaths[0][:k] for k in range(len(bpaths[0]))}
-    for idx, (path, meth, mod, _, _) in enumerate(calls):
-        if path in containers or any(path[:len(b)] == b for b in bpaths):
-            continue
-        owners.setdefault(path, set()).add(idx)
-    embed_keys, head_keys, tied_auto = [], [], False
-    for leaf in flat:
-        if any(leaf[:len(b)] == b for b in bpaths):
-            continue
-        own = [p for p in owners if leaf[:len(p)] == p]
-        if not own:
-            raise UserError("/".join(map(str, leaf)), "is a parameter of no submodule that runs before or after "
-                            "the blocks (owned by the model itself)", "move it into a submodule (nn.Embed, "
-                            "nn.Dense, a norm)")
-        idxs = owners[max(own, key=len)]
-        if min(idxs) < first_idx:
-            embed_keys.append(leaf)
-            tied_auto |= max(idxs) > last_idx
-        else:
-            head_keys.append(leaf)
+    embed_keys, head_keys, tied_auto, flat, containers = _linen_embed_head(calls, params, bpaths, first_idx, last_idx)
     if tied is None:
         tied = tied_auto
     embed_w = _unflat({k: flat[k] for k in embed_keys})
@@ -326,6 +260,89 @@ def stream_linen(module, params, *, blocks, embed_fn, head_fn, aux_fn, block_fn,
                 return module.apply({"params": params}, t, **call_kwargs)
         _check_against_model(parts, reference, {}, V)
     return parts
+
+
+def _linen_stack(module, calls: list, params: dict, blocks: str | None):
+    """The blocks among the recorded calls: sibling submodules ``<prefix>_<i>`` of one class and
+    configuration, called once each, in order, with the same weight structure. Returns (parent path,
+    prefix, their calls, their paths, first and last call index, unbound clones, weights)."""
+    groups: dict[tuple, list] = {}
+    for idx, (path, meth, mod, args, kwargs) in enumerate(calls):
+        mt = re.match(r"^(.*?)_?(\d+)$", path[-1]) if path and meth == "__call__" else None
+        if mt:
+            groups.setdefault((path[:-1], mt.group(1), type(mod)), []).append((int(mt.group(2)), idx))
+    if blocks is not None:
+        groups = {k: v for k, v in groups.items() if k[1] == blocks.rstrip("_")}
+        if not groups:
+            raise UserError(f"blocks={blocks!r}", "no submodules named like that are called",
+                            "name the prefix of the block submodules, e.g. blocks='encoderdecoderblock'")
+    if not groups:
+        raise UserError("blocks", f"{type(module).__name__} calls no numbered submodules (<name>_<i>)",
+                        "build the blocks as a list attribute or with name=f'block_{i}', and pass blocks='block'")
+    if blocks is None:  # automatic names (Dense_0, LayerNorm_1) are parts of blocks, not blocks
+        named = {k: v for k, v in groups.items() if k[1] != k[2].__name__}
+        groups = named or {k: v for k, v in groups.items() if len(v) >= 2}
+    if not groups:
+        raise UserError("blocks", f"{type(module).__name__} calls no numbered submodules (<name>_<i>)",
+                        "build the blocks as a list attribute or with name=f'block_{i}', and pass blocks='block'")
+    best = max(len(v) for v in groups.values())
+    top = [k for k, v in groups.items() if len(v) == best]
+    shallow = min(len(k[0]) for k in top)
+    top = [k for k in top if len(k[0]) == shallow]
+    if len(top) > 1 and blocks is None:
+        raise UserError("blocks", f"several stacks of {best} numbered submodules: "
+                        f"{', '.join('/'.join(k[0] + (k[1],)) for k in top)}", "name one: blocks='prefix'")
+    parent, prefix, _cls = top[0]
+    members = sorted(groups[top[0]])
+    if [i for i, _ in members] != list(range(len(members))) or [j for _, j in members] != sorted(j for _, j in members):
+        raise UserError(f"blocks={prefix!r}", "the blocks are not called once each, in order", "stream a model "
+                        "that calls every block once, in order")
+    block_calls = [calls[j] for _, j in members]
+    bpaths = [c[0] for c in block_calls]
+    first_idx, last_idx = members[0][1], members[-1][1]
+    mods = [c[2].clone(parent=None) for c in block_calls]
+    cfg0 = {f.name: getattr(mods[0], f.name) for f in dataclasses.fields(mods[0]) if f.name not in ("parent", "name")}
+    for i, m in enumerate(mods[1:], 1):
+        cfg = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in ("parent", "name")}
+        if cfg != cfg0:
+            raise UserError("/".join(bpaths[i]), f"is configured differently from {'/'.join(bpaths[0])}",
+                            "the blocks of a stack must be identical modules")
+    block_w = [_get(params, p) for p in bpaths]
+    ref = _structure(block_w[0])
+    for i, w in enumerate(block_w[1:], 1):
+        if _structure(w) != ref:
+            raise UserError("/".join(bpaths[i]), f"has a different weight structure from {'/'.join(bpaths[0])}",
+                            "the blocks of a stack must be identical")
+    return parent, prefix, block_calls, bpaths, first_idx, last_idx, mods, block_w
+
+
+def _linen_embed_head(calls: list, params: dict, bpaths: list, first_idx: int, last_idx: int):
+    """Every parameter outside the blocks, by when its module runs: before the first block it is the
+    embedding's (tied when the same module also runs after the last), after it the head's. Returns
+    (embed leaf paths, head leaf paths, tied, the flat params, the blocks' container paths)."""
+    flat = _flat(params)
+    owners = {}
+    containers = {bpaths[0][:k] for k in range(len(bpaths[0]))}
+    for idx, (path, meth, mod, _, _) in enumerate(calls):
+        if path in containers or any(path[:len(b)] == b for b in bpaths):
+            continue
+        owners.setdefault(path, set()).add(idx)
+    embed_keys, head_keys, tied_auto = [], [], False
+    for leaf in flat:
+        if any(leaf[:len(b)] == b for b in bpaths):
+            continue
+        own = [p for p in owners if leaf[:len(p)] == p]
+        if not own:
+            raise UserError("/".join(map(str, leaf)), "is a parameter of no submodule that runs before or after "
+                            "the blocks (owned by the model itself)", "move it into a submodule (nn.Embed, "
+                            "nn.Dense, a norm)")
+        idxs = owners[max(own, key=len)]
+        if min(idxs) < first_idx:
+            embed_keys.append(leaf)
+            tied_auto |= max(idxs) > last_idx
+        else:
+            head_keys.append(leaf)
+    return embed_keys, head_keys, tied_auto, flat, containers
 
 
 def _linen_rng_streams(f: Callable, names: Sequence[str] = ()) -> tuple[Any, list[str]]:

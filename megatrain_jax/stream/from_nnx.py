@@ -60,9 +60,8 @@ def _uses_rng(block) -> bool:
     return False
 
 
-def _stream_nnx(model, *, blocks, embed, head, embed_fn, head_fn, aux_fn, block_fn, tied, vocab_size,
-                logit_softcap, check, call_kwargs) -> Streamed:
-    call_kwargs = dict(call_kwargs or {})
+def _find_blocks(model, blocks: str | None) -> tuple[str, list]:
+    """The attribute holding the list of blocks (found when the model has exactly one) and its modules."""
     lists = _list_attrs(model)
     if blocks is None:
         if len(lists) != 1:
@@ -78,10 +77,12 @@ def _stream_nnx(model, *, blocks, embed, head, embed_fn, head_fn, aux_fn, block_
         if isinstance(v, nnx.Module) and _structure(nnx.to_pure_dict(nnx.state(v, nnx.Param))):
             why += " (layers stacked into one module, e.g. by nnx.vmap/nnx.scan, cannot be streamed one by one)"
         raise UserError(f"blocks={blocks!r}", why, "name a list / nnx.List attribute of block modules")
-    block_mods = list(getattr(model, blocks))
-    n = len(block_mods)
+    return blocks, list(getattr(model, blocks))
 
-    # ---- the blocks: one template per distinct graph, identical weight structure
+
+def _block_kinds(block_mods: list, blocks: str) -> tuple[list, list, list]:
+    """Each block's state (``_block_states``), checked to have one weight structure, and the distinct
+    graphs among them: one compiled template per graph. Returns (states, graphs, kind of each block)."""
     states = [_block_states(b, f"{blocks}[{i}]") for i, b in enumerate(block_mods)]
     ref = _structure(states[0][1])
     for i, st in enumerate(states[1:], 1):
@@ -102,11 +103,12 @@ def _stream_nnx(model, *, blocks, embed, head, embed_fn, head_fn, aux_fn, block_
             k = len(graphs)
             graphs.append(st[0])
         kinds.append(k)
-    tags = states[0][4]
-    takes_rng = bool(tags) and _uses_rng(block_mods[0])
+    return states, graphs, kinds
 
-    # ---- the other parts, by top-level attribute
-    full = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+def _part_names(model, full: dict, blocks: str, embed, head) -> tuple[list[str], list[str]]:
+    """The top-level attributes of the embedding (default: those holding an ``nnx.Embed``) and of the
+    head (default: the rest); every parameter outside the blocks must belong to exactly one."""
     others = [k for k in full if k != blocks]
     embed_names = _as_names(embed, "embed")
     if embed_names is None:
@@ -131,6 +133,23 @@ def _stream_nnx(model, *, blocks, embed, head, embed_fn, head_fn, aux_fn, block_
         raise UserError(sorted(both)[0], "is named in both embed and head",
                         "a tied head reads the embedding's weights itself: list the attribute in embed only")
 
+    return embed_names, head_names
+
+
+def _stream_nnx(model, *, blocks, embed, head, embed_fn, head_fn, aux_fn, block_fn, tied, vocab_size,
+                logit_softcap, check, call_kwargs) -> Streamed:
+    call_kwargs = dict(call_kwargs or {})
+    blocks, block_mods = _find_blocks(model, blocks)
+    n = len(block_mods)
+
+    # ---- the blocks: one template per distinct graph, identical weight structure
+    states, graphs, kinds = _block_kinds(block_mods, blocks)
+    tags = states[0][4]
+    takes_rng = bool(tags) and _uses_rng(block_mods[0])
+
+    # ---- the other parts, by top-level attribute
+    full = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    embed_names, head_names = _part_names(model, full, blocks, embed, head)
     graphdef, _, keys_all, counts_all, rest_all = nnx.split(model, nnx.Param, nnx.RngKey, nnx.RngCount, ...)
     rest_flat = [(p, v) for p, v in rest_all.flat_state() if p[0] != blocks]
     if rest_flat:
