@@ -5,6 +5,7 @@ Every user mistake surfaces as a ``UserError`` and becomes one line on stderr wi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from megatrain_jax.errors import UserError
@@ -27,24 +28,50 @@ def _plan(args: argparse.Namespace) -> int:
     """Print the memory plan; exit 2 (after printing it) when it does not fit."""
     from megatrain_jax.config import load_config
 
+    if args.devices is not None and args.devices < 1:  # before the config: 0 is not "one GPU"
+        raise UserError("--devices", f"must be a positive number of GPUs, got {args.devices}",
+                        "pass --devices N with N >= 1, or leave it out for train.devices")
     cfg = load_config(args.config, args.set or [])
     if cfg.model.from_hf:
         from megatrain_jax.hf import resolve_hf_model_config
 
         resolve_hf_model_config(cfg.model)
-    from megatrain_jax.memory import make_plan, plan_json, plan_table
+    from megatrain_jax.memory import make_plan, plan_table, scaling_table
 
     p = make_plan(cfg, devices=args.devices)
-    print(plan_json(p) if args.json else plan_table(p))
-    if args.scaling and not args.json:
-        from megatrain_jax.memory import scaling_table
-
-        print(scaling_table(cfg, p.machine))
+    if args.json:
+        out = p.to_dict()
+        if args.scaling:
+            out["scaling"] = _scaling_rows(cfg, p.machine)
+        print(json.dumps(out, indent=1, default=str))
+    else:
+        print(plan_table(p))
+        if args.scaling:
+            print(scaling_table(cfg, p.machine))
     err = p.verdict()
     if err is not None:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _scaling_rows(cfg, machine, counts=(1, 2, 4, 8)) -> list[dict]:
+    """``plan --json --scaling``: the scaling table's rows as records (predictions, not measurements)."""
+    from megatrain_jax.memory import make_plan
+
+    rows = []
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    for n in counts:
+        if cfg.train.batch_size % n:
+            rows.append({"gpus": n, "error": f"batch_size {cfg.train.batch_size} does not split over {n} GPUs"})
+            continue
+        p = make_plan(cfg, machine, devices=n)
+        st = p.step
+        rows.append({"gpus": n, "gpu_peak_gb": p.gpu_need / 1e9 if p.gpu_need else None,
+                     "host_gb": p.host_need / 1e9, "predicted_step_s": st["predicted_step_s"],
+                     "bound_by": st["binding"][:-2], "tokens_per_s": tokens / st["predicted_step_s"],
+                     "optimizer_s": st["optimizer_s"], "d2h_s": st["d2h_s"]})
+    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:

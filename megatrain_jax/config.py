@@ -247,7 +247,8 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
         if base == "str":
             return str(value)
     except (TypeError, ValueError):
-        raise UserError(name, f"{value!r} is not a valid {base}", f"give a {base}") from None
+        article = "an" if base[:1] in "aeiou" else "a"
+        raise UserError(name, f"{value!r} is not a valid {base}", f"give {article} {base}") from None
     return value
 
 
@@ -288,21 +289,7 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
 
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML config, apply ``key=value`` overrides, validate, and return a ``Config``."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise UserError("CONFIG", f"file {path!r} does not exist", "pass a YAML file such as configs/tiny.yaml")
-        with open(path) as f:
-            try:
-                tree = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise UserError("CONFIG", f"{path} is not valid YAML ({e.__class__.__name__})", "fix the YAML syntax") from None
-        base = tree.pop("base", None)
-        if base is not None:
-            parent = os.path.join(os.path.dirname(path), base)
-            merged = load_config(parent).to_dict()
-            _deep_update(merged, tree)
-            tree = merged
+    tree: dict[str, Any] = _read_tree(path, ()) if path is not None else {}
     for item in overrides:
         if "=" not in item:
             raise UserError(item, "override is not key=value", "write e.g. --set train.steps=10")
@@ -313,6 +300,47 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     cfg = _fill(Config, tree, "")
     validate(cfg)
     return cfg
+
+
+def _read_tree(path: str, chain: tuple[str, ...], named_by: str | None = None) -> dict[str, Any]:
+    """One config file as a dict, its ``base:`` (a path relative to it) merged underneath; ``chain``:
+    the files that led here, so that a cycle of ``base:`` is one error, not a RecursionError."""
+    if not os.path.isfile(path):
+        where = f" (named by base: in {named_by})" if named_by else ""
+        problem = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise UserError("CONFIG", f"file {path!r}{where} {problem}",
+                        "fix that base: line" if named_by else "pass a YAML file such as configs/tiny.yaml")
+    real = os.path.realpath(path)
+    if real in chain:
+        raise UserError("CONFIG", f"base: in {named_by} names {path}, which is already in the chain of bases "
+                        f"({' -> '.join(chain + (real,))})", "remove the cycle of base: files")
+    try:
+        with open(path) as f:
+            tree = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        what = getattr(e, "problem", None) or e.__class__.__name__
+        raise UserError("CONFIG", f"{where}: not valid YAML ({what})", "fix the YAML syntax there") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError("CONFIG", f"{path} cannot be read ({e.__class__.__name__})", "pass a readable YAML text file") from None
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise UserError("CONFIG", f"{path} holds a YAML {type(tree).__name__} at the top level, not a mapping",
+                        "write it as sections of `key: value` lines (model:, optim:, data:, train:)")
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    if not isinstance(base, str) or not base.strip():
+        raise UserError("base", f"in {path} must be one file name, got {base!r}",
+                        "write e.g. `base: tiny.yaml` (one YAML file, relative to this one)")
+    parent = os.path.join(os.path.dirname(path), base)
+    merged = _fill(Config, _read_tree(parent, chain + (real,), path), "")
+    validate(merged)
+    out = merged.to_dict()
+    _deep_update(out, tree)
+    return out
 
 
 def _deep_update(dst: dict, src: dict) -> None:
@@ -389,6 +417,10 @@ def validate(cfg: Config) -> None:
         raise UserError("train.compute_dtype", f"{t.compute_dtype!r} is not supported", "use bfloat16 or float32")
     if t.engine not in ("streamed", "reference"):
         raise UserError("train.engine", f"{t.engine!r} is not an engine", "use streamed or reference")
+    for name, value in (("train.trace_step", t.trace_step), ("train.export", t.export)):
+        if t.engine == "reference" and value:  # the reference keeps no host store and no per-layer timeline
+            raise UserError(name, "is not available with train.engine=reference",
+                            f"set train.engine=streamed, or remove {name}")
     if o.kernel not in ("fused", "optax"):
         raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use fused or optax")
     if o.name not in ("adamw", "sgd", "optax"):
@@ -438,6 +470,14 @@ def validate(cfg: Config) -> None:
     if o.schedule.kind not in ("constant", "cosine", "warmup_cosine", "linear"):
         raise UserError("optim.schedule.kind", f"{o.schedule.kind!r} is not a schedule",
                         "use constant, cosine, warmup_cosine or linear")
+    decay = o.schedule.decay_steps or t.steps
+    if o.schedule.kind != "constant" and o.schedule.warmup_steps >= decay:  # as optim.build_schedule refuses it
+        within = "optim.schedule.decay_steps" if o.schedule.decay_steps else "train.steps"
+        raise UserError("optim.schedule.warmup_steps",
+                        f"warmup ({o.schedule.warmup_steps} steps) leaves no room for the {o.schedule.kind} decay "
+                        f"within {within}={decay}",
+                        f"set optim.schedule.warmup_steps below {decay} (e.g. --set optim.schedule.warmup_steps="
+                        f"{max(0, decay // 10)}), or raise {within}")
     if m.from_hf is None and d.tokenizer == "byte" and m.vocab_size < 256:
         raise UserError("model.vocab_size", f"{m.vocab_size} is smaller than the byte tokenizer's 256 ids",
                         "set model.vocab_size >= 256")

@@ -9,7 +9,7 @@ MoE router's load balancing) is added on the whole batch, as the streamed engine
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +26,21 @@ def _cast(tree: Any, dtype) -> Any:
 
 
 class ReferenceTrainer:
+    """Answers the training loop as ``trainer.Trainer`` does (``step``, ``step_count``, ``lr_at``,
+    ``saver``, ``memory_device``, ``close``), so ``train()`` drives either without branching on it."""
+
+    engine = None  # no streamed engine: no per-layer timeline, no fault hooks
+    store = None  # no host store: nothing to export
+
     def __init__(self, model: Decoder, tx: optax.GradientTransformation, compute_dtype: str = "float32",
-                 remat: bool = False, device: jax.Device | None = None, loss_chunk: int | None = None):
+                 remat: bool = False, device: jax.Device | None = None, loss_chunk: int | None = None,
+                 lr_at: Callable[[int], float] | None = None):
         """``remat`` recomputes each block in the backward and ``loss_chunk`` computes the loss in
         chunks, as the streamed engine does (the fair in-memory baseline for benchmarks); by default
-        the loss is the plain full-logits cross-entropy."""
+        the loss is the plain full-logits cross-entropy. ``lr_at``: the learning rate of update
+        ``count`` (1-based), for the log; None when unknown."""
+        self.step_count = 0  # optimizer updates applied (every step updates: nothing is skipped here)
+        self._lr_at = lr_at
         self.graphdef, state = nnx.split(model)
         self.device = device or jax.devices()[0]
         self.params = jax.device_put(nnx.to_pure_dict(state), self.device)
@@ -69,7 +79,35 @@ class ReferenceTrainer:
             self.params, self.opt_state, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.labels, jnp.int32),
             jnp.asarray(mask, jnp.float32), jnp.asarray(pos, jnp.int32),
             None if batch.segment_ids is None else jnp.asarray(batch.segment_ids, jnp.int32))
+        self.step_count += 1
         return StepResult(float(loss), float(norm), int(np.sum(mask)))
 
     def params_tree(self) -> Any:
         return jax.tree_util.tree_map(np.asarray, self.params)
+
+    @classmethod
+    def from_config(cls, cfg, model: Decoder | None = None) -> "ReferenceTrainer":
+        """``train.engine=reference``: the whole model and plain optax in device memory, a correctness
+        reference for the streamed engine (no plan, no checkpoints)."""
+        from megatrain_jax.models import init_model
+        from megatrain_jax.optim import build_host_optimizer, build_reference_tx
+
+        t = cfg.train
+        model = model if model is not None else init_model(cfg.model, t.seed)
+        lr_at = getattr(build_host_optimizer(cfg.optim, t.steps), "lr_at", None)
+        return cls(model, build_reference_tx(cfg.optim, t.steps), compute_dtype=t.compute_dtype, lr_at=lr_at)
+
+    def lr_at(self, count: int) -> float | None:
+        return None if self._lr_at is None else float(self._lr_at(count))
+
+    @property
+    def memory_device(self) -> jax.Device | None:
+        """The device whose memory ``memory.memory_snapshot`` reports (None: the host's CPU)."""
+        return self.device if self.device.platform == "gpu" else None
+
+    def saver(self, directory: str, **_: Any) -> None:
+        """The reference engine writes no checkpoints."""
+        return None
+
+    def close(self) -> None:
+        pass

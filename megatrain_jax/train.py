@@ -22,10 +22,7 @@ checked before the output directory is written, so a bad run leaves nothing half
   and counted; ``train.max_bad_steps`` consecutive ones save a checkpoint and stop with a
   ``UserError``.
 
-Test hooks (environment): ``MEGATRAIN_DEBUG_NAN_STEPS=3,4`` makes the forward of those (1-based)
-steps produce NaN; ``MEGATRAIN_DEBUG_KILL_AFTER_STEP=7`` SIGKILLs the process after step 7 once the
-saves in flight are committed; ``MEGATRAIN_DEBUG_KILL_IN_SAVE=10`` SIGKILLs it in the middle of
-the save of step 10 (see ``checkpoint.py``).
+Test hooks are arguments (``TrainHooks``: NaN steps, kills after a step and inside a save).
 """
 from __future__ import annotations
 
@@ -34,8 +31,10 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -56,15 +55,10 @@ Log = Callable[[str], None]
 
 
 def reference_trainer(cfg: Config, model=None):
-    """``train.engine=reference``: the whole model and plain optax in device memory, a correctness
-    reference for the streamed engine (no plan, no checkpoints)."""
-    from megatrain_jax.models import init_model
-    from megatrain_jax.optim import build_reference_tx
+    """``train.engine=reference``: ``ReferenceTrainer.from_config`` (no plan, no checkpoints)."""
     from megatrain_jax.reference import ReferenceTrainer
 
-    t = cfg.train
-    model = model if model is not None else init_model(cfg.model, t.seed)
-    return ReferenceTrainer(model, build_reference_tx(cfg.optim, t.steps), compute_dtype=t.compute_dtype)
+    return ReferenceTrainer.from_config(cfg, model)
 
 
 def build_trainer(cfg: Config, model=None, plan=None):
@@ -98,22 +92,30 @@ def _check_fields(cfg: Config) -> None:
             raise UserError(name, f"must be >= {low}, got {v}", f"set {name} to an integer >= {low}")
 
 
-def _debug_steps(var: str) -> set[int]:
-    raw = os.environ.get(var, "").strip()
-    return {int(x) for x in raw.split(",") if x.strip()} if raw else set()
+@dataclass(frozen=True)
+class TrainHooks:
+    """Faults a test injects into ``train()`` (arguments, never read from the environment).
+
+    ``nan_steps``: the forward of these (1-based) steps produces NaN; ``kill_after_step``: SIGKILL
+    the process after that step once the saves in flight are committed; ``kill_in_save``: SIGKILL it
+    in the middle of the save of that step (``checkpoint.CheckpointSaver.kill_in_save``)."""
+
+    nan_steps: frozenset = frozenset()
+    kill_after_step: int | None = None
+    kill_in_save: int | None = None
 
 
 @contextlib.contextmanager
-def _nan_forward(trainer):
-    """Test hook: the embedding's output (hence loss and every gradient) is NaN for one step."""
+def _nan_forward(engine):
+    """``TrainHooks.nan_steps``: the embedding's output (hence loss and every gradient) is NaN for one step."""
     import jax.numpy as jnp
 
-    orig = trainer._embed_fwd
-    trainer._embed_fwd = lambda w, tokens: orig(w, tokens) * jnp.nan
+    orig = engine._embed_fwd
+    engine._embed_fwd = lambda w, tokens: orig(w, tokens) * jnp.nan
     try:
         yield
     finally:
-        trainer._embed_fwd = orig
+        engine._embed_fwd = orig
 
 
 class _Timeline:
@@ -270,207 +272,328 @@ def _rng_state(cfg: Config) -> dict:
             "note": "the loop is deterministic: batches from (data_seed, step), init from train_seed"}
 
 
-# ------------------------------------------------------------------------------------ the loop
+# ------------------------------------------------------------------------------------ before anything is written
 
 
-def train(cfg: Config, resume: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run ``cfg.train.steps`` steps; returns a summary (first/last losses, throughput).
+def check_out_dir(out_dir: str) -> None:
+    """Refuse a ``train.out_dir`` that cannot be created and written, creating nothing: a file, a
+    path under a file, a directory without write permission, a read-only filesystem. The probe is
+    one temporary file in the nearest existing ancestor, removed at once."""
+    path = os.path.abspath(out_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError("train.out_dir", f"{out_dir} is an existing file, not a directory",
+                        "choose a directory path for train.out_dir")
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UserError("train.out_dir", f"{out_dir} lies under {probe}, which is a file, not a directory",
+                        "choose a train.out_dir whose parents are directories")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".megatrain-write-check-", dir=probe)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise UserError("train.out_dir", f"{out_dir} cannot be written ({probe}: {e.strerror or e})",
+                        "choose a train.out_dir you may create files in (not on a read-only filesystem)") from None
 
-    ``resume`` continues from the newest complete checkpoint in ``train.out_dir``.
-    """
+
+def _check_data(cfg: Config, dataset) -> None:
+    """One batch of ``train.batch_size`` x ``data.seq_len`` must come out of the data."""
+    s, n = cfg.data.seq_len, dataset.n_tokens
+    if n - 1 < s:  # a sequence needs seq_len + 1 tokens (inputs and shifted labels)
+        raise UserError("data.seq_len", f"{s:,} tokens per sequence, but {dataset.path} holds {n:,} tokens "
+                        "(a sequence needs data.seq_len + 1)",
+                        f"set data.seq_len to at most {max(1, n - 1):,}, or use more data")
+    dataset.check(cfg.train.batch_size, s)
+
+
+def _warn_positions(cfg: Config, log: Log) -> None:
+    """A ``model.from_hf`` checkpoint trained at fewer positions than ``data.seq_len``: one warning."""
+    from megatrain_jax.hf import read_hf_config
+
+    limit = read_hf_config(cfg.model.from_hf).get("max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and cfg.data.seq_len > limit:
+        log(f"warning: data.seq_len={cfg.data.seq_len} is above model.from_hf's max_position_embeddings={limit} "
+            f"({cfg.model.from_hf}/config.json): the checkpoint never saw these positions")
+
+
+@dataclass
+class _Start:
+    """What a run starts from, once every check has passed."""
+
+    trainer: Any  # Trainer, or the reference trainer (same interface)
+    plan: Any  # the memory plan (None for the reference engine)
+    dataset: Any
+    root: str  # the checkpoint directory
+    start_step: int = 0
+    state: dict = field(default_factory=dict)  # the resumed checkpoint's state.json
+
+
+def _start(cfg: Config, resume: bool, log: Log, main: bool) -> _Start:
+    """Every check, then the trainer; nothing is written here, so a refusal leaves no file behind."""
     from megatrain_jax.data import load_dataset
 
-    t, d = cfg.train, cfg.data
+    t = cfg.train
     _check_fields(cfg)
-    main = is_main()  # process 0 writes checkpoints, metrics and logs; the others only train
-    if not main:
-        log = lambda _msg: None  # noqa: E731
+    if main:
+        check_out_dir(t.out_dir)  # before the plan: a bad path is not reported as 0.0 GB of free disk
+    if resume and t.engine == "reference":
+        raise UserError("--resume", "checkpoints are written by the streamed engine only",
+                        "set train.engine=streamed (or train without --resume)")
     if cfg.model.from_hf:
         from megatrain_jax.hf import resolve_hf_model_config
 
         resolve_hf_model_config(cfg.model)  # architecture fields before anything uses the sizes
-    dataset = load_dataset(d, cfg.model.vocab_size)  # validates the data before anything is written
+        _warn_positions(cfg, log)
+    dataset = load_dataset(cfg.data, cfg.model.vocab_size)
+    _check_data(cfg, dataset)
     root = ck.checkpoint_root(t.out_dir)
-    streamed = t.engine == "streamed"
-    start_step, state = 0, {}
-    if resume and not streamed:
-        raise UserError("--resume", "checkpoints are written by the streamed engine only",
-                        "set train.engine=streamed (or train without --resume)")
-    plan = plan_or_refuse(cfg, log) if streamed else None  # before anything is allocated or written
+    existing = ck.list_checkpoints(root) if (main and not resume) else []
+    if existing:
+        raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
+                        f"pass --resume to continue that run, or choose another train.out_dir (or delete {root})")
+    plan = plan_or_refuse(cfg, log) if t.engine == "streamed" else None  # before anything is allocated
+    if not resume:
+        return _Start(Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg), plan, dataset, root)
+    trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
+    _resume_checks(cfg, dataset, state, log)
+    log(f"resumed from {path}: step {int(state['step'])}, optimizer count {trainer.step_count}")
+    return _Start(trainer, plan, dataset, root, int(state["step"]), state)
+
+
+def _open_outputs(cfg: Config, start: _Start, resume: bool, main: bool, log: Log) -> tuple[MetricsWriter, str]:
+    """``out_dir/config.yaml`` and the metrics (cut back to the resumed step, or a fresh file)."""
+    t = cfg.train
+    if not main:
+        return MetricsWriter(os.devnull, tensorboard=False, log=log), os.devnull
+    os.makedirs(t.out_dir, exist_ok=True)
+    with open(os.path.join(t.out_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    path = os.path.join(t.out_dir, "metrics.jsonl")
     if resume:
-        trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
-        start_step = int(state["step"])
-        _resume_checks(cfg, dataset, state, log)
-        log(f"resumed from {path}: step {start_step}, optimizer count {trainer.step_count}")
-    else:
-        existing = ck.list_checkpoints(root) if main else []
-        if existing:
-            raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
-                            "pass --resume to continue that run, or choose another train.out_dir "
-                            f"(or delete {root})")
-        trainer = Trainer.from_config(cfg, plan) if streamed else reference_trainer(cfg)
+        _truncate_metrics(path, start.start_step, log)
+    elif os.path.isfile(path):
+        old = f"{path}.old-{int(time.time())}"
+        os.replace(path, old)
+        log(f"metrics: a fresh run; the previous {path} was moved to {old}")
+    return MetricsWriter(path, tensorboard=True, log=log), path
 
-    if main:
-        os.makedirs(t.out_dir, exist_ok=True)
-        with open(os.path.join(t.out_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-    metrics_path = os.path.join(t.out_dir, "metrics.jsonl") if main else os.devnull
-    if main and resume:
-        _truncate_metrics(metrics_path, start_step, log)
-    elif main and os.path.isfile(metrics_path):
-        old = f"{metrics_path}.old-{int(time.time())}"
-        os.replace(metrics_path, old)
-        log(f"metrics: a fresh run; the previous {metrics_path} was moved to {old}")
-    metrics = MetricsWriter(metrics_path, tensorboard=main, log=log)
-    tokens_per_step = t.batch_size * d.seq_len
-    fpt = model_flops_per_token(cfg.model)
-    fpt_attn = fpt + attention_flops_per_token(cfg.model, d.seq_len)
-    log(f"model: {cfg.model.total_params() / 1e6:.2f}M parameters "
-        f"({cfg.model.non_embedding_params() / 1e6:.2f}M non-embedding), engine={t.engine}, "
-        f"compute={t.compute_dtype}, {tokens_per_step} tokens/step")
 
-    saver = trainer.saver(root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
-        if (streamed and main) else None
-    loop = state.get("loop", {})
-    skipped = int(loop.get("skipped_total", 0))
-    bad_streak = int(loop.get("bad_streak", 0))
-    if bad_streak >= t.max_bad_steps:
-        bad_streak = 0  # that run stopped on it; the user has had a chance to change something
-    last_good = int(loop.get("last_good_step", start_step))
-    rng = _rng_state(cfg)
-    nan_steps = _debug_steps("MEGATRAIN_DEBUG_NAN_STEPS")
-    kill_after = _debug_steps("MEGATRAIN_DEBUG_KILL_AFTER_STEP")
+# ------------------------------------------------------------------------------------ the loop
 
-    def save(step: int, wait: bool) -> str | None:
-        if saver is None:
+
+class _Loop:
+    """The steps of one run: batches in, records and checkpoints out, faults counted."""
+
+    def __init__(self, cfg: Config, start: _Start, metrics: MetricsWriter, hooks: TrainHooks, main: bool, log: Log):
+        t, d = cfg.train, cfg.data
+        self.cfg, self.start, self.metrics, self.hooks, self.main, self.log = cfg, start, metrics, hooks, main, log
+        self.trainer = start.trainer
+        self.tokens_per_step = t.batch_size * d.seq_len
+        self.fpt = model_flops_per_token(cfg.model)
+        self.fpt_attn = self.fpt + attention_flops_per_token(cfg.model, d.seq_len)
+        loop = start.state.get("loop", {})
+        self.skipped = int(loop.get("skipped_total", 0))
+        self.bad_streak = int(loop.get("bad_streak", 0))
+        if self.bad_streak >= t.max_bad_steps:
+            self.bad_streak = 0  # that run stopped on it; the user has had a chance to change something
+        self.last_good = int(loop.get("last_good_step", start.start_step))
+        self.rng = _rng_state(cfg)
+        self.saver = self.trainer.saver(start.root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
+            if main else None  # None too where the trainer writes no checkpoints (the reference engine)
+        if self.saver is not None and hooks.kill_in_save is not None:
+            self.saver.kill_in_save = hooks.kill_in_save
+        self.losses: list[float] = []
+        self.step_done = start.start_step
+        self.stopped_by: str | None = None
+        self.final_path: str | None = None
+
+    def run(self) -> None:
+        """Steps ``start_step + 1 .. train.steps``; stops early (with a checkpoint) on a signal or on
+        ``train.max_bad_steps`` non-finite steps in a row. Closes the saver and the trainer."""
+        t = self.cfg.train
+        stop = _StopSignals(self.log)
+        aborted = False
+        try:
+            t0 = last = time.perf_counter()
+            for s in range(self.start.start_step + 1, t.steps + 1):
+                res = self._step(s)
+                now = time.perf_counter()
+                dt, last = now - last, now
+                self._count(s, res)
+                rec = self._record(s, res, dt)
+                self.metrics.write(rec)
+                if s % t.log_every == 0 or s == self.start.start_step + 1 or s == t.steps:
+                    self._log_step(s, res, rec, now - t0)
+                if self.saver is not None:
+                    self._report(self.saver.poll())  # a background save that has committed since the last step
+                self._stop_if_bad(s)
+                if stop.received:
+                    self.stopped_by, self.final_path = stop.received, self.save(s, wait=True)
+                    break
+                if t.ckpt_every and s % t.ckpt_every == 0:
+                    self.save(s, wait=False)
+                if s == self.hooks.kill_after_step:
+                    self._kill()
+            else:
+                if t.final_checkpoint:
+                    self.final_path = self.save(self.step_done, wait=True)
+        except KeyboardInterrupt:
+            aborted = True  # a second signal: do not wait for a save in flight (its .tmp is ignored later)
+            raise
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a background failure (optimizer thread, checkpoint writer, device)
+            aborted = True
+            raise _background_failure(e, t.out_dir, self.step_done) from None
+        finally:
+            stop.restore()
+            self._close(aborted)
+
+    def _step(self, s: int):
+        """Step ``s`` (1-based): the batch of index ``s - 1`` (a pure function of the step)."""
+        t, d = self.cfg.train, self.cfg.data
+        batch = to_engine_batch(self.start.dataset.batch(s - 1, t.batch_size, d.seq_len), d.doc_masking)
+        engine = getattr(self.trainer, "engine", None)
+        traced = _Timeline(engine, t.out_dir, s, self.log) if (self.main and s == t.trace_step) \
+            else contextlib.nullcontext()
+        poisoned = _nan_forward(engine) if s in self.hooks.nan_steps else contextlib.nullcontext()
+        with poisoned, traced:
+            res = self.trainer.step(batch)
+        self.step_done = s
+        self.losses.append(res.loss)
+        return res
+
+    def _count(self, s: int, res) -> None:
+        if not res.skipped:
+            self.bad_streak, self.last_good = 0, s
+            return
+        self.skipped += 1
+        self.bad_streak += 1
+        self.log(f"step {s}: non-finite loss {res.loss} / grad_norm {res.grad_norm}: update skipped, weights and "
+                 f"optimizer state unchanged ({self.bad_streak} in a row, {self.skipped} in total, "
+                 f"limit train.max_bad_steps={self.cfg.train.max_bad_steps})")
+
+    def _record(self, s: int, res, dt: float) -> dict:
+        n = self.tokens_per_step
+        rec = {"step": s, "loss": res.loss, "grad_norm": res.grad_norm, "step_time_s": dt, "tokens_per_s": n / dt,
+               "model_tflops": self.fpt * n / dt / 1e12, "model_tflops_with_attention": self.fpt_attn * n / dt / 1e12,
+               "skipped": res.skipped}
+        if getattr(res, "aux_loss", None) is not None:  # e.g. the MoE router's load-balancing term, inside loss
+            rec["aux_loss"] = res.aux_loss
+        rec["lr"] = self.trainer.lr_at(self.trainer.step_count)
+        rec.update(memory_snapshot(self.trainer.memory_device))
+        return rec
+
+    def _log_step(self, s: int, res, rec: dict, elapsed: float) -> None:
+        t = self.cfg.train
+        eta = elapsed / (s - self.start.start_step) * (t.steps - s)
+        self.log(f"step {s:>6}/{t.steps}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  "
+                 f"tokens/s {rec['tokens_per_s']:,.0f}  model TFLOPS {rec['model_tflops']:.3f}  "
+                 f"elapsed {elapsed:.0f}s  eta {eta:.0f}s")
+
+    def _stop_if_bad(self, s: int) -> None:
+        if self.bad_streak < self.cfg.train.max_bad_steps:
+            return
+        path = self.save(s, wait=True)
+        raise UserError("train.max_bad_steps",
+                        f"{self.bad_streak} consecutive steps ({s - self.bad_streak + 1}..{s}) had a non-finite loss "
+                        f"or gradient norm; none of them changed the model, whose weights are those after step "
+                        f"{self.last_good}" + (f"; checkpoint saved to {path}" if path else ""),
+                        "lower optim.lr, set optim.clip_norm or check the data around these steps, then "
+                        "continue with --resume (or raise train.max_bad_steps)")
+
+    def save(self, step: int, wait: bool) -> str | None:
+        """A checkpoint of the state after ``step`` with what resuming needs (loop counters, LR,
+        data position, RNG, config); None where no checkpoint is written."""
+        if self.saver is None:
             return None
-        lr = trainer.lr_at(trainer.step_count + 1)
-        meta = {"loop": {"step": step, "skipped_total": skipped, "bad_streak": bad_streak, "last_good_step": last_good},
-                "lr_schedule": {"count": trainer.step_count, "next_lr": lr,
+        cfg, t, d, tr = self.cfg, self.cfg.train, self.cfg.data, self.trainer
+        meta = {"loop": {"step": step, "skipped_total": self.skipped, "bad_streak": self.bad_streak,
+                         "last_good_step": self.last_good},
+                "lr_schedule": {"count": tr.step_count, "next_lr": tr.lr_at(tr.step_count + 1),
                                 "schedule": cfg.optim.schedule.__dict__, "total_steps": t.steps},
-                "data": {"position": dataset.position(step, t.batch_size, d.seq_len), "describe": dataset.describe(),
-                         "batch_size": t.batch_size, "seq_len": d.seq_len},
-                "rng": rng, "config": cfg.to_dict()}
-        path = saver.save(step, meta, wait=wait)
+                "data": {"position": self.start.dataset.position(step, t.batch_size, d.seq_len),
+                         "describe": self.start.dataset.describe(), "batch_size": t.batch_size, "seq_len": d.seq_len},
+                "rng": self.rng, "config": cfg.to_dict()}
+        path = self.saver.save(step, meta, wait=wait)
         if wait:
-            _report(saver.history[-1] if saver.history else None)
+            self._report(self.saver.history[-1] if self.saver.history else None)
         return path
 
-    def _report(st) -> None:
+    def _report(self, st) -> None:
         if st is not None:
-            log(f"checkpoint: step {st.step} saved to {st.path} ({st.nbytes / 1e9:.3f} GB in {st.write_s:.2f}s; "
-                f"training loop blocked {st.call_s:.3f}s, updates held {st.held_s:.3f}s)")
+            self.log(f"checkpoint: step {st.step} saved to {st.path} ({st.nbytes / 1e9:.3f} GB in {st.write_s:.2f}s; "
+                     f"training loop blocked {st.call_s:.3f}s, updates held {st.held_s:.3f}s)")
 
-    losses: list[float] = []
-    start = time.perf_counter()
-    last = start
-    stop = _StopSignals(log)
-    stopped_by = None
-    final_path = None
-    aborted = False
-    step_done = start_step
-    try:
-        for step in range(start_step, t.steps):
-            s = step + 1
-            batch = to_engine_batch(dataset.batch(step, t.batch_size, d.seq_len), d.doc_masking)
-            traced = _Timeline(trainer.engine, t.out_dir, s, log) if (streamed and main and s == t.trace_step) \
-                else contextlib.nullcontext()
-            with _nan_forward(trainer.engine) if (s in nan_steps and streamed) else contextlib.nullcontext(), traced:
-                res = trainer.step(batch)
-            step_done = s
-            now = time.perf_counter()
-            dt, last = now - last, now
-            losses.append(res.loss)
-            if res.skipped:
-                skipped += 1
-                bad_streak += 1
-                log(f"step {s}: non-finite loss {res.loss} / grad_norm {res.grad_norm}: update skipped, weights and "
-                    f"optimizer state unchanged ({bad_streak} in a row, {skipped} in total, "
-                    f"limit train.max_bad_steps={t.max_bad_steps})")
-            else:
-                bad_streak, last_good = 0, s
-            rec = {"step": s, "loss": res.loss, "grad_norm": res.grad_norm, "step_time_s": dt,
-                   "tokens_per_s": tokens_per_step / dt, "model_tflops": fpt * tokens_per_step / dt / 1e12,
-                   "model_tflops_with_attention": fpt_attn * tokens_per_step / dt / 1e12, "skipped": res.skipped}
-            if getattr(res, "aux_loss", None) is not None:  # e.g. the MoE router's load-balancing term, inside loss
-                rec["aux_loss"] = res.aux_loss
-            if streamed:
-                rec["lr"] = trainer.lr_at(trainer.step_count)
-                rec.update(memory_snapshot(trainer.memory_device))
-            metrics.write(rec)
-            if s % t.log_every == 0 or s == start_step + 1 or s == t.steps:
-                elapsed = now - start
-                eta = elapsed / (s - start_step) * (t.steps - s)
-                log(f"step {s:>6}/{t.steps}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  "
-                    f"tokens/s {rec['tokens_per_s']:,.0f}  model TFLOPS {rec['model_tflops']:.3f}  "
-                    f"elapsed {elapsed:.0f}s  eta {eta:.0f}s")
-            if saver is not None:
-                _report(saver.poll())  # a background save that has committed since the last step
-            if bad_streak >= t.max_bad_steps:
-                path = save(s, wait=True)
-                raise UserError("train.max_bad_steps",
-                                f"{bad_streak} consecutive steps ({s - bad_streak + 1}..{s}) had a non-finite loss or "
-                                f"gradient norm; none of them changed the model, whose weights are those after step "
-                                f"{last_good}" + (f"; checkpoint saved to {path}" if path else ""),
-                                "lower optim.lr, set optim.clip_norm or check the data around these steps, then "
-                                "continue with --resume (or raise train.max_bad_steps)")
-            if stop.received:
-                stopped_by = stop.received
-                final_path = save(s, wait=True)
-                break
-            if t.ckpt_every and s % t.ckpt_every == 0:
-                save(s, wait=False)
-            if s in kill_after:  # test hook: a hard kill once the checkpoints so far are committed
-                if saver is not None:
-                    saver.wait()
-                os.kill(os.getpid(), signal.SIGKILL)
-        else:
-            if saver is not None and t.final_checkpoint:
-                final_path = save(step_done, wait=True)
-    except KeyboardInterrupt:
-        aborted = True  # a second signal: do not wait for a save in flight (its .tmp is ignored later)
-        raise
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a background failure (optimizer thread, checkpoint writer, device)
-        aborted = True
-        raise _background_failure(e, t.out_dir, step_done) from None
-    finally:
-        stop.restore()
+    def _kill(self) -> None:
+        """``TrainHooks.kill_after_step``: a hard kill once the checkpoints so far are committed."""
+        if self.saver is not None:
+            self.saver.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _close(self, aborted: bool) -> None:
         try:
-            if saver is not None:
-                saver.abandon() if aborted else saver.close()
+            if self.saver is not None:
+                self.saver.abandon() if aborted else self.saver.close()
         finally:
             try:
-                if hasattr(trainer, "close"):
-                    trainer.close()
+                self.trainer.close()
             except Exception:  # noqa: BLE001 - after a failure, the pending updates fail the same way
                 if not aborted:
                     raise
-            metrics.close()
-    if t.export and streamed and stopped_by is None and main:
+            self.metrics.close()
+
+
+def _summary(cfg: Config, loop: _Loop, resume: bool, wall: float) -> dict[str, Any]:
+    plan, losses = loop.start.plan, loop.losses
+    return {"steps": loop.step_done, "first_loss": losses[0] if losses else None,
+            "plan": None if plan is None else {"host_gb": plan.host_need / 1e9,
+                                               "gpu_gb": plan.gpu_need and plan.gpu_need / 1e9,
+                                               "decisions": plan.decisions,
+                                               "predicted_step_s": plan.step["predicted_step_s"]},
+            "measured": memory_snapshot(loop.trainer.memory_device),
+            "last_loss": losses[-1] if losses else None,
+            "mean_last10": float(np.mean(losses[-10:])) if losses else None, "wall_s": wall,
+            "skipped_steps": loop.skipped, "resumed_from": loop.start.start_step if resume else None,
+            "checkpoint": loop.final_path, "stopped_by": loop.stopped_by}
+
+
+def train(cfg: Config, resume: bool = False, log: Log = print, hooks: TrainHooks | None = None) -> dict[str, Any]:
+    """Run ``cfg.train.steps`` steps; returns a summary (first/last losses, throughput).
+
+    ``resume`` continues from the newest complete checkpoint in ``train.out_dir``; ``hooks``: faults
+    a test injects (``TrainHooks``).
+    """
+    t = cfg.train
+    main = is_main()  # process 0 writes checkpoints, metrics and logs; the others only train
+    if not main:
+        log = lambda _msg: None  # noqa: E731
+    start = _start(cfg, resume, log, main)  # every check; nothing written yet
+    metrics, metrics_path = _open_outputs(cfg, start, resume, main, log)
+    log(f"model: {cfg.model.total_params() / 1e6:.2f}M parameters "
+        f"({cfg.model.non_embedding_params() / 1e6:.2f}M non-embedding), engine={t.engine}, "
+        f"compute={t.compute_dtype}, {t.batch_size * cfg.data.seq_len} tokens/step")
+    loop = _Loop(cfg, start, metrics, hooks or TrainHooks(), main, log)
+    t0 = time.perf_counter()
+    loop.run()
+    if t.export and loop.stopped_by is None and main:
         from megatrain_jax.hf import export_hf
 
-        export_hf(trainer.store, cfg.model, t.export, t.export_dtype, overwrite=True, log=log)
-    wall = time.perf_counter() - start
-    summary = {"steps": step_done, "first_loss": losses[0] if losses else None,
-               "plan": None if plan is None else {"host_gb": plan.host_need / 1e9, "gpu_gb": plan.gpu_need and plan.gpu_need / 1e9,
-                                                  "decisions": plan.decisions, "predicted_step_s": plan.step["predicted_step_s"]},
-               "measured": memory_snapshot(trainer.memory_device if streamed else None),
-               "last_loss": losses[-1] if losses else None,
-               "mean_last10": float(np.mean(losses[-10:])) if losses else None, "wall_s": wall,
-               "skipped_steps": skipped, "resumed_from": start_step if resume else None,
-               "checkpoint": final_path, "stopped_by": stopped_by}
+        export_hf(start.trainer.store, cfg.model, t.export, t.export_dtype, overwrite=True, log=log)
+    summary = _summary(cfg, loop, resume, time.perf_counter() - t0)
     if main:
         with open(os.path.join(t.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1, default=str)
-    if stopped_by:
-        log(f"stopped by {stopped_by} after step {step_done}: " + (
-            f"checkpoint saved to {final_path}; continue with `megatrain-jax train ... --resume` "
-            f"(train.out_dir={t.out_dir})" if final_path else "no checkpoint (the reference engine writes none)"))
+    losses = loop.losses
+    if loop.stopped_by:
+        log(f"stopped by {loop.stopped_by} after step {loop.step_done}: " + (
+            f"checkpoint saved to {loop.final_path}; continue with `megatrain-jax train ... --resume` "
+            f"(train.out_dir={t.out_dir})" if loop.final_path else "no checkpoint (the reference engine writes none)"))
     elif not losses:
-        log(f"nothing to do: the checkpoint is at step {start_step} and train.steps={t.steps}")
+        log(f"nothing to do: the checkpoint is at step {start.start_step} and train.steps={t.steps}")
     else:
-        log(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {wall:.0f}s; "
-            f"metrics in {metrics_path}" + (f"; checkpoint {final_path}" if final_path else ""))
+        log(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {summary['wall_s']:.0f}s; "
+            f"metrics in {metrics_path}" + (f"; checkpoint {loop.final_path}" if loop.final_path else ""))
     return summary

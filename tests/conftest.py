@@ -2,9 +2,11 @@
 import faulthandler
 import os
 import signal
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/cli_runner.py and helpers
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
 import jax  # noqa: E402
@@ -30,3 +32,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cli_env(request) -> dict:
+    """The environment of every CLI subprocess (``tests/cli_runner.py``): CPU, and one persistent
+    XLA compilation cache kept between sessions in .pytest_cache, so a run compiles a shape once."""
+    from cli_runner import cli_env as make_env
+
+    return make_env(str(request.config.cache.mkdir("megatrain_xla_cache")))

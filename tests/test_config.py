@@ -134,7 +134,8 @@ def test_override_that_is_not_yaml_is_taken_literally_for_a_string_field():
 
 
 def test_last_override_wins():
-    assert load_config(TINY, ["train.steps=5", "train.steps=9"]).train.steps == 9
+    # (tiny.yaml warms up for 20 steps: without warmup, 9 steps are a valid run)
+    assert load_config(TINY, ["optim.schedule.warmup_steps=0", "train.steps=5", "train.steps=9"]).train.steps == 9
 
 
 # ----------------------------------------------------------------------------------- bad input
@@ -260,12 +261,57 @@ def test_missing_base_file(tmp_path):
     p.write_text("base: nothere.yaml\n")
     e = _raises("CONFIG", str(p))
     assert "nothere.yaml" in e.problem
+    assert f"named by base: in {p}" in e.problem  # which config named it
 
 
 def test_invalid_yaml(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text("model: [1\n")
-    _raises("CONFIG", str(p))
+    p.write_text("model:\n  hidden_size: 64\n  num_layers: [1\n")
+    e = _raises("CONFIG", str(p))
+    assert f"{p}:4:1: not valid YAML" in e.problem, e  # file:line:column
+
+
+def test_a_top_level_list_or_scalar(tmp_path):
+    for text, kind in (("- model\n- train\n", "list"), ("5\n", "int")):
+        p = tmp_path / "c.yaml"
+        p.write_text(text)
+        assert f"a YAML {kind} at the top level" in _raises("CONFIG", str(p)).problem
+
+
+def test_base_that_is_not_one_file_name(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("base: [tiny.yaml]\n")
+    assert "one file name" in _raises("base", str(p)).problem
+
+
+def test_a_cycle_of_bases_is_one_error_not_a_recursion(tmp_path):
+    (tmp_path / "self.yaml").write_text("base: self.yaml\n")
+    assert "already in the chain of bases" in _raises("CONFIG", str(tmp_path / "self.yaml")).problem
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: sub/../a.yaml\n")
+    (tmp_path / "sub").mkdir()
+    e = _raises("CONFIG", str(tmp_path / "a.yaml"))
+    assert "a.yaml -> " in e.problem and "b.yaml" in e.problem
+
+
+def test_article_of_the_type_in_the_fix():
+    assert _raises("train.steps", overrides=["train.steps=1.5"]).fix == "give an int"
+    assert _raises("optim.lr", overrides=["optim.lr=abc"]).fix == "give a float"
+
+
+@pytest.mark.parametrize("overrides, fix_names", [
+    (["train.steps=10"], "train.steps"),  # tiny.yaml: warmup_cosine with 20 warmup steps
+    (["train.steps=100", "optim.schedule.decay_steps=20"], "optim.schedule.decay_steps"),
+])
+def test_warmup_that_leaves_no_decay(overrides, fix_names):
+    e = _raises("optim.schedule.warmup_steps", overrides=overrides)
+    assert e.fix.startswith("set optim.schedule.warmup_steps below") and fix_names in e.fix, e
+    load_config(TINY, overrides + ["optim.schedule.kind=constant"])  # a constant schedule has no decay to fit
+
+
+@pytest.mark.parametrize("override", ["train.trace_step=2", "train.export=out"])
+def test_reference_engine_refuses_what_it_cannot_do(override):
+    _raises(override.split("=")[0], overrides=["train.engine=reference", override])
 
 
 def test_a_section_that_is_not_a_mapping(tmp_path):

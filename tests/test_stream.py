@@ -456,3 +456,26 @@ def test_gpt2_example_fused_optimizer_equals_its_optax_path():
     np.testing.assert_allclose(runs["fused"][0], runs["optax"][0], rtol=1e-5)
     errs = group_errors(runs["optax"][1], runs["fused"][1])
     assert max(errs.values()) <= 1e-5, errs
+
+
+def test_the_three_spellings_of_stream(cli_env):
+    """Issue 26 item 13: ``megatrain_jax.stream(model)`` (the README's), ``from megatrain_jax import
+    stream; stream(model)`` and ``megatrain_jax.stream.stream(model)`` are one function; in a fresh
+    interpreter the first works without importing the subpackage first."""
+    import subprocess
+
+    import megatrain_jax
+    from gpt2_nnx import GPT2Config, build_model
+    from megatrain_jax import stream as pkg
+
+    cfg = GPT2Config(vocab_size=48, block_size=12, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
+    model = build_model(cfg)
+    got = [megatrain_jax.stream(model), pkg(model), megatrain_jax.stream.stream(model)]
+    assert got[0].summary == got[1].summary == got[2].summary and len(got[0].blocks.weights) == 2
+    assert megatrain_jax.stream.stream is stream and callable(megatrain_jax.stream)
+    code = ("import megatrain_jax, sys; assert 'megatrain_jax.stream' not in sys.modules; "
+            "s = megatrain_jax.stream; from megatrain_jax import stream; "
+            "assert callable(s) and stream is s and s.stream.__name__ == 'stream'; print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], env=cli_env, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]

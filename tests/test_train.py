@@ -1,19 +1,20 @@
 """End to end: the CLI in a subprocess, killed, resumed, signalled, fed NaNs; runs of a tiny model.
 
-Every subprocess shares one persistent XLA compilation cache (in .pytest_cache, kept between
-sessions), and independent runs go side by side, so each wave takes seconds, mostly imports.
+Every subprocess shares one persistent XLA compilation cache (conftest's ``cli_env``, kept between
+sessions), and independent runs go side by side, so each wave takes seconds, mostly imports. Faults
+are injected as ``train.TrainHooks`` through the test-only entry point ``tests/train_with_hooks.py``.
 """
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
+from cli_runner import cli_command, sets
 from megatrain_jax import checkpoint as ck
 from megatrain_jax.cli import main as cli_main
 
@@ -23,30 +24,23 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=
 
 
 @pytest.fixture(scope="module")
-def env(request):
-    cache = request.config.cache.mkdir("megatrain_xla_cache")  # kept between sessions (.pytest_cache)
-    e = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-             PYTHONUNBUFFERED="1")
-    for k in [k for k in e if k.startswith("MEGATRAIN_DEBUG")]:
-        del e[k]
-    return e
+def env(cli_env):
+    return cli_env  # conftest: CPU, the shared persistent compilation cache
 
 
 def _args(out_dir, steps=10, ckpt_every=5, extra=()):
-    sets = SMALL + [f"train.out_dir={out_dir}", f"train.steps={steps}", f"train.ckpt_every={ckpt_every}", *extra]
-    return [sys.executable, "-m", "megatrain_jax", "train", "configs/tiny.yaml"] + [x for s in sets for x in ("--set", s)]
+    return ["train", "configs/tiny.yaml", *sets(*SMALL, f"train.out_dir={out_dir}", f"train.steps={steps}",
+                                                f"train.ckpt_every={ckpt_every}", *extra)]
 
 
 class Run:
     """One CLI run in a subprocess; ``stop_after`` sends a signal once that many steps are logged."""
 
-    def __init__(self, env, out_dir, *, resume=False, debug=None, steps=10, ckpt_every=5, extra=(),
+    def __init__(self, env, out_dir, *, resume=False, hooks=None, steps=10, ckpt_every=5, extra=(),
                  stop_after=None, sig=None):
         self.out, self.sig, self.stop_after = out_dir, sig, stop_after
-        cmd = _args(out_dir, steps, ckpt_every, extra) + (["--resume"] if resume else [])
-        self.p = subprocess.Popen(cmd, cwd=REPO, env=dict(env, **(debug or {})), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+        cmd = cli_command(_args(out_dir, steps, ckpt_every, extra) + (["--resume"] if resume else []), hooks)
+        self.p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stdout = self.stderr = None
         self.returncode = None
 
@@ -120,10 +114,10 @@ def runs(env, straight, tmp_path_factory):
     shutil.copytree(straight, out["corrupt"])
     _flip_a_byte(os.path.join(ck.checkpoint_root(out["corrupt"]), ck.step_dirname(10)))
     first = run_all([
-        Run(env, out["kill7"], debug={"MEGATRAIN_DEBUG_KILL_AFTER_STEP": "7"}),
-        Run(env, out["killsave"], debug={"MEGATRAIN_DEBUG_KILL_IN_SAVE": "10"}),
+        Run(env, out["kill7"], hooks={"kill_after_step": 7}),
+        Run(env, out["killsave"], hooks={"kill_in_save": 10}),
         Run(env, out["nan"], steps=10, ckpt_every=1, extra=["train.keep_last=0", "train.max_bad_steps=3"],
-            debug={"MEGATRAIN_DEBUG_NAN_STEPS": "3,4,6,7,8"}),
+            hooks={"nan_steps": "3,4,6,7,8"}),
         Run(env, out["SIGTERM"], steps=100000, ckpt_every=0, stop_after=3, sig=signal.SIGTERM),
         Run(env, out["SIGINT"], steps=100000, ckpt_every=0, stop_after=3, sig=signal.SIGINT),
     ])
@@ -282,7 +276,7 @@ def test_int8_moments_kill_and_resume_is_bit_identical_and_other_modes_are_refus
     int8 = ["optim.moments=int8"]
     straight8, killed = str(tmp_path / "straight8"), str(tmp_path / "killed8")
     first = run_all([Run(env, straight8, extra=int8),
-                     Run(env, killed, extra=int8, debug={"MEGATRAIN_DEBUG_KILL_AFTER_STEP": "7"})])
+                     Run(env, killed, extra=int8, hooks={"kill_after_step": 7})])
     _ok(first[0])
     assert first[1].returncode == -signal.SIGKILL
     _ok(_run(env, killed, resume=True, extra=int8))
@@ -333,3 +327,54 @@ def test_trace_step_writes_the_timeline_of_that_step(tmp_path, capsys):
     assert 0 < rec["exposed_s"]["compute_busy"] <= t1 - t0
     assert "timeline of step 2" in capsys.readouterr().out
     assert not (out / "timeline_step1.json").exists() and not (out / "timeline_step3.json").exists()
+
+
+def test_hooks_are_arguments_and_the_environment_is_not_read(tmp_path, monkeypatch):
+    """Issue 25: ``train()`` takes its test hooks as ``TrainHooks``; the old MEGATRAIN_DEBUG_*
+    variables do nothing in the production loop."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.train import TrainHooks, train
+
+    monkeypatch.setenv("MEGATRAIN_DEBUG_NAN_STEPS", "1")
+    cfg = load_config(os.path.join(REPO, "configs/tiny.yaml"), SMALL + [
+        f"train.out_dir={tmp_path / 'run'}", "train.steps=3", "train.final_checkpoint=false"])
+    summary = train(cfg, log=lambda _: None, hooks=TrainHooks(nan_steps=frozenset({2})))
+    assert [r["skipped"] for r in _metrics(str(tmp_path / "run"))] == [False, True, False]
+    assert summary["skipped_steps"] == 1
+
+
+def test_reference_trainer_answers_the_trainer_interface(tmp_path):
+    """The loop drives ``ReferenceTrainer`` as it drives ``Trainer``: step count, the schedule's
+    learning rate (the host optimizer's), no saver, a memory device, close."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.engine import Batch
+    from megatrain_jax.optim import build_host_optimizer
+    from megatrain_jax.reference import ReferenceTrainer
+
+    cfg = load_config(os.path.join(REPO, "configs/tiny.yaml"), SMALL + ["train.engine=reference", "train.steps=5"])
+    rt = ReferenceTrainer.from_config(cfg)
+    host = build_host_optimizer(cfg.optim, cfg.train.steps)
+    assert rt.step_count == 0 and rt.saver(str(tmp_path), keep_last=2) is None and rt.memory_device is None
+    assert [rt.lr_at(c) for c in (1, 3, 5)] == [float(host.lr_at(c)) for c in (1, 3, 5)]
+    toks = np.random.default_rng(0).integers(0, 256, (4, 33)).astype(np.int32)
+    res = rt.step(Batch(toks[:, :-1], toks[:, 1:]))
+    assert rt.step_count == 1 and np.isfinite(res.loss)
+    rt.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_from_hf_seq_len_above_max_position_embeddings_warns(tmp_path):
+    """Issue 26 item 10: one warning line when data.seq_len exceeds the checkpoint's positions."""
+    from megatrain_jax.config import Config
+    from megatrain_jax.train import _warn_positions
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    cfg = Config()
+    cfg.model.from_hf = str(tmp_path)
+    logged = []
+    cfg.data.seq_len = 4096
+    _warn_positions(cfg, logged.append)
+    assert logged == []
+    cfg.data.seq_len = 8192
+    _warn_positions(cfg, logged.append)
+    assert len(logged) == 1 and logged[0].startswith("warning: data.seq_len=8192") and "4096" in logged[0]

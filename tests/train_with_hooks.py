@@ -1,0 +1,32 @@
+"""Test-only entry point: ``megatrain-jax`` with ``train.TrainHooks`` (the production CLI takes none).
+
+    python tests/train_with_hooks.py [--nan-steps 3,4] [--kill-after-step 7] [--kill-in-save 10] -- train CONFIG ...
+"""
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatrain_jax import cli, train  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--nan-steps", default="")
+    p.add_argument("--kill-after-step", type=int, default=None)
+    p.add_argument("--kill-in-save", type=int, default=None)
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    a = p.parse_args()
+    argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
+    hooks = train.TrainHooks(nan_steps=frozenset(int(x) for x in a.nan_steps.split(",") if x.strip()),
+                             kill_after_step=a.kill_after_step, kill_in_save=a.kill_in_save)
+    if a.kill_in_save is not None:  # until checkpoint.py reads CheckpointSaver.kill_in_save (set from hooks)
+        os.environ["MEGATRAIN_DEBUG_KILL_IN_SAVE"] = str(a.kill_in_save)
+    train.train = functools.partial(train.train, hooks=hooks)  # what cli._train calls
+    return cli.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
