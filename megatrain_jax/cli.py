@@ -36,13 +36,17 @@ def _plan(args: argparse.Namespace) -> int:
         from megatrain_jax.hf import resolve_hf_model_config
 
         resolve_hf_model_config(cfg.model)
-    from megatrain_jax.memory import make_plan, plan_table, scaling_table
+    from megatrain_jax.plan import make_plan, plan_table, scaling_rows, scaling_table, target_machine
 
-    p = make_plan(cfg, devices=args.devices)
+    target = {k: getattr(args, k) for k in ("gpu_memory_gb", "host_memory_gb", "pcie_gbps", "gpu_tflops")}
+    machine = None
+    if any(v is not None for v in target.values()):  # a machine described, not this one
+        machine = target_machine(**target, gpu_count=args.devices or 1, paths=(cfg.train.out_dir,))
+    p = make_plan(cfg, machine, devices=args.devices)
     if args.json:
         out = p.to_dict()
         if args.scaling:
-            out["scaling"] = _scaling_rows(cfg, p.machine)
+            out["scaling"] = scaling_rows(cfg, p.machine)
         print(json.dumps(out, indent=1, default=str))
     else:
         print(plan_table(p))
@@ -53,25 +57,6 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
-
-
-def _scaling_rows(cfg, machine, counts=(1, 2, 4, 8)) -> list[dict]:
-    """``plan --json --scaling``: the scaling table's rows as records (predictions, not measurements)."""
-    from megatrain_jax.memory import make_plan
-
-    rows = []
-    tokens = cfg.train.batch_size * cfg.data.seq_len
-    for n in counts:
-        if cfg.train.batch_size % n:
-            rows.append({"gpus": n, "error": f"batch_size {cfg.train.batch_size} does not split over {n} GPUs"})
-            continue
-        p = make_plan(cfg, machine, devices=n)
-        st = p.step
-        rows.append({"gpus": n, "gpu_peak_gb": p.gpu_need / 1e9 if p.gpu_need else None,
-                     "host_gb": p.host_need / 1e9, "predicted_step_s": st["predicted_step_s"],
-                     "bound_by": st["binding"][:-2], "tokens_per_s": tokens / st["predicted_step_s"],
-                     "optimizer_s": st["optimizer_s"], "d2h_s": st["d2h_s"]})
-    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--devices", type=int, default=None, help="plan for N GPUs (default: train.devices)")
     p.add_argument("--scaling", action="store_true", help="also predict 1, 2, 4 and 8 GPUs (data parallel)")
+    # plan for a machine you are not on (any of these describes the target; the rest is this machine's)
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="the target GPU's memory")
+    p.add_argument("--host-memory-gb", type=float, default=None, help="the target host's memory limit")
+    p.add_argument("--pcie-gbps", type=float, default=None, help="the target's host<->GPU GB/s (default: H100's)")
+    p.add_argument("--gpu-tflops", type=float, default=None, help="the target GPU's bf16 TFLOP/s (default: H100's)")
     p.set_defaults(func=_plan)
 
     # these parse their own arguments (see main); listed here for --help

@@ -45,7 +45,7 @@ from megatrain_jax.config import Config
 from megatrain_jax.distributed import is_main
 from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
-from megatrain_jax.memory import memory_snapshot
+from megatrain_jax.plan import memory_snapshot
 from megatrain_jax.metrics import MetricsWriter, attention_flops_per_token, model_flops_per_token
 from megatrain_jax.plan import few_malloc_arenas, plan_or_refuse  # noqa: F401 - importable here too
 from megatrain_jax.trainer import Trainer
@@ -298,16 +298,6 @@ def check_out_dir(out_dir: str) -> None:
                         "choose a train.out_dir you may create files in (not on a read-only filesystem)") from None
 
 
-def _check_data(cfg: Config, dataset) -> None:
-    """One batch of ``train.batch_size`` x ``data.seq_len`` must come out of the data."""
-    s, n = cfg.data.seq_len, dataset.n_tokens
-    if n - 1 < s:  # a sequence needs seq_len + 1 tokens (inputs and shifted labels)
-        raise UserError("data.seq_len", f"{s:,} tokens per sequence, but {dataset.path} holds {n:,} tokens "
-                        "(a sequence needs data.seq_len + 1)",
-                        f"set data.seq_len to at most {max(1, n - 1):,}, or use more data")
-    dataset.check(cfg.train.batch_size, s)
-
-
 def _warn_positions(cfg: Config, log: Log) -> None:
     """A ``model.from_hf`` checkpoint trained at fewer positions than ``data.seq_len``: one warning."""
     from megatrain_jax.hf import read_hf_config
@@ -346,8 +336,7 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool) -> _Start:
 
         resolve_hf_model_config(cfg.model)  # architecture fields before anything uses the sizes
         _warn_positions(cfg, log)
-    dataset = load_dataset(cfg.data, cfg.model.vocab_size)
-    _check_data(cfg, dataset)
+    dataset = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=t.batch_size)  # one batch must come out
     root = ck.checkpoint_root(t.out_dir)
     existing = ck.list_checkpoints(root) if (main and not resume) else []
     if existing:

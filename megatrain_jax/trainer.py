@@ -91,7 +91,7 @@ class PlanView:
 
     @property
     def table(self) -> str:
-        from megatrain_jax.memory import plan_table
+        from megatrain_jax.plan import plan_table
 
         return plan_table(self.plan)
 
@@ -296,7 +296,7 @@ class Trainer:
         is the calibrated Llama estimate. ``num_heads`` (default: width / 64) shapes the attention term.
         """
         from megatrain_jax.config import Config, ModelConfig, TrainConfig, DataConfig
-        from megatrain_jax.memory import make_plan
+        from megatrain_jax.plan import make_plan
 
         store = self.engine.store
         H = int(np.shape(jax.eval_shape(self.parts.embed_fn, self.parts.embed_weights,

@@ -205,7 +205,7 @@ def test_data_too_small_writes_nothing(tmp_path, capsys, case):
     if case == "seq_len_above_data":
         res = _train(tmp_path, capsys, "data.seq_len=2000000", "optim.schedule.warmup_steps=1", "train.steps=3")
         line = check_user_error(res, "data.seq_len", str(tmp_path))
-        assert "tinyshakespeare.txt holds 1,115,394 tokens" in line and "at most 1,115,393" in line, line
+        assert "tinyshakespeare.txt has 1,115,394 tokens" in line and "at most 1115393" in line, line
     else:
         res = _train(tmp_path, capsys, f"data.path={small}", "data.seq_len=8", "optim.schedule.warmup_steps=1",
                      "train.steps=3")
@@ -221,10 +221,26 @@ def test_plan_json_scaling_and_devices(tmp_path, capsys):
     res = run_in_process(["plan", TINY, "--json", "--scaling"], capsys)
     assert res.rc == 0, str(res)
     rows = json.loads(res.stdout)["scaling"]
-    assert [r["gpus"] for r in rows] == [1, 2, 4, 8] and all(r["predicted_step_s"] > 0 for r in rows), rows
+    assert [r["gpus"] for r in rows] == [1, 2, 4, 8] and all(r["step_s"] > 0 for r in rows), rows
     res = run_in_process(["plan", TINY, "--devices", "0"], capsys, watch=str(tmp_path))
     line = check_user_error(res, "--devices", str(tmp_path))
     assert "got 0" in line, line
+
+
+def test_plan_for_a_described_machine(capsys):
+    """Issue 27 item 4: plan for a machine you are not on, from this CPU-only one: planned as a GPU run with
+    the given GPU and host memory; a bad value is one line naming the flag."""
+    res = run_in_process(["plan", "configs/7b.yaml", "--json", "--gpu-memory-gb", "80", "--host-memory-gb", "256",
+                          "--pcie-gbps", "25", "--gpu-tflops", "165"], capsys)
+    p = json.loads(res.stdout)
+    assert p["machine"]["backend"] == "gpu" and p["host_limit"] == 256e9, p["machine"]
+    assert p["gpu_budget"] <= 80e9 and res.rc == 0, str(res)
+    assert not any("device buffers" in r["what"] for r in p["rows"])  # not host memory on a GPU target
+    small = run_in_process(["plan", "configs/7b.yaml", "--json", "--gpu-memory-gb", "80", "--host-memory-gb", "64"],
+                           capsys)
+    assert small.rc == 2 and json.loads(small.stdout)["host_limit"] == 64e9
+    res = run_in_process(["plan", TINY, "--gpu-memory-gb", "-3"], capsys)
+    check_user_error(res, "--gpu-memory-gb")
 
 
 # ---------------------------------------------------------------------- real processes and runs

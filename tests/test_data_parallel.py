@@ -138,7 +138,7 @@ def test_plan_predicts_1_2_4_8_gpus_without_them():
     """The plan for N GPUs (no GPU here: a simulated 2-GPU H200 host): the per-GPU batch and peak
     shrink with N, GPU->host spreads over N links, the step's compute term divides by N."""
     from megatrain_jax.config import load_config
-    from megatrain_jax.memory import GiB, Machine, make_plan, scaling_table
+    from megatrain_jax.plan import GiB, Machine, make_plan, scaling_table
 
     m = Machine("gpu", 256 * GiB, 250 * GiB, "MemTotal", 141 * 10 ** 9, "sim", 2, "H200", 32, {})
     # no kept residuals: with them (one GPU only) the single-GPU step recomputes less than 1/N of it
@@ -166,7 +166,7 @@ def test_train_starts_no_jax_backend_before_the_plan_has_configured_xla(tmp_path
     early keeps XLA's default fraction of the GPU: seen on the H100 as a 60.6 GB budget)."""
     repo = os.path.dirname(HERE)
     script = f"""
-import megatrain_jax.memory as mem
+import megatrain_jax.plan as mem
 from megatrain_jax.config import load_config
 from megatrain_jax.train import train
 orig = mem.apply_gpu_settings

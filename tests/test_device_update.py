@@ -131,7 +131,7 @@ def test_config_refusals_name_the_field(train, optim, field):
 def test_plan_for_a_device_side_update():
     """The plan: the fp32 master streams (no host bf16 copy), no gradient slabs on the host, the state
     in flight on the GPU, and PCIe carrying the state both ways instead of the gradient."""
-    from megatrain_jax.memory import Machine, make_plan
+    from megatrain_jax.plan import Machine, make_plan
 
     machine = Machine(backend="gpu", host_bytes=128e9, host_available=128e9, host_source="test", gpu_bytes=80e9,
                       gpu_source="test", gpu_count=1, gpu_name="test", cpu_cores=16, disk_free={})
@@ -169,7 +169,7 @@ def test_plan_for_a_device_side_update():
     import os
 
     from megatrain_jax.config import load_config
-    from megatrain_jax.memory import GiB
+    from megatrain_jax.plan import GiB
 
     h100 = Machine("gpu", 128 * GiB, 125 * GiB, "MemTotal", 81559 * 2 ** 20, "test", 1, "H100", 16, {})
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "qwen2.5-18b.yaml")
