@@ -332,8 +332,9 @@ def test_export_weights(saved, tmp_path, dtype):
 
     store, run = saved
     out = str(tmp_path / f"export_{dtype}")
-    assert cli_main(["export", run, out, "--dtype", dtype]) == 0  # a run's out_dir: its newest checkpoint
-    assert sorted(os.listdir(out)) == sorted([f"{g.name}.safetensors" for g in store] + ["config.json", "model.yaml"])
+    assert cli_main(["export", run, out, "--dtype", dtype, "--format", "mt"]) == 0  # a run's out_dir: its newest checkpoint
+    assert sorted(os.listdir(out)) == sorted([f"{g.name}.safetensors" for g in store]
+                                             + ["config.json", "model.yaml", "megatrain_export.json"])
     meta = json.load(open(os.path.join(out, "config.json")))
     assert meta["dtype"] == dtype and meta["source"]["step"] == 1
     assert yaml.safe_load(open(os.path.join(out, "model.yaml")))["hidden_size"] == H
@@ -362,7 +363,7 @@ def test_export_errors_are_user_errors(saved, tmp_path, capsys):
     assert "error: export: bad arguments" in capsys.readouterr().err
     ckpt = os.path.join(run, "checkpoints", "step_00000001")
     _damage(ckpt, "flip_all")
-    assert cli_main(["export", ckpt, str(tmp_path / "o")]) == 2
+    assert cli_main(["export", ckpt, str(tmp_path / "o"), "--format", "mt"]) == 2
     err = capsys.readouterr().err
     assert "is corrupted" in err and "block_0" in err and not os.path.exists(tmp_path / "o"), err
 

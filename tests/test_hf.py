@@ -414,7 +414,8 @@ def test_convert_round_trip(tmp_path, capsys):
     src = _write_hf(tmp_path / "hf", cfg_json, tensors, shards=2)
     assert cli.main(["convert", "hf-to-mt", str(src), str(tmp_path / "mt")]) == 0
     assert sorted(os.listdir(tmp_path / "mt")) == ["block_0.safetensors", "block_1.safetensors", "embed.safetensors",
-                                                  "head.safetensors", "hf_config.json", "model.yaml"]
+                                                  "head.safetensors", "hf_config.json", "megatrain_export.json",
+                                                  "model.yaml"]
     cfg_mt, parts, store_mt = load_mt(str(tmp_path / "mt"), bf16_stream=True, log=None)
     cfg_hf, _, store_hf = _import(src)
     assert cfg_mt.from_hf is None and cfg_mt.hidden_size == 32 and cfg_mt.tie_embeddings and cfg_mt.qkv_bias

@@ -27,6 +27,7 @@ from flax import nnx
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 from megatrain_jax.models import hfconfig
+from megatrain_jax.models.hfnames import HFWarning
 from megatrain_jax.models.common import MLP, Attention, Aux, OffsetRMSNorm, dense_block_params
 from megatrain_jax.models.registry import Family, register
 
@@ -116,8 +117,6 @@ def gemma3_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> ModelC
         local_theta = float(hf.get("rope_local_base_freq", 1e4))
         scaling = hfconfig.scaling_from_hf(hf.get("rope_scaling"), where, allowed=("linear", "llama3"))
     if hf.get("attn_logit_softcapping"):
-        from megatrain_jax.hf import HFWarning
-
         warnings.warn(f"model.from_hf: attn_logit_softcapping={hf['attn_logit_softcapping']} in {where} is ignored, "
                       "as transformers' Gemma 3 ignores it", HFWarning, stacklevel=3)
     every = int(hf.get("sliding_window_pattern") or 6)

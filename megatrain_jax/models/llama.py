@@ -15,6 +15,7 @@ from flax import nnx
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 from megatrain_jax.models import hfconfig
+from megatrain_jax.models.hfnames import HFWarning, default_hf_name
 from megatrain_jax.models.common import (Attention, Aux, Decoder, Embed, Head, MLP, RMSNorm, abstract_model,  # noqa: F401
                                          apply_rope, dense_block_params, dot_product_attention, init_host_store,
                                          init_model, init_part, llama3_scale_frequencies, make_aux, part_names,
@@ -124,8 +125,6 @@ def export_extras(cfg: ModelConfig, arch: str, layer: int) -> list[tuple[str, tu
 
 def on_import(hf: dict, cfg: ModelConfig, seq_len: int | None, say) -> None:
     import warnings
-
-    from megatrain_jax.hf import HFWarning
 
     windows = set(layer_windows(hf, hfconfig_arch(hf)))
     if len(windows) > 1:
