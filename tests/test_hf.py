@@ -464,3 +464,73 @@ def test_load_mt_accepts_bf16_groups_in_any_order(tmp_path):
     _, _, back = load_mt(str(tmp_path / "mt"), bf16_stream=False, log=None)
     for g in store:
         np.testing.assert_array_equal(back[g.name].master, g.master.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def _tree_state(root: Path) -> dict:
+    return {str(p): (p.read_bytes() if p.is_file() else "dir") for p in sorted(root.rglob("*"))}
+
+
+def _fake_run(d: Path) -> Path:
+    step = d / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    (step / "state.json").write_text("{}")
+    return d
+
+
+def test_convert_never_replaces_a_run_or_its_source(tmp_path, capsys):
+    """Issue 26 item 1 for convert: an output that is, contains or lies inside the source, or that is or
+    holds a training run, is refused whatever the flags (exit 2, one line, nothing changed)."""
+    cfg_json = _hf_config(tied=True)
+    src = _write_hf(tmp_path / "hf", cfg_json, _hf_tensors(cfg_json))
+    assert cli.main(["convert", "hf-to-mt", str(src), str(tmp_path / "mt")]) == 0
+    run = _fake_run(tmp_path / "run")
+    step = run / "checkpoints" / "step_00000004"
+    cases = [["hf-to-mt", src, src], ["hf-to-mt", src, src / "sub"], ["hf-to-mt", src, tmp_path],
+             ["hf-to-mt", src, run], ["hf-to-mt", src, run / "checkpoints"], ["hf-to-mt", src, step],
+             ["mt-to-hf", tmp_path / "mt", tmp_path / "mt"], ["mt-to-hf", tmp_path / "mt", run],
+             ["mt-to-hf", tmp_path / "mt", run / "checkpoints"], ["mt-to-hf", tmp_path / "mt", tmp_path]]
+    for direction, a, b in cases:
+        before = _tree_state(tmp_path)
+        capsys.readouterr()
+        assert cli.main(["convert", direction, str(a), str(b), "--overwrite"]) == 2, (direction, a, b)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: OUT:"), (direction, a, b, err)
+        assert _tree_state(tmp_path) == before, (direction, a, b)
+
+
+def test_convert_overwrite_replaces_only_its_own_kind(tmp_path, capsys):
+    cfg_json = _hf_config(tied=True)
+    src = _write_hf(tmp_path / "hf", cfg_json, _hf_tensors(cfg_json))
+    mt, back, mine = tmp_path / "mt", tmp_path / "back", tmp_path / "mine"
+    assert cli.main(["convert", "hf-to-mt", str(src), str(mt)]) == 0
+    (mt / "README").write_text("mine")
+    assert cli.main(["convert", "hf-to-mt", str(src), str(mt), "--overwrite"]) == 0
+    assert (mt / "README").read_text() == "mine"  # not written by convert: kept
+    assert cli.main(["convert", "mt-to-hf", str(mt), str(back)]) == 0
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for direction, a, b, needle in [("hf-to-mt", src, mine, "not written by megatrain-jax"),
+                                    ("mt-to-hf", mt, mine, "not written by megatrain-jax"),
+                                    ("hf-to-mt", src, back, "holds a Hugging Face export"),
+                                    ("mt-to-hf", mt, tmp_path / "mt2", None)]:
+        if needle is None:  # an mt directory is not replaced by a Hugging Face export
+            assert cli.main(["convert", "hf-to-mt", str(src), str(b)]) == 0
+            needle = "holds an mt"
+        before = _tree_state(tmp_path)
+        capsys.readouterr()
+        assert cli.main(["convert", direction, str(a), str(b), "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+        assert _tree_state(tmp_path) == before
+
+
+def test_convert_of_a_training_checkpoint_names_export(tmp_path, capsys):
+    """Issue 26 item 14: the error names the command the user wanted."""
+    run = _fake_run(tmp_path / "run")
+    for direction, src in [("mt-to-hf", run), ("mt-to-hf", run / "checkpoints" / "step_00000004"),
+                           ("hf-to-mt", run), ("hf-to-mt", run / "checkpoints")]:
+        assert cli.main(["convert", direction, str(src), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "megatrain-jax export" in err[0], err
+    assert not (tmp_path / "out").exists()
