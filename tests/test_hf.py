@@ -123,6 +123,51 @@ def test_parity_with_transformers(hf_refs, variant):
         assert err < TOL, f"{variant}: gradient of {name} differs: {err:.2e}"
 
 
+EXTRA = ["llama_untied_linear_rope_pad3", "qwen2_tied_linear_rope_pad5", "mistral_untied_linear_rope_window7",
+         "phi3_untied_pad0", "gemma2_tied_pad0_linear_rope", "gemma3_untied_pad0"]
+PAD = {"llama_untied_linear_rope_pad3": 3, "qwen2_tied_linear_rope_pad5": 5, "phi3_untied_pad0": 0,
+       "gemma2_tied_pad0_linear_rope": 0, "gemma3_untied_pad0": 0}
+
+
+@pytest.fixture(scope="session")
+def extra_refs(torch_python, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("hf_ref_extra")
+    _reference(torch_python, "make-extra", str(d))
+    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == sorted(EXTRA)
+    return d
+
+
+@pytest.mark.parametrize("variant", EXTRA)
+def test_parity_linear_rope_and_pad_token(extra_refs, variant):
+    """Issue 26 items 11 and 12: linear RoPE scaling is read for Llama, Qwen2, Mistral (and Gemma 2),
+    and the pad token's embedding row gets no gradient from the lookup, as transformers' padding_idx
+    (a tied head still trains it): logits, loss, every gradient and the pad row within 1e-4."""
+    from megatrain_jax.models.hfconfig import HAS_PAD
+
+    if variant in PAD and not HAS_PAD:
+        pytest.skip("needs ModelConfig.pad_token_id (config.py)")
+    ref = np.load(extra_refs / variant / "ref.npz")
+    cfg, _, store = _import(extra_refs / variant / "hf")
+    if "linear_rope" in variant:
+        assert cfg.rope_scaling["rope_type"] == "linear"
+    if variant in PAD:
+        assert cfg.pad_token_id == PAD[variant] and (ref["tokens"] == PAD[variant]).sum() >= 8
+    loss, logits, grads = _loss_logits_grads(cfg, store, ref["tokens"])
+    assert _rel(logits, ref["logits"]) < TOL
+    assert abs(loss - float(ref["loss"])) < TOL * abs(float(ref["loss"]))
+    want = {k[5:]: ref[k] for k in ref.files if k.startswith("grad:")}
+    assert sorted(grads) == sorted(want)
+    floor = 1e-4 * max(np.linalg.norm(g) for g in want.values())
+    for name, g in want.items():
+        err = np.linalg.norm(grads[name].astype(np.float64) - g) / max(np.linalg.norm(g), floor)
+        assert err < TOL, f"{variant}: gradient of {name} differs: {err:.2e}"
+    if variant in PAD:  # the pad row itself, against its own size
+        ours, theirs = grads["model.embed_tokens.weight"][PAD[variant]], want["model.embed_tokens.weight"][PAD[variant]]
+        typical = np.linalg.norm(want["model.embed_tokens.weight"], axis=1).mean()
+        assert np.linalg.norm(ours - theirs) <= TOL * max(np.linalg.norm(theirs), typical), variant
+        assert (np.linalg.norm(theirs) > 0) == cfg.tie_embeddings  # untied: transformers keeps the row fixed
+
+
 def test_exports_load_in_transformers(hf_refs, torch_python, tmp_path):
     dirs, expect = [], []
     for variant in VARIANTS:

@@ -93,7 +93,7 @@ def _cap(v) -> float | None:
 
 def gemma2_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> ModelConfig:
     _common(hf, where)
-    theta, scaling = hfconfig.rope_from_hf(hf, where, allowed=())
+    theta, scaling = hfconfig.rope_from_hf(hf, where)
     hf = {**hf, "head_dim": hf.get("head_dim", 256)}
     return hfconfig.base_from_hf(hf, base, where, "gemma2", rope_theta=theta, rope_scaling=scaling,
                                  attn_softcap=_cap(hf.get("attn_logit_softcapping", 50.0)), **_fields(hf, 2))
@@ -162,8 +162,6 @@ def gemma2_validate(cfg: ModelConfig) -> None:
     _validate(cfg)
     if cfg.rope_local_theta is not None:
         raise UserError("model.rope_local_theta", "Gemma 2 has one RoPE base", "set it to null (or family gemma3)")
-    if cfg.rope_scaling is not None:
-        raise UserError("model.rope_scaling", "Gemma2ForCausalLM supports plain RoPE only", "set it to null")
 
 
 def gemma3_validate(cfg: ModelConfig) -> None:
