@@ -40,7 +40,7 @@ the previous one is used. The crc32 is taken from the live buffer while the grou
 also proves that the bytes written are the bytes of update ``K``.
 
 ``megatrain-jax export`` (``megatrain_jax.hf.commands``) reads a committed checkpoint's master
-weights through ``resolve_checkpoint`` and ``master_reader``.
+weights with ``read_checkpoint_meta`` and ``_load_group_array``.
 """
 from __future__ import annotations
 
@@ -596,50 +596,3 @@ def load_checkpoint_arrays(path: str) -> tuple[dict[str, dict[str, np.ndarray]],
         out[name] = {info.get("name", key): _load_group_array(ckptr, path, name, key, info)
                      for key, info in entry["arrays"].items()}
     return out, state
-
-
-# ------------------------------------------------------------------------------------- export
-
-
-def resolve_checkpoint(spec: str, log: Log = print) -> tuple[str, dict, dict]:
-    """A checkpoint directory, a ``checkpoints/`` directory or a run's ``out_dir`` -> the newest usable
-    committed checkpoint: ``(path, manifest, state)``."""
-    if not os.path.isdir(spec):
-        raise UserError("CHECKPOINT", f"{spec!r} is not a directory",
-                        "give a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's train.out_dir")
-    if os.path.isfile(os.path.join(spec, MANIFEST)):
-        try:
-            manifest, state = read_checkpoint_meta(spec)
-        except CorruptCheckpoint as e:
-            raise UserError("CHECKPOINT", f"{spec} is corrupted: {e}", "export an earlier checkpoint") from None
-        return spec, manifest, state
-    if os.path.basename(spec.rstrip("/")).endswith(".tmp"):
-        raise UserError("CHECKPOINT", f"{spec} is an incomplete save", "export a committed step_N checkpoint")
-    root = spec if list_checkpoints(spec) else checkpoint_root(spec)
-    cks = list_checkpoints(root)
-    if not cks:
-        raise UserError("CHECKPOINT", f"no complete checkpoint in {spec}",
-                        "give a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's train.out_dir")
-    for c in reversed(cks):
-        try:
-            manifest, state = read_checkpoint_meta(c.path)
-        except CorruptCheckpoint as e:
-            log(f"export: skipping {c.path}: {e}")
-            continue
-        return c.path, manifest, state
-    raise UserError("CHECKPOINT", f"every checkpoint in {root} is corrupted", "restore the files from a backup")
-
-
-def master_reader(path: str, manifest: dict) -> Callable[[str, np.ndarray], None]:
-    """``read(group, flat)``: a committed checkpoint's fp32 master of one group into ``flat``,
-    checked against its crc32 (``UserError`` naming the checkpoint when it fails). For exports."""
-    ckptr = _checkpointer()
-
-    def read(name: str, flat: np.ndarray) -> None:
-        info = manifest["groups"][name]["arrays"]["master"]
-        try:
-            flat[:] = _load_group_array(ckptr, path, name, "master", info)
-        except CorruptCheckpoint as e:
-            raise UserError("CHECKPOINT", f"{path} is corrupted: {e}", "export an earlier checkpoint") from None
-
-    return read

@@ -12,10 +12,11 @@ import argparse
 import json
 import os
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
+from megatrain_jax import checkpoint as ck
 from megatrain_jax.atomic import check_output, output_dir, run_reason
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
@@ -72,6 +73,50 @@ def convert_main(argv: Iterable[str]) -> int:
 # ------------------------------------------------------------------------------------------ export
 
 
+def resolve_checkpoint(spec: str, log: Log = print) -> tuple[str, dict, dict]:
+    """A checkpoint directory, a ``checkpoints/`` directory or a run's ``out_dir`` -> the newest usable
+    committed checkpoint: ``(path, manifest, state)``."""
+    if not os.path.isdir(spec):
+        raise UserError("CHECKPOINT", f"{spec!r} is not a directory",
+                        "give a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's train.out_dir")
+    if os.path.isfile(os.path.join(spec, ck.MANIFEST)):
+        try:
+            manifest, state = ck.read_checkpoint_meta(spec)
+        except ck.CorruptCheckpoint as e:
+            raise UserError("CHECKPOINT", f"{spec} is corrupted: {e}", "export an earlier checkpoint") from None
+        return spec, manifest, state
+    if os.path.basename(spec.rstrip("/")).endswith(".tmp"):
+        raise UserError("CHECKPOINT", f"{spec} is an incomplete save", "export a committed step_N checkpoint")
+    root = spec if ck.list_checkpoints(spec) else ck.checkpoint_root(spec)
+    cks = ck.list_checkpoints(root)
+    if not cks:
+        raise UserError("CHECKPOINT", f"no complete checkpoint in {spec}",
+                        "give a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's train.out_dir")
+    for c in reversed(cks):
+        try:
+            manifest, state = ck.read_checkpoint_meta(c.path)
+        except ck.CorruptCheckpoint as e:
+            log(f"export: skipping {c.path}: {e}")
+            continue
+        return c.path, manifest, state
+    raise UserError("CHECKPOINT", f"every checkpoint in {root} is corrupted", "restore the files from a backup")
+
+
+def master_reader(path: str, manifest: dict) -> Callable[[str, np.ndarray], None]:
+    """``read(group, flat)``: a committed checkpoint's fp32 master of one group into ``flat``,
+    checked against its crc32 (``UserError`` naming the checkpoint when it fails). For exports."""
+    ckptr = ck._checkpointer()
+
+    def read(name: str, flat: np.ndarray) -> None:
+        info = manifest["groups"][name]["arrays"]["master"]
+        try:
+            flat[:] = ck._load_group_array(ckptr, path, name, "master", info)
+        except ck.CorruptCheckpoint as e:
+            raise UserError("CHECKPOINT", f"{path} is corrupted: {e}", "export an earlier checkpoint") from None
+
+    return read
+
+
 def _not_a_checkpoint(spec: str) -> None:
     """A Hugging Face or mt directory given to ``export``: name the command that takes it."""
     if not os.path.isdir(spec) or run_reason(spec):
@@ -113,8 +158,6 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "bfloat16", fmt: s
     """A training checkpoint's weights to ``out``: a Hugging Face directory (``fmt="hf"``) or the mt
     format (``fmt="mt"``: ``model.yaml``, ``<group>.safetensors`` in ``dtype``, and ``config.json``
     describing them). Read one group at a time, checked against the checkpoint's crc32."""
-    from megatrain_jax import checkpoint as ck
-
     if dtype not in EXPORT_DTYPES:
         raise UserError("--dtype", f"{dtype!r} is not an export dtype", "use bfloat16 or float32")
     if fmt not in ("hf", "mt"):
@@ -122,10 +165,10 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "bfloat16", fmt: s
     hint = HF_KIND_HINT if fmt == "hf" else MT_KIND_HINT
     check_output(out, fmt, sources=[checkpoint], overwrite=overwrite, other=hint)
     _not_a_checkpoint(checkpoint)
-    path, manifest, state = ck.resolve_checkpoint(checkpoint, log)
+    path, manifest, state = resolve_checkpoint(checkpoint, log)
     sources = [checkpoint, path]
     check_output(out, fmt, sources=sources, overwrite=overwrite, other=hint)
-    read = ck.master_reader(path, manifest)
+    read = master_reader(path, manifest)
     t0 = time.perf_counter()
     if fmt == "hf":
         cfg, layouts = _family_layouts(state, path)

@@ -167,4 +167,4 @@ register(Family(
     block_params=lambda cfg: dense_block_params(cfg, qkv_bias=cfg.qkv_bias),
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, validate=validate,
     export_architecture=export_architecture, check_export=check_export, export_extras=export_extras,
-    on_import=on_import))
+    on_import=on_import, hf_name=default_hf_name))
