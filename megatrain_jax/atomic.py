@@ -63,7 +63,12 @@ def read_marker(path: str) -> dict | None:
             marker = json.load(f)
     except (OSError, ValueError):
         return None
-    return marker if isinstance(marker, dict) and isinstance(marker.get("files"), list) else None
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), list):
+        return None
+    # plain names only: a damaged marker must never point a removal outside the directory
+    marker["files"] = [f for f in marker["files"] if isinstance(f, str) and f not in ("", ".", "..")
+                       and os.sep not in f and (os.altsep is None or os.altsep not in f)]
+    return marker
 
 
 def check_output(out: str, kind: str, *, sources: Iterable[str] = (), overwrite: bool = False,

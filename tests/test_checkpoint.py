@@ -550,3 +550,19 @@ def test_abandoned_save_releases_training_and_never_commits(tmp_path, monkeypatc
     assert ck.list_checkpoints(str(tmp_path)) == [] and ck.leftovers(str(tmp_path)) == []
     assert tr.before_update is None
     tr.close()
+
+
+def test_a_damaged_export_marker_never_removes_anything_outside(tmp_path):
+    """The marker lists what an export wrote; names that are not plain file names are ignored."""
+    import json
+
+    from megatrain_jax.atomic import MARKER, output_dir
+
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    victim.write_text("keep")
+    with output_dir(str(out), "hf") as tmp:
+        open(os.path.join(tmp, "a.safetensors"), "w").close()
+    (out / MARKER).write_text(json.dumps({"kind": "hf", "files": ["a.safetensors", "../victim.txt", "..", "/etc"]}))
+    with output_dir(str(out), "hf", overwrite=True) as tmp:
+        open(os.path.join(tmp, "b.safetensors"), "w").close()
+    assert victim.read_text() == "keep" and sorted(os.listdir(out)) == ["b.safetensors", MARKER]
