@@ -579,3 +579,26 @@ def test_convert_of_a_training_checkpoint_names_export(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "megatrain-jax export" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_training_checkpoint_loads_in_transformers(torch_python, tmp_path):
+    """Issue 26 item 14: `megatrain-jax export RUN OUT` alone gives what from_pretrained loads."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from megatrain_jax import checkpoint as ck
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                      qkv_bias=True, tie_embeddings=True, init_std=0.1)
+    _, store = init_host_store(cfg, seed=5, bf16_stream=False)
+    saver = ck.CheckpointSaver(SimpleNamespace(store=store, opt=None, count=0, before_update=None),
+                               str(tmp_path / "run" / "checkpoints"), log=lambda m: None)
+    saver.save(1, {"config": {"model": dataclasses.asdict(cfg)}, "count": 0}, wait=True)
+    saver.close()
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    tokens = np.random.default_rng(0).integers(0, 128, (2, 16)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    _reference(torch_python, "logits", str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), str(tmp_path / "hf"))
+    got = np.load(tmp_path / "out.npz")
+    assert json.loads(str(got["info"]))[0]["class"] == "Qwen2ForCausalLM"
+    assert _rel(got["logits:0"], np.asarray(model_from_store(store, cfg)(jnp.asarray(tokens)))) < 1e-5
