@@ -39,13 +39,11 @@ reject truncated files); a checkpoint that fails is reported, moved aside to ``s
 the previous one is used. The crc32 is taken from the live buffer while the group is held, so it
 also proves that the bytes written are the bytes of update ``K``.
 
-``export_main`` (``megatrain-jax export CHECKPOINT OUT [--dtype bfloat16|float32]``) writes the
-weights alone for inference: ``model.yaml`` plus one ``<group>.safetensors`` per group keyed by leaf
-path (in fp32 this is the native ``mt`` layout of ``hf.py``) and ``config.json`` describing it.
+``megatrain-jax export`` (``megatrain_jax.hf.commands``) reads a committed checkpoint's master
+weights with ``read_checkpoint_meta`` and ``_load_group_array``.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -598,116 +596,3 @@ def load_checkpoint_arrays(path: str) -> tuple[dict[str, dict[str, np.ndarray]],
         out[name] = {info.get("name", key): _load_group_array(ckptr, path, name, key, info)
                      for key, info in entry["arrays"].items()}
     return out, state
-
-
-# ------------------------------------------------------------------------------------- export
-
-
-def _group_prefix(name: str) -> str:
-    return f"layers.{name[6:]}" if name.startswith("block_") else name
-
-
-def resolve_checkpoint(spec: str, log: Log = print) -> tuple[str, dict, dict]:
-    """A checkpoint directory, a ``checkpoints/`` directory or a run's ``out_dir`` -> the newest usable
-    committed checkpoint: ``(path, manifest, state)``."""
-    if not os.path.isdir(spec):
-        raise UserError("CHECKPOINT", f"{spec!r} is not a directory",
-                        "give a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's train.out_dir")
-    if os.path.isfile(os.path.join(spec, MANIFEST)):
-        try:
-            manifest, state = read_checkpoint_meta(spec)
-        except CorruptCheckpoint as e:
-            raise UserError("CHECKPOINT", f"{spec} is corrupted: {e}", "export an earlier checkpoint") from None
-        return spec, manifest, state
-    if os.path.basename(spec.rstrip("/")).endswith(".tmp"):
-        raise UserError("CHECKPOINT", f"{spec} is an incomplete save", "export a committed step_N checkpoint")
-    root = spec if list_checkpoints(spec) else checkpoint_root(spec)
-    cks = list_checkpoints(root)
-    if not cks:
-        raise UserError("CHECKPOINT", f"no complete checkpoint in {spec}",
-                        "give a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's train.out_dir")
-    for c in reversed(cks):
-        try:
-            manifest, state = read_checkpoint_meta(c.path)
-        except CorruptCheckpoint as e:
-            log(f"export: skipping {c.path}: {e}")
-            continue
-        return c.path, manifest, state
-    raise UserError("CHECKPOINT", f"every checkpoint in {root} is corrupted", "restore the files from a backup")
-
-
-def export_weights(checkpoint: str, out: str, dtype: str = "bfloat16", *, overwrite: bool = False,
-                   log: Log = print) -> str:
-    """Weights only, for inference: ``out/model.yaml``, ``out/config.json`` and one
-    ``<group>.safetensors`` per group (tensors keyed by leaf path; names in ``config.json``'s
-    ``weight_map`` as ``embed.embedding``, ``layers.3.self_attn.q_proj.kernel``, ``head.norm.scale``).
-    Read and written one group at a time, checked against the checkpoint's crc32."""
-    import ml_dtypes
-    import yaml
-    from safetensors.numpy import save_file
-
-    if dtype not in ("bfloat16", "float32"):
-        raise UserError("--dtype", f"{dtype!r} is not an export dtype", "use bfloat16 or float32")
-    out_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
-    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not overwrite:
-        raise UserError("OUT", f"{out} already exists and is not empty", "choose a new directory or remove it")
-    path, manifest, state = resolve_checkpoint(checkpoint, log)
-    out = os.path.abspath(out)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    t0 = time.perf_counter()
-    ckptr = _checkpointer()
-    weight_map, total = {}, 0
-    try:
-        for name, leaves in state["layouts"].items():
-            info = manifest["groups"][name]["arrays"]["master"]
-            try:
-                flat = _load_group_array(ckptr, path, name, "master", info)
-            except CorruptCheckpoint as e:
-                raise UserError("CHECKPOINT", f"{path} is corrupted: {e}", "export an earlier checkpoint") from None
-            tensors = {}
-            for leaf_path, shape, offset, size in leaves:
-                tensors[leaf_path] = flat[offset:offset + size].reshape(shape).astype(out_dtype)
-                weight_map[f"{_group_prefix(name)}.{leaf_path.replace('/', '.')}"] = [f"{name}.safetensors", leaf_path]
-            save_file(tensors, os.path.join(tmp, f"{name}.safetensors"),
-                      metadata={"format": "megatrain-jax-mt", "group": name, "dtype": dtype})
-            total += sum(t.nbytes for t in tensors.values())
-            del flat, tensors
-        model_cfg = dict(state["config"]["model"])
-        model_cfg["from_hf"] = None
-        with open(os.path.join(tmp, "model.yaml"), "w") as f:
-            yaml.safe_dump(model_cfg, f, sort_keys=False)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({"format": "megatrain-jax-weights", "dtype": dtype, "model": model_cfg,
-                       "groups": list(state["layouts"]), "weight_map": weight_map, "total_bytes": total,
-                       "source": {"checkpoint": os.path.abspath(path), "step": state["step"],
-                                  "optimizer_count": state["count"]}}, f, indent=1)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log(f"export: {path} (step {state['step']}) -> {out}: {len(state['layouts'])} groups, {dtype}, "
-        f"{total / 1e9:.3f} GB in {time.perf_counter() - t0:.1f}s")
-    return out
-
-
-def export_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="megatrain-jax export",
-                                description="Weights-only export of a training checkpoint (safetensors + model config).")
-    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
-                   help="a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's out_dir (newest)")
-    p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as e:
-        if e.code in (0, None):
-            return 0
-        raise UserError("export", "bad arguments (see the usage line above)",
-                        "run `megatrain-jax export CHECKPOINT_DIR OUT [--dtype bfloat16|float32]`") from None
-    export_weights(args.checkpoint, args.out, args.dtype, overwrite=args.overwrite)
-    return 0

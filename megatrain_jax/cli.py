@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     # these parse their own arguments (see main); listed here for --help
     sub.add_parser("prepare", help="tokenize text / JSONL into a packed token file", add_help=False)
     sub.add_parser("convert", help="hf-to-mt / mt-to-hf checkpoint conversion", add_help=False)
-    sub.add_parser("export", help="weights-only export of a training checkpoint", add_help=False)
+    sub.add_parser("export", help="export a training checkpoint (Hugging Face directory; --format mt)", add_help=False)
     return parser
 
 
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             from megatrain_jax.hf import convert_main
 
             return convert_main(argv[1:])
-        if argv and argv[0] == "export":  # weights-only export of a training checkpoint
-            from megatrain_jax.checkpoint import export_main
+        if argv and argv[0] == "export":  # a training checkpoint -> Hugging Face (or mt) directory
+            from megatrain_jax.hf import export_main
 
             return export_main(argv[1:])
         args = build_parser().parse_args(argv)

@@ -11,6 +11,9 @@ exists), and compares with what megatrain-jax computes.
         (``grad:<name>``) after ``loss.backward()``.
     python tests/hf_reference.py make-families OUT_DIR
         The same for the ``FAMILIES`` variants (Qwen3, Phi-3, Gemma 2, Gemma 3; tests/test_families.py).
+    python tests/hf_reference.py make-extra OUT_DIR
+        The same for the ``EXTRA`` variants (tests/test_hf.py): linear RoPE scaling on Llama, Qwen2,
+        Mistral and Gemma 2, and the pad token in the input (every 5th token) where ``pad_token_id`` is set.
     python tests/hf_reference.py make-moe OUT_DIR
         The same for the mixture-of-experts ``MOE`` variants (Mixtral, Qwen3-MoE; tests/test_moe.py),
         with the experts' eager (per-expert loop) implementation; the gradients are those of
@@ -106,6 +109,28 @@ MOE = {
         num_hidden_layers=4, decoder_sparse_step=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=24, norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6)),
 }
+# issue 26: linear RoPE scaling for every family that has it, and the pad token in the input (transformers'
+# embeddings have padding_idx=pad_token_id: the looked-up pad rows get no gradient; a tied head still trains it)
+EXTRA = {
+    "llama_untied_linear_rope_pad3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=3, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "qwen2_tied_linear_rope_pad5": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=5, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_scaling={"type": "linear", "factor": 2.0})),
+    "mistral_untied_linear_rope_window7": ("MistralConfig", "MistralForCausalLM", dict(
+        num_key_value_heads=1, tie_word_embeddings=False, sliding_window=7, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "linear", "factor": 8.0})),
+    "phi3_untied_pad0": ("Phi3Config", "Phi3ForCausalLM", dict(
+        num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0, rms_norm_eps=1e-5)),
+    "gemma2_tied_pad0_linear_rope": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=4096, pad_token_id=0,
+        attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
+    "gemma3_untied_pad0": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_key_value_heads=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=5, pad_token_id=0,
+        layer_types=["full_attention", "sliding_attention"], rope_parameters=_G3_ROPE, tie_word_embeddings=False)),
+}
 AUX_COEF = 0.25  # large, so that the load-balancing term's share of the router gradient is well above the tolerance
 BATCH, SEQ = 2, 24
 
@@ -135,16 +160,20 @@ def make(out_dir: str, variants: dict = VARIANTS) -> None:
         _randomize(model, gen)
         d = os.path.join(out_dir, name)
         model.save_pretrained(os.path.join(d, "hf"), safe_serialization=True)
-        out = model(input_ids=tokens, labels=tokens)
+        toks = tokens
+        if variants is EXTRA and cfg.pad_token_id is not None:  # the pad id in the input, every 5th token
+            toks = tokens.clone()
+            toks[:, 3::5] = cfg.pad_token_id
+        out = model(input_ids=toks, labels=toks)
         out.loss.backward()
-        arrays = {"tokens": tokens.numpy().astype(np.int32), "logits": out.logits.detach().float().numpy(),
+        arrays = {"tokens": toks.numpy().astype(np.int32), "logits": out.logits.detach().float().numpy(),
                   "loss": np.asarray(out.loss.item(), np.float64)}
         for pname, p in model.named_parameters():
             arrays[f"grad:{pname}"] = p.grad.detach().float().numpy()
         if hasattr(model, "router_aux_loss_coef"):  # MoE: once more with the load-balancing loss
             model.zero_grad()
             model.router_aux_loss_coef = AUX_COEF
-            out = model(input_ids=tokens, labels=tokens, output_router_logits=True)
+            out = model(input_ids=toks, labels=toks, output_router_logits=True)
             out.loss.backward()
             arrays["aux:loss"] = np.asarray(out.loss.item(), np.float64)
             arrays["aux:aux_loss"] = np.asarray(out.aux_loss.item(), np.float64)
@@ -189,6 +218,8 @@ if __name__ == "__main__":
         make(sys.argv[2])
     elif sys.argv[1] == "make-families":
         make(sys.argv[2], FAMILIES)
+    elif sys.argv[1] == "make-extra":
+        make(sys.argv[2], EXTRA)
     elif sys.argv[1] == "make-moe":
         make(sys.argv[2], MOE)
     elif sys.argv[1] == "serve-moe":

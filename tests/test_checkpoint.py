@@ -332,8 +332,9 @@ def test_export_weights(saved, tmp_path, dtype):
 
     store, run = saved
     out = str(tmp_path / f"export_{dtype}")
-    assert cli_main(["export", run, out, "--dtype", dtype]) == 0  # a run's out_dir: its newest checkpoint
-    assert sorted(os.listdir(out)) == sorted([f"{g.name}.safetensors" for g in store] + ["config.json", "model.yaml"])
+    assert cli_main(["export", run, out, "--dtype", dtype, "--format", "mt"]) == 0  # a run's out_dir: its newest checkpoint
+    assert sorted(os.listdir(out)) == sorted([f"{g.name}.safetensors" for g in store]
+                                             + ["config.json", "model.yaml", "megatrain_export.json"])
     meta = json.load(open(os.path.join(out, "config.json")))
     assert meta["dtype"] == dtype and meta["source"]["step"] == 1
     assert yaml.safe_load(open(os.path.join(out, "model.yaml")))["hidden_size"] == H
@@ -362,9 +363,148 @@ def test_export_errors_are_user_errors(saved, tmp_path, capsys):
     assert "error: export: bad arguments" in capsys.readouterr().err
     ckpt = os.path.join(run, "checkpoints", "step_00000001")
     _damage(ckpt, "flip_all")
-    assert cli_main(["export", ckpt, str(tmp_path / "o")]) == 2
+    assert cli_main(["export", ckpt, str(tmp_path / "o"), "--format", "mt"]) == 2
     err = capsys.readouterr().err
     assert "is corrupted" in err and "block_0" in err and not os.path.exists(tmp_path / "o"), err
+
+
+def _tree_state(root):
+    """Every path under ``root`` with its size and bytes: equal before and after means nothing changed."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs:
+            out[os.path.join(d, name)] = "dir"
+        for name in files:
+            p = os.path.join(d, name)
+            with open(p, "rb") as f:
+                out[p] = f.read()
+    return out
+
+
+@pytest.fixture
+def llama_run(tmp_path):
+    """A run directory whose checkpoint holds a real (tiny) Llama: its weights export to Hugging Face."""
+    import dataclasses
+
+    from megatrain_jax.config import ModelConfig
+    from megatrain_jax.models import abstract_model, streamed_parts
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48)
+    parts = streamed_parts(abstract_model(cfg))
+    store, opt = make_store(trees=parts.host_trees(), bf16=False)
+    tr = FakeTrainer(store, opt)
+    saver, _ = _saver(tr, tmp_path / "run" / "checkpoints")
+    saver.save(1, {"config": {"model": dataclasses.asdict(cfg)}}, wait=True)
+    saver.close()
+    tr.close()
+    return cfg, store, str(tmp_path / "run")
+
+
+def test_export_writes_a_hugging_face_directory_by_default(llama_run, tmp_path):
+    """Issue 26 item 14: one command from a training checkpoint to what from_pretrained loads."""
+    import json
+
+    from megatrain_jax.config import ModelConfig
+    from megatrain_jax.hf import load_hf_into_store
+
+    cfg, store, run = llama_run
+    out = tmp_path / "hf"
+    assert cli_main(["export", run, str(out), "--dtype", "float32"]) == 0
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLM"] and conf["torch_dtype"] == "float32"
+    assert (out / "model.safetensors").exists()
+    back = ModelConfig(from_hf=str(out))
+    _, store2 = load_hf_into_store(back, bf16_stream=False, log=None)
+    for g in store:  # exact in fp32
+        assert np.array_equal(g.master, store2[g.name].master), g.name
+
+
+@pytest.mark.parametrize("case", ["run_itself", "its_checkpoints", "a_step", "the_parent", "another_run",
+                                  "inside_checkpoints", "the_source_step"])
+@pytest.mark.parametrize("fmt", ["hf", "mt"])
+def test_export_never_replaces_a_run_whatever_the_flags(llama_run, tmp_path, capsys, case, fmt):
+    """Issue 26 item 1: `export RUN RUN --overwrite` replaced the whole run. Now refused: exit 2, one
+    line, nothing on disk changed."""
+    _, _, run = llama_run
+    step = os.path.join(run, "checkpoints", "step_00000001")
+    other = tmp_path / "other"
+    (other / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (other / "checkpoints" / "step_00000003" / "manifest.json").write_text("{}")
+    src, out = {"run_itself": (run, run), "its_checkpoints": (step, os.path.join(run, "checkpoints")),
+                "a_step": (run, step), "the_parent": (run, str(tmp_path)), "another_run": (run, str(other)),
+                "inside_checkpoints": (run, os.path.join(run, "checkpoints", "export")),
+                "the_source_step": (step, step)}[case]
+    before = _tree_state(tmp_path)
+    capsys.readouterr()
+    flags = ["--overwrite"] + (["--format", "mt"] if fmt == "mt" else [])  # hf: the plain command of the issue
+    assert cli_main(["export", src, out, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: OUT:"), err
+    assert _tree_state(tmp_path) == before
+
+
+def test_export_overwrite_replaces_only_an_earlier_export(llama_run, tmp_path, capsys):
+    """--overwrite replaces what an earlier export of the same kind wrote and keeps the rest (e.g.
+    tokenizer files); a directory it did not write, or one of the other kind, is refused untouched."""
+    _, _, run = llama_run
+    out = tmp_path / "hf"
+    assert cli_main(["export", run, str(out), "--dtype", "float32"]) == 0
+    (out / "tokenizer.json").write_text("{}")
+    assert cli_main(["export", run, str(out)]) == 2  # no --overwrite
+    assert "already exists" in capsys.readouterr().err
+    assert cli_main(["export", run, str(out), "--overwrite"]) == 0  # bf16 now
+    assert (out / "tokenizer.json").read_text() == "{}"
+    assert '"bfloat16"' in (out / "config.json").read_text()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    mt = tmp_path / "mt"
+    assert cli_main(["export", run, str(mt), "--format", "mt"]) == 0
+    for target, fmt, needle in [(mine, "hf", "not written by megatrain-jax"), (mine, "mt", "not written by megatrain-jax"),
+                                (mt, "hf", "holds an mt"), (out, "mt", "holds a Hugging Face export")]:
+        before = _tree_state(tmp_path)
+        capsys.readouterr()
+        assert cli_main(["export", run, str(target), "--overwrite", "--format", fmt]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+        assert _tree_state(tmp_path) == before
+
+
+def test_export_of_a_hugging_face_or_mt_directory_names_convert(tmp_path, capsys):
+    hf = tmp_path / "hfdir"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    mt = tmp_path / "mtdir"
+    mt.mkdir()
+    (mt / "model.yaml").write_text("{}")
+    for src, needle in [(hf, "convert hf-to-mt"), (mt, "convert mt-to-hf")]:
+        assert cli_main(["export", str(src), str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_export_cannot_replace_a_run(llama_run, tmp_path):
+    """The training loop's export (overwrite=True) is held to the same rules; train.py can check
+    train.export before training starts (hf.check_export_dir)."""
+    from megatrain_jax.hf import check_export_dir, export_hf
+
+    cfg, store, run = llama_run
+    before = _tree_state(tmp_path)
+    for target in (run, os.path.join(run, "checkpoints"), str(tmp_path)):
+        with pytest.raises(UserError):
+            export_hf(store, cfg, target, overwrite=True, log=None)
+        with pytest.raises(UserError):
+            check_export_dir(target, run)
+    assert _tree_state(tmp_path) == before
+    fresh = str(tmp_path / "fresh_run")
+    with pytest.raises(UserError, match="train.export"):
+        check_export_dir(fresh, fresh)  # not there yet: it would be, by the end of the run
+    check_export_dir(os.path.join(run, "export"), run)  # the documented place: fine
+    export_hf(store, cfg, os.path.join(run, "export"), overwrite=True, log=None)
+    export_hf(store, cfg, os.path.join(run, "export"), overwrite=True, log=None)  # the next run's export
 
 
 def test_optax_optimizer_state_roundtrip(tmp_path):
@@ -410,3 +550,19 @@ def test_abandoned_save_releases_training_and_never_commits(tmp_path, monkeypatc
     assert ck.list_checkpoints(str(tmp_path)) == [] and ck.leftovers(str(tmp_path)) == []
     assert tr.before_update is None
     tr.close()
+
+
+def test_a_damaged_export_marker_never_removes_anything_outside(tmp_path):
+    """The marker lists what an export wrote; names that are not plain file names are ignored."""
+    import json
+
+    from megatrain_jax.atomic import MARKER, output_dir
+
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    victim.write_text("keep")
+    with output_dir(str(out), "hf") as tmp:
+        open(os.path.join(tmp, "a.safetensors"), "w").close()
+    (out / MARKER).write_text(json.dumps({"kind": "hf", "files": ["a.safetensors", "../victim.txt", "..", "/etc"]}))
+    with output_dir(str(out), "hf", overwrite=True) as tmp:
+        open(os.path.join(tmp, "b.safetensors"), "w").close()
+    assert victim.read_text() == "keep" and sorted(os.listdir(out)) == ["b.safetensors", MARKER]

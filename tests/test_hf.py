@@ -123,6 +123,51 @@ def test_parity_with_transformers(hf_refs, variant):
         assert err < TOL, f"{variant}: gradient of {name} differs: {err:.2e}"
 
 
+EXTRA = ["llama_untied_linear_rope_pad3", "qwen2_tied_linear_rope_pad5", "mistral_untied_linear_rope_window7",
+         "phi3_untied_pad0", "gemma2_tied_pad0_linear_rope", "gemma3_untied_pad0"]
+PAD = {"llama_untied_linear_rope_pad3": 3, "qwen2_tied_linear_rope_pad5": 5, "phi3_untied_pad0": 0,
+       "gemma2_tied_pad0_linear_rope": 0, "gemma3_untied_pad0": 0}
+
+
+@pytest.fixture(scope="session")
+def extra_refs(torch_python, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("hf_ref_extra")
+    _reference(torch_python, "make-extra", str(d))
+    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == sorted(EXTRA)
+    return d
+
+
+@pytest.mark.parametrize("variant", EXTRA)
+def test_parity_linear_rope_and_pad_token(extra_refs, variant):
+    """Issue 26 items 11 and 12: linear RoPE scaling is read for Llama, Qwen2, Mistral (and Gemma 2),
+    and the pad token's embedding row gets no gradient from the lookup, as transformers' padding_idx
+    (a tied head still trains it): logits, loss, every gradient and the pad row within 1e-4."""
+    from megatrain_jax.models.hfconfig import HAS_PAD
+
+    if variant in PAD and not HAS_PAD:
+        pytest.skip("needs ModelConfig.pad_token_id (config.py)")
+    ref = np.load(extra_refs / variant / "ref.npz")
+    cfg, _, store = _import(extra_refs / variant / "hf")
+    if "linear_rope" in variant:
+        assert cfg.rope_scaling["rope_type"] == "linear"
+    if variant in PAD:
+        assert cfg.pad_token_id == PAD[variant] and (ref["tokens"] == PAD[variant]).sum() >= 8
+    loss, logits, grads = _loss_logits_grads(cfg, store, ref["tokens"])
+    assert _rel(logits, ref["logits"]) < TOL
+    assert abs(loss - float(ref["loss"])) < TOL * abs(float(ref["loss"]))
+    want = {k[5:]: ref[k] for k in ref.files if k.startswith("grad:")}
+    assert sorted(grads) == sorted(want)
+    floor = 1e-4 * max(np.linalg.norm(g) for g in want.values())
+    for name, g in want.items():
+        err = np.linalg.norm(grads[name].astype(np.float64) - g) / max(np.linalg.norm(g), floor)
+        assert err < TOL, f"{variant}: gradient of {name} differs: {err:.2e}"
+    if variant in PAD:  # the pad row itself, against its own size
+        ours, theirs = grads["model.embed_tokens.weight"][PAD[variant]], want["model.embed_tokens.weight"][PAD[variant]]
+        typical = np.linalg.norm(want["model.embed_tokens.weight"], axis=1).mean()
+        assert np.linalg.norm(ours - theirs) <= TOL * max(np.linalg.norm(theirs), typical), variant
+        assert (np.linalg.norm(theirs) > 0) == cfg.tie_embeddings  # untied: transformers keeps the row fixed
+
+
 def test_exports_load_in_transformers(hf_refs, torch_python, tmp_path):
     dirs, expect = [], []
     for variant in VARIANTS:
@@ -414,7 +459,8 @@ def test_convert_round_trip(tmp_path, capsys):
     src = _write_hf(tmp_path / "hf", cfg_json, tensors, shards=2)
     assert cli.main(["convert", "hf-to-mt", str(src), str(tmp_path / "mt")]) == 0
     assert sorted(os.listdir(tmp_path / "mt")) == ["block_0.safetensors", "block_1.safetensors", "embed.safetensors",
-                                                  "head.safetensors", "hf_config.json", "model.yaml"]
+                                                  "head.safetensors", "hf_config.json", "megatrain_export.json",
+                                                  "model.yaml"]
     cfg_mt, parts, store_mt = load_mt(str(tmp_path / "mt"), bf16_stream=True, log=None)
     cfg_hf, _, store_hf = _import(src)
     assert cfg_mt.from_hf is None and cfg_mt.hidden_size == 32 and cfg_mt.tie_embeddings and cfg_mt.qkv_bias
@@ -463,3 +509,96 @@ def test_load_mt_accepts_bf16_groups_in_any_order(tmp_path):
     _, _, back = load_mt(str(tmp_path / "mt"), bf16_stream=False, log=None)
     for g in store:
         np.testing.assert_array_equal(back[g.name].master, g.master.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def _tree_state(root: Path) -> dict:
+    return {str(p): (p.read_bytes() if p.is_file() else "dir") for p in sorted(root.rglob("*"))}
+
+
+def _fake_run(d: Path) -> Path:
+    step = d / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    (step / "state.json").write_text("{}")
+    return d
+
+
+def test_convert_never_replaces_a_run_or_its_source(tmp_path, capsys):
+    """Issue 26 item 1 for convert: an output that is, contains or lies inside the source, or that is or
+    holds a training run, is refused whatever the flags (exit 2, one line, nothing changed)."""
+    cfg_json = _hf_config(tied=True)
+    src = _write_hf(tmp_path / "hf", cfg_json, _hf_tensors(cfg_json))
+    assert cli.main(["convert", "hf-to-mt", str(src), str(tmp_path / "mt")]) == 0
+    run = _fake_run(tmp_path / "run")
+    step = run / "checkpoints" / "step_00000004"
+    cases = [["hf-to-mt", src, src], ["hf-to-mt", src, src / "sub"], ["hf-to-mt", src, tmp_path],
+             ["hf-to-mt", src, run], ["hf-to-mt", src, run / "checkpoints"], ["hf-to-mt", src, step],
+             ["mt-to-hf", tmp_path / "mt", tmp_path / "mt"], ["mt-to-hf", tmp_path / "mt", run],
+             ["mt-to-hf", tmp_path / "mt", run / "checkpoints"], ["mt-to-hf", tmp_path / "mt", tmp_path]]
+    for direction, a, b in cases:
+        before = _tree_state(tmp_path)
+        capsys.readouterr()
+        assert cli.main(["convert", direction, str(a), str(b), "--overwrite"]) == 2, (direction, a, b)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: OUT:"), (direction, a, b, err)
+        assert _tree_state(tmp_path) == before, (direction, a, b)
+
+
+def test_convert_overwrite_replaces_only_its_own_kind(tmp_path, capsys):
+    cfg_json = _hf_config(tied=True)
+    src = _write_hf(tmp_path / "hf", cfg_json, _hf_tensors(cfg_json))
+    mt, back, mine = tmp_path / "mt", tmp_path / "back", tmp_path / "mine"
+    assert cli.main(["convert", "hf-to-mt", str(src), str(mt)]) == 0
+    (mt / "README").write_text("mine")
+    assert cli.main(["convert", "hf-to-mt", str(src), str(mt), "--overwrite"]) == 0
+    assert (mt / "README").read_text() == "mine"  # not written by convert: kept
+    assert cli.main(["convert", "mt-to-hf", str(mt), str(back)]) == 0
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for direction, a, b, needle in [("hf-to-mt", src, mine, "not written by megatrain-jax"),
+                                    ("mt-to-hf", mt, mine, "not written by megatrain-jax"),
+                                    ("hf-to-mt", src, back, "holds a Hugging Face export"),
+                                    ("mt-to-hf", mt, tmp_path / "mt2", None)]:
+        if needle is None:  # an mt directory is not replaced by a Hugging Face export
+            assert cli.main(["convert", "hf-to-mt", str(src), str(b)]) == 0
+            needle = "holds an mt"
+        before = _tree_state(tmp_path)
+        capsys.readouterr()
+        assert cli.main(["convert", direction, str(a), str(b), "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+        assert _tree_state(tmp_path) == before
+
+
+def test_convert_of_a_training_checkpoint_names_export(tmp_path, capsys):
+    """Issue 26 item 14: the error names the command the user wanted."""
+    run = _fake_run(tmp_path / "run")
+    for direction, src in [("mt-to-hf", run), ("mt-to-hf", run / "checkpoints" / "step_00000004"),
+                           ("hf-to-mt", run), ("hf-to-mt", run / "checkpoints")]:
+        assert cli.main(["convert", direction, str(src), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "megatrain-jax export" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_training_checkpoint_loads_in_transformers(torch_python, tmp_path):
+    """Issue 26 item 14: `megatrain-jax export RUN OUT` alone gives what from_pretrained loads."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from megatrain_jax import checkpoint as ck
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                      qkv_bias=True, tie_embeddings=True, init_std=0.1)
+    _, store = init_host_store(cfg, seed=5, bf16_stream=False)
+    saver = ck.CheckpointSaver(SimpleNamespace(store=store, opt=None, count=0, before_update=None),
+                               str(tmp_path / "run" / "checkpoints"), log=lambda m: None)
+    saver.save(1, {"config": {"model": dataclasses.asdict(cfg)}, "count": 0}, wait=True)
+    saver.close()
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    tokens = np.random.default_rng(0).integers(0, 128, (2, 16)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", tokens)
+    _reference(torch_python, "logits", str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), str(tmp_path / "hf"))
+    got = np.load(tmp_path / "out.npz")
+    assert json.loads(str(got["info"]))[0]["class"] == "Qwen2ForCausalLM"
+    assert _rel(got["logits:0"], np.asarray(model_from_store(store, cfg)(jnp.asarray(tokens)))) < 1e-5

@@ -214,17 +214,24 @@ def dense_block_params(cfg: ModelConfig, *, norms: int = 2, qk_norm: bool = Fals
 
 
 class Embed(nnx.Module):
+    """The token embedding. With ``pad_token_id`` the looked-up rows of that token get no gradient, as
+    transformers' ``nn.Embedding(padding_idx=pad_token_id)`` (every family's HF embedding has one);
+    a tied head still trains the row through the logits, as there."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         init = nnx.initializers.normal(cfg.init_std)
         self.embedding = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32))
         # Gemma: times sqrt(hidden) cast to the table's (compute) dtype first, as transformers does
         self.scale = math.sqrt(cfg.hidden_size) if get_family(cfg.family).embed_scale else None
+        self.pad_id = getattr(cfg, "pad_token_id", None)
 
     def __call__(self, tokens: jax.Array, dtype=None) -> jax.Array:
         table = self.embedding[...]
         if dtype is not None:
             table = table.astype(dtype)
-        x = jnp.take(table, tokens, axis=0)
+        x = jnp.take(table, tokens, axis=0)  # (B, S, H)
+        if self.pad_id is not None:
+            x = jnp.where((tokens == self.pad_id)[..., None], jax.lax.stop_gradient(x), x)
         if self.scale is not None:
             x = x * jnp.asarray(self.scale, table.dtype)
         return x

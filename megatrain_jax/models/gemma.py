@@ -27,6 +27,7 @@ from flax import nnx
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 from megatrain_jax.models import hfconfig
+from megatrain_jax.models.hfnames import HFWarning
 from megatrain_jax.models.common import MLP, Attention, Aux, OffsetRMSNorm, dense_block_params
 from megatrain_jax.models.registry import Family, register
 
@@ -92,7 +93,7 @@ def _cap(v) -> float | None:
 
 def gemma2_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> ModelConfig:
     _common(hf, where)
-    theta, scaling = hfconfig.rope_from_hf(hf, where, allowed=())
+    theta, scaling = hfconfig.rope_from_hf(hf, where)
     hf = {**hf, "head_dim": hf.get("head_dim", 256)}
     return hfconfig.base_from_hf(hf, base, where, "gemma2", rope_theta=theta, rope_scaling=scaling,
                                  attn_softcap=_cap(hf.get("attn_logit_softcapping", 50.0)), **_fields(hf, 2))
@@ -116,8 +117,6 @@ def gemma3_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> ModelC
         local_theta = float(hf.get("rope_local_base_freq", 1e4))
         scaling = hfconfig.scaling_from_hf(hf.get("rope_scaling"), where, allowed=("linear", "llama3"))
     if hf.get("attn_logit_softcapping"):
-        from megatrain_jax.hf import HFWarning
-
         warnings.warn(f"model.from_hf: attn_logit_softcapping={hf['attn_logit_softcapping']} in {where} is ignored, "
                       "as transformers' Gemma 3 ignores it", HFWarning, stacklevel=3)
     every = int(hf.get("sliding_window_pattern") or 6)
@@ -163,8 +162,6 @@ def gemma2_validate(cfg: ModelConfig) -> None:
     _validate(cfg)
     if cfg.rope_local_theta is not None:
         raise UserError("model.rope_local_theta", "Gemma 2 has one RoPE base", "set it to null (or family gemma3)")
-    if cfg.rope_scaling is not None:
-        raise UserError("model.rope_scaling", "Gemma2ForCausalLM supports plain RoPE only", "set it to null")
 
 
 def gemma3_validate(cfg: ModelConfig) -> None:

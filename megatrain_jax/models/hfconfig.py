@@ -10,11 +10,25 @@ from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 
 
+# ModelConfig.pad_token_id (the embedding's padding index) lives in config.py; until it is merged there
+# this code runs without it
+HAS_PAD = "pad_token_id" in {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def pad_token_id(hf: dict) -> int | None:
+    """transformers builds every family's embedding with ``padding_idx=pad_token_id`` (one id; a list
+    or an id outside the vocabulary has no padding row)."""
+    pad, vocab = hf.get("pad_token_id"), hf.get("vocab_size")
+    if isinstance(pad, bool) or not isinstance(pad, int) or not isinstance(vocab, int) or not 0 <= pad < vocab:
+        return None
+    return pad
+
+
 def refuse(where: str, what: str, fix: str) -> None:
     raise UserError("model.from_hf", f"{what} in {where} is not supported", fix)
 
 
-def scaling_from_hf(scaling: dict | None, where: str, allowed=("llama3",)) -> dict | None:
+def scaling_from_hf(scaling: dict | None, where: str, allowed=("llama3", "linear")) -> dict | None:
     """A ``rope_scaling`` dict in our form (None for plain RoPE)."""
     if not scaling:
         return None
@@ -35,7 +49,7 @@ def scaling_from_hf(scaling: dict | None, where: str, allowed=("llama3",)) -> di
         raise UserError("model.from_hf", f"{kind} rope scaling in {where} lacks {e.args[0]!r}", "fix config.json") from None
 
 
-def rope_from_hf(hf: dict, where: str, allowed=("llama3",)) -> tuple[float, dict | None]:
+def rope_from_hf(hf: dict, where: str, allowed=("llama3", "linear")) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from either the transformers 4 keys (``rope_theta``,
     ``rope_scaling``) or the transformers 5 ``rope_parameters``, for one RoPE setting for all layers."""
     params = hf.get("rope_parameters") or {}
@@ -72,6 +86,8 @@ def base_from_hf(hf: dict, base: ModelConfig, where: str, family: str, **over) -
             query_pre_attn_scalar=None, rope_local_theta=None, rope_scaling=None,
             num_experts=None, experts_per_token=None, moe_intermediate_size=None, norm_topk_prob=True,
             mlp_only_layers=None)
+        if HAS_PAD:
+            fields["pad_token_id"] = pad_token_id(hf)
         out = dataclasses.replace(base, **{**fields, **over})
     except KeyError as e:
         raise UserError("model.from_hf", f"{where} lacks {e.args[0]!r}", "use a complete transformers config.json") from None
@@ -103,4 +119,5 @@ def base_to_hf(cfg: ModelConfig) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "rope_theta": cfg.rope_theta, "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
         "rope_parameters": rope_params_out(cfg.rope_theta, cfg.rope_scaling),
+        **({"pad_token_id": cfg.pad_token_id} if getattr(cfg, "pad_token_id", None) is not None else {}),
     }

@@ -15,6 +15,7 @@ from flax import nnx
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 from megatrain_jax.models import hfconfig
+from megatrain_jax.models.hfnames import HFWarning, default_hf_name
 from megatrain_jax.models.common import (Attention, Aux, Decoder, Embed, Head, MLP, RMSNorm, abstract_model,  # noqa: F401
                                          apply_rope, dense_block_params, dot_product_attention, init_host_store,
                                          init_model, init_part, llama3_scale_frequencies, make_aux, part_names,
@@ -125,8 +126,6 @@ def export_extras(cfg: ModelConfig, arch: str, layer: int) -> list[tuple[str, tu
 def on_import(hf: dict, cfg: ModelConfig, seq_len: int | None, say) -> None:
     import warnings
 
-    from megatrain_jax.hf import HFWarning
-
     windows = set(layer_windows(hf, hfconfig_arch(hf)))
     if len(windows) > 1:
         window = max(w for w in windows if w is not None)
@@ -168,4 +167,4 @@ register(Family(
     block_params=lambda cfg: dense_block_params(cfg, qkv_bias=cfg.qkv_bias),
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, validate=validate,
     export_architecture=export_architecture, check_export=check_export, export_extras=export_extras,
-    on_import=on_import))
+    on_import=on_import, hf_name=default_hf_name))

@@ -12,7 +12,7 @@ The experts' weights are stacked inside the block's group: ``mlp/experts/gate_pr
 so a block streams as one group like any other. Hugging Face checkpoints hold one tensor per expert
 (Mixtral: ``block_sparse_moe.experts.{e}.w1/w3/w2``; Qwen3-MoE: ``mlp.experts.{e}.gate_proj/
 up_proj/down_proj``); ``hf_name`` returns those names with ``*`` for the expert index, and
-``hf.py`` maps each slice of the stack to its tensor on import and export.
+``megatrain_jax.hf`` maps each slice of the stack to its tensor on import and export.
 
 Two expert computations (``ModelConfig.moe_impl``), both static-shape and capacity-free (no token
 is ever dropped): ``sorted`` sorts the ``T * k`` (token, expert) pairs by expert and runs the three
@@ -49,6 +49,7 @@ from flax import nnx
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 from megatrain_jax.models import hfconfig
+from megatrain_jax.models.hfnames import default_hf_name
 from megatrain_jax.models.common import MLP, Attention, Aux, RMSNorm, dense_block_params
 from megatrain_jax.models.registry import Family, register
 
@@ -224,8 +225,6 @@ _MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def _hf_name(group: str, leaf: str, mixtral: bool) -> tuple[str, bool]:
-    from megatrain_jax.hf import hf_name
-
     if group.startswith("block_") and leaf.startswith("mlp/"):
         prefix = f"model.layers.{int(group[6:])}." + ("block_sparse_moe" if mixtral else "mlp")
         if leaf == "mlp/gate/kernel":
@@ -233,7 +232,7 @@ def _hf_name(group: str, leaf: str, mixtral: bool) -> tuple[str, bool]:
         kind = leaf.split("/")[-1]
         if leaf.startswith("mlp/experts/") and kind in _MIXTRAL_EXPERT:  # stacked: one tensor per expert
             return f"{prefix}.experts.*.{_MIXTRAL_EXPERT[kind] if mixtral else kind}.weight", True
-    return hf_name(group, leaf)
+    return default_hf_name(group, leaf)
 
 
 AUX_COEF_DEFAULT = 0.001  # transformers' MixtralConfig and Qwen3MoeConfig default router_aux_loss_coef
