@@ -328,6 +328,10 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool) -> _Start:
     _check_fields(cfg)
     if main:
         check_out_dir(t.out_dir)  # before the plan: a bad path is not reported as 0.0 GB of free disk
+        if t.export:  # an export target that would replace a run is refused now, not after training
+            from megatrain_jax.hf import check_export_dir
+
+            check_export_dir(t.export, t.out_dir)
     if resume and t.engine == "reference":
         raise UserError("--resume", "checkpoints are written by the streamed engine only",
                         "set train.engine=streamed (or train without --resume)")

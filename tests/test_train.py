@@ -252,7 +252,7 @@ def test_export_of_a_training_run_matches_the_model(straight, tmp_path):
     from megatrain_jax.models.llama import abstract_model
 
     out = str(tmp_path / "export")
-    assert cli_main(["export", straight, out, "--dtype", "float32"]) == 0
+    assert cli_main(["export", straight, out, "--format", "mt", "--dtype", "float32"]) == 0
     meta = json.load(open(os.path.join(out, "config.json")))
     cfg = ModelConfig(**yaml.safe_load(open(os.path.join(out, "model.yaml"))))
     state = nnx.to_pure_dict(nnx.state(abstract_model(cfg)))

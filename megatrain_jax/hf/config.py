@@ -9,14 +9,13 @@ from typing import Callable
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
-from megatrain_jax.models.hfconfig import HAS_PAD
 from megatrain_jax.models.hfnames import HFWarning
 
 STRUCTURAL = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings", "qkv_bias",
               "sliding_window", "family", "layer_types", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
               "rope_local_theta", "num_experts", "experts_per_token", "moe_intermediate_size", "norm_topk_prob",
-              "mlp_only_layers", "router_aux_loss_coef") + (("pad_token_id",) if HAS_PAD else ())
+              "mlp_only_layers", "router_aux_loss_coef", "pad_token_id")
 
 Log = Callable[[str], None] | None
 

@@ -12,7 +12,6 @@ from megatrain_jax.errors import UserError
 
 # ModelConfig.pad_token_id (the embedding's padding index) lives in config.py; until it is merged there
 # this code runs without it
-HAS_PAD = "pad_token_id" in {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 def pad_token_id(hf: dict) -> int | None:
@@ -86,8 +85,7 @@ def base_from_hf(hf: dict, base: ModelConfig, where: str, family: str, **over) -
             query_pre_attn_scalar=None, rope_local_theta=None, rope_scaling=None,
             num_experts=None, experts_per_token=None, moe_intermediate_size=None, norm_topk_prob=True,
             mlp_only_layers=None)
-        if HAS_PAD:
-            fields["pad_token_id"] = pad_token_id(hf)
+        fields["pad_token_id"] = pad_token_id(hf)
         out = dataclasses.replace(base, **{**fields, **over})
     except KeyError as e:
         raise UserError("model.from_hf", f"{where} lacks {e.args[0]!r}", "use a complete transformers config.json") from None
