@@ -15,8 +15,8 @@ from megatrain_jax.config import (OPTIMIZER_FIELDS, Config, DataConfig, ModelCon
 from megatrain_jax.engine import Batch
 from megatrain_jax.errors import UserError
 from megatrain_jax.models import init_model, streamed_parts
-from megatrain_jax.optim import (NamedOptaxOptimizer, build_host_optimizer, build_reference_tx, state_bytes,
-                                 state_bytes_per_param)
+from megatrain_jax.optim import (NamedOptaxOptimizer, build_host_optimizer, build_reference_tx, model_state_bytes,
+                                 state_bytes, state_bytes_per_param)
 from megatrain_jax.reference import ReferenceTrainer
 from megatrain_jax.trainer import Trainer
 
@@ -153,6 +153,14 @@ def test_state_bytes_per_param_from_eval_shape():
     assert int8["uint8"] == 2 * n and 0 < int8["float32"] < 0.01 * n
     by_dtype = state_bytes(_cfg("muon").optim, block, STEPS)
     assert set(by_dtype) == {"float32", "int32"}
+    # the whole model, as the plan would count it: every group, from the abstract model
+    from megatrain_jax.models.common import abstract_model
+
+    trees = streamed_parts(abstract_model(MODEL)).host_trees()
+    for name in ("adafactor", "muon"):
+        o = _cfg(name).optim
+        want = sum(sum(state_bytes(o, t, STEPS).values()) for t in trees.values())
+        assert model_state_bytes(o, trees, STEPS) == want > 0
 
 
 # ---------------------------------------------------------------------------------- bad fields

@@ -14,12 +14,12 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.optim.fused_adamw import set_num_threads
 from megatrain_jax.optim.host import (CompactAdamW, FusedAdamW, HostOptimizer, OptaxHostOptimizer, OptaxState,
                                       alloc_aligned, global_norm_scale)
-from megatrain_jax.optim.named import (SHAPE_AWARE, NamedOptaxOptimizer, named_tx, resolved, state_bytes,
-                                       state_bytes_per_param, state_label)
+from megatrain_jax.optim.named import (SHAPE_AWARE, NamedOptaxOptimizer, model_state_bytes, named_tx, resolved,
+                                       state_bytes, state_bytes_per_param, state_label)
 
 __all__ = ["CompactAdamW", "FusedAdamW", "HostOptimizer", "NamedOptaxOptimizer", "OptaxHostOptimizer", "OptaxState",
            "alloc_aligned", "build_host_optimizer", "build_reference_tx", "build_schedule", "global_norm_scale",
-           "named_tx", "set_num_threads", "state_bytes", "state_bytes_per_param"]
+           "model_state_bytes", "named_tx", "set_num_threads", "state_bytes", "state_bytes_per_param"]
 
 
 def build_schedule(optim_cfg: OptimConfig, total_steps: int) -> optax.Schedule:

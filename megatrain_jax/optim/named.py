@@ -178,3 +178,17 @@ def state_bytes_per_param(optim_cfg: OptimConfig, group_tree: Any, total_steps: 
     8.0 for AdamW in fp32, 4.0 for Lion, ~0.0x for factored Adafactor on matrices."""
     n = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(group_tree))
     return sum(state_bytes(optim_cfg, group_tree, total_steps).values()) / max(n, 1)
+
+
+def model_state_bytes(optim_cfg: OptimConfig, group_trees: dict[str, Any], total_steps: int | None = None) -> int:
+    """Host bytes of the whole model's optimizer state: ``state_bytes`` summed over the groups
+    (``streamed_parts(abstract_model(cfg)).host_trees()``), evaluated once per distinct group shape."""
+    seen: dict[Any, int] = {}
+    total = 0
+    for tree in group_trees.values():
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        key = (treedef, tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves))
+        if key not in seen:
+            seen[key] = sum(state_bytes(optim_cfg, tree, total_steps).values())
+        total += seen[key]
+    return total
