@@ -137,18 +137,42 @@ class ScheduleConfig:
     end_lr_ratio: float = 0.1
 
 
+# optim.name -> the optimizer-specific fields it uses, with the value each takes when left null. A field
+# given for an optimizer that does not use it is refused (validate). lr, weight_decay, clip_norm and the
+# schedule apply to every optimizer; kernel=fused and moments are AdamW's (optim/named.py builds them).
+OPTIMIZER_FIELDS: dict[str, dict[str, Any]] = {
+    "adamw": {"b1": 0.9, "b2": 0.95, "eps": 1e-8},
+    "lion": {"b1": 0.9, "b2": 0.99},
+    "adafactor": {"eps": 1e-30, "decay_rate": 0.8, "factored": True, "min_dim_size_to_factor": 128,
+                  "multiply_by_parameter_scale": True, "momentum": None},
+    "sgd": {"momentum": None, "nesterov": False},
+    "muon": {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "eps": 1e-8, "b1": 0.9, "b2": 0.999},
+    "optax": {"optax_name": None, "optax_kwargs": None},
+}
+
+
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | sgd | optax (any optax optimizer by name in `optax_name`)
-    kernel: str = "fused"  # fused (numba, in place) | optax (any optax transformation on the CPU device)
+    """The optimizer. Fields left null take the named optimizer's value (``OPTIMIZER_FIELDS``)."""
+
+    name: str = "adamw"  # adamw | lion | adafactor | sgd | muon | optax (any optax optimizer: optax_name)
+    kernel: str = "fused"  # fused (numba AdamW, in place) | optax (any optax transformation on the CPU device)
     lr: float = 1e-3
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # decoupled (adamw, lion, adafactor, muon: also its Adam part); sgd: added to the gradient
     clip_norm: float | None = 1.0  # global-norm clipping; None disables it
     moments: str = "float32"  # Adam moments on the host: float32 (exact optax) | bfloat16 | int8 (blockwise 8-bit)
-    optax_name: str | None = None  # with name=optax: e.g. "lion", "adafactor" (called with learning_rate)
+    b1: float | None = None  # adamw 0.9 | lion 0.9 | muon (its Adam for non-matrix params) 0.9
+    b2: float | None = None  # adamw 0.95 | lion 0.99 | muon (its Adam) 0.999
+    eps: float | None = None  # adamw 1e-8 | adafactor 1e-30 | muon 1e-8
+    momentum: float | None = None  # sgd: null (none) | muon: 0.95 (its beta) | adafactor: null (none)
+    nesterov: bool | None = None  # sgd false | muon true
+    ns_steps: int | None = None  # muon: Newton-Schulz iterations, 5
+    factored: bool | None = None  # adafactor: factor the second moment of matrices, true
+    decay_rate: float | None = None  # adafactor: second-moment decay exponent, 0.8
+    min_dim_size_to_factor: int | None = None  # adafactor: factor only dimensions at least this large, 128
+    multiply_by_parameter_scale: bool | None = None  # adafactor: lr relative to each parameter's RMS, true
+    optax_name: str | None = None  # name=optax: an optax optimizer function, e.g. "adabelief" (learning_rate=lr)
+    optax_kwargs: dict | None = None  # name=optax: its other keyword arguments, e.g. {b1: 0.9}
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
@@ -425,8 +449,9 @@ def validate(cfg: Config) -> None:
                             f"set train.engine=streamed, or remove {name}")
     if o.kernel not in ("fused", "optax"):
         raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use fused or optax")
-    if o.name not in ("adamw", "sgd", "optax"):
-        raise UserError("optim.name", f"{o.name!r} is not an optimizer", "use adamw, sgd or optax (with optim.optax_name)")
+    if o.name not in OPTIMIZER_FIELDS:
+        raise UserError("optim.name", f"{o.name!r} is not an optimizer",
+                        "use adamw, lion, adafactor, sgd, muon or optax (with optim.optax_name)")
     if t.update_on == "device" and o.kernel != "fused":
         raise UserError("train.update_on", "device needs the fused AdamW kernel", "set optim.kernel=fused or train.update_on=host")
     if t.update_on == "device" and t.stream_copy == "host" and t.compute_dtype == "bfloat16":
@@ -434,6 +459,7 @@ def validate(cfg: Config) -> None:
                         "set train.stream_copy=device (or auto), or train.update_on=host")
     if o.kernel == "fused" and o.name != "adamw":
         raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}", "set optim.kernel=optax")
+    _validate_optimizer(o)
     def _num(name, v, ok, rule):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v)):
             raise UserError(name, f"must be {rule}, got {v!r}", f"set {name} to a finite number {rule}")
@@ -483,6 +509,40 @@ def validate(cfg: Config) -> None:
     if m.from_hf is None and d.tokenizer == "byte" and m.vocab_size < 256:
         raise UserError("model.vocab_size", f"{m.vocab_size} is smaller than the byte tokenizer's 256 ids",
                         "set model.vocab_size >= 256")
+
+
+def _validate_optimizer(o: OptimConfig) -> None:
+    """The named optimizer's own fields: each used by ``optim.name`` (else refused), each in range."""
+    used = OPTIMIZER_FIELDS[o.name]
+    for f in sorted({k for fields in OPTIMIZER_FIELDS.values() for k in fields}):
+        if getattr(o, f) is not None and f not in used:
+            users = [n for n, fields in OPTIMIZER_FIELDS.items() if f in fields]
+            raise UserError(f"optim.{f}", f"optim.name={o.name} does not use it",
+                            f"remove optim.{f} (or set it to null); it is for optim.name={' / '.join(users)}")
+    if o.moments != "float32" and o.kernel != "fused":
+        raise UserError("optim.moments", f"{o.moments} moments are implemented by the fused AdamW kernel only",
+                        "set optim.moments=float32, or optim.name=adamw with optim.kernel=fused")
+    unit = lambda x: 0 <= x < 1  # noqa: E731
+    for f, ok, rule in [("b1", unit, "in [0, 1)"), ("b2", unit, "in [0, 1)"), ("eps", lambda x: x > 0, "> 0"),
+                        ("momentum", unit, "in [0, 1)"), ("decay_rate", lambda x: 0 < x <= 1, "in (0, 1]")]:
+        v = getattr(o, f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or not ok(v)):
+            raise UserError(f"optim.{f}", f"must be {rule}, got {v!r}", f"set optim.{f} to a number {rule}, or null")
+    for f in ("ns_steps", "min_dim_size_to_factor"):
+        v = getattr(o, f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise UserError(f"optim.{f}", f"must be an integer >= 1, got {v!r}", f"set optim.{f} >= 1, or null")
+    for f in ("nesterov", "factored", "multiply_by_parameter_scale"):
+        v = getattr(o, f)
+        if v is not None and not isinstance(v, bool):
+            raise UserError(f"optim.{f}", f"must be true or false, got {v!r}", f"set optim.{f} to true or false")
+    if o.name == "sgd" and o.nesterov and o.momentum is None:
+        raise UserError("optim.nesterov", "Nesterov needs momentum", "set optim.momentum (e.g. 0.9) or remove optim.nesterov")
+    if o.name == "optax":
+        from megatrain_jax.optim.named import check_optax  # imports optax: only for name=optax
+
+        check_optax(o)
 
 
 def validate_model(m: ModelConfig) -> None:

@@ -250,6 +250,24 @@ def test_state_roundtrip_optax():
     assert "0.mu.w" in saved and saved["0.mu.w"].shape == (13, 5)
 
 
+def test_state_roundtrip_named_keys_carry_the_optimizer():
+    """A named optimizer's state keys start with its name: another optimizer's state is refused by
+    name; unprefixed keys (an ``OptaxHostOptimizer`` checkpoint) still load."""
+    rng = _rng()
+    flat, unflatten = _two_leaf_group(rng)
+    opt = build_host_optimizer(OptimConfig(name="adafactor", kernel="optax", min_dim_size_to_factor=4), 10)
+    saved = _roundtrip(opt, flat, unflatten, rng)
+    assert saved and all(k.startswith("adafactor/") for k in saved)
+    # factored: the leaf's real shape reached optax (a row and a column statistic of the 13 x 5 matrix)
+    assert {saved["adafactor/0.v_row.w"].shape, saved["adafactor/0.v_col.w"].shape} == {(13,), (5,)}
+    legacy = opt.state_from_arrays({k.split("/", 1)[1]: v for k, v in saved.items()}, flat, unflatten)
+    assert {k: v.shape for k, v in opt.state_to_arrays(legacy).items()} == {k: v.shape for k, v in saved.items()}
+    with pytest.raises(ValueError, match="holds lion optimizer state, this run's optimizer is adafactor"):
+        opt.state_from_arrays({"lion/" + k.split("/", 1)[1]: v for k, v in saved.items()}, flat, unflatten)
+    with pytest.raises(ValueError, match="not adafactor state"):
+        opt.state_from_arrays({"mu": flat.copy(), "nu": flat.copy()}, flat, unflatten)
+
+
 @pytest.mark.parametrize("kernel", ["fused", "optax"])
 def test_concurrent_updates_match_sequential(kernel):
     """The engine updates different groups from a thread pool at once."""

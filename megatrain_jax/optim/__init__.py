@@ -7,8 +7,6 @@ through ``grad_scale`` (``global_norm_scale``).
 """
 from __future__ import annotations
 
-import inspect
-
 import optax
 
 from megatrain_jax.config import OptimConfig
@@ -16,10 +14,12 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.optim.fused_adamw import set_num_threads
 from megatrain_jax.optim.host import (CompactAdamW, FusedAdamW, HostOptimizer, OptaxHostOptimizer, OptaxState,
                                       alloc_aligned, global_norm_scale)
+from megatrain_jax.optim.named import (SHAPE_AWARE, NamedOptaxOptimizer, model_state_bytes, named_tx, resolved,
+                                       state_bytes, state_bytes_per_param, state_label)
 
-__all__ = ["CompactAdamW", "FusedAdamW", "HostOptimizer", "OptaxHostOptimizer", "OptaxState", "alloc_aligned",
-           "build_host_optimizer", "build_reference_tx", "build_schedule", "global_norm_scale",
-           "set_num_threads"]
+__all__ = ["CompactAdamW", "FusedAdamW", "HostOptimizer", "NamedOptaxOptimizer", "OptaxHostOptimizer", "OptaxState",
+           "alloc_aligned", "build_host_optimizer", "build_reference_tx", "build_schedule", "global_norm_scale",
+           "model_state_bytes", "named_tx", "set_num_threads", "state_bytes", "state_bytes_per_param"]
 
 
 def build_schedule(optim_cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -68,43 +68,19 @@ def _learning_rate(optim_cfg: OptimConfig, total_steps: int) -> float | optax.Sc
     return build_schedule(optim_cfg, total_steps)
 
 
-def _optax_tx(optim_cfg: OptimConfig, lr) -> optax.GradientTransformation:
-    o = optim_cfg
-    if o.name == "adamw":
-        return optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
-    if o.name == "sgd":
-        sgd = optax.sgd(lr)
-        return optax.chain(optax.add_decayed_weights(o.weight_decay), sgd) if o.weight_decay else sgd
-    if o.name == "optax":
-        if not o.optax_name or not callable(getattr(optax, o.optax_name, None)):
-            raise UserError("optim.optax_name", f"{o.optax_name!r} is not an optax optimizer",
-                            "name an optax optimizer function, e.g. lion, adafactor, adam")
-        fn = getattr(optax, o.optax_name)
-        params = inspect.signature(fn).parameters
-        if "learning_rate" not in params:
-            raise UserError("optim.optax_name", f"optax.{o.optax_name} takes no learning_rate",
-                            "name an optax optimizer function, e.g. lion, adafactor, adam")
-        kwargs = {"weight_decay": o.weight_decay} if "weight_decay" in params else {}
-        tx = fn(learning_rate=lr, **kwargs)
-        if not isinstance(tx, optax.GradientTransformation):
-            raise UserError("optim.optax_name", f"optax.{o.optax_name} is not an optimizer",
-                            "name an optax optimizer function, e.g. lion, adafactor, adam")
-        return tx
-    raise UserError("optim.name", f"{o.name!r} is not an optimizer", "use adamw, sgd or optax")
-
-
 def build_host_optimizer(optim_cfg: OptimConfig, total_steps: int) -> HostOptimizer:
-    """``kernel: fused`` -> ``FusedAdamW`` (adamw only); ``kernel: optax`` -> ``OptaxHostOptimizer``
-    over ``optax.adamw`` / ``optax.sgd`` (with ``add_decayed_weights`` before it when weight_decay > 0)
-    / ``optax.<optax_name>(learning_rate=schedule)`` (plus ``weight_decay`` where the function takes
-    one; other hyperparameters keep optax's defaults)."""
+    """``kernel: fused`` -> ``FusedAdamW`` / ``CompactAdamW`` (adamw only); ``kernel: optax`` -> a
+    ``NamedOptaxOptimizer`` (an ``OptaxHostOptimizer``) over ``named.named_tx``: adamw, lion, adafactor,
+    sgd (``add_decayed_weights`` before it when weight_decay > 0), muon (``optax.contrib.muon``), or
+    ``optax.<optax_name>(learning_rate=schedule, weight_decay=..., **optax_kwargs)``."""
     o = optim_cfg
     lr = _learning_rate(o, total_steps)
     if o.kernel == "fused":
         if o.name != "adamw":
             raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}",
                             "set optim.kernel=optax")
-        kw = dict(b1=o.b1, b2=o.b2, eps=o.eps, eps_root=0.0, weight_decay=o.weight_decay)
+        h = resolved(o)
+        kw = dict(b1=h["b1"], b2=h["b2"], eps=h["eps"], eps_root=0.0, weight_decay=o.weight_decay)
         if o.moments != "float32":
             return CompactAdamW(lr, o.moments, **kw)
         return FusedAdamW(lr, **kw)
@@ -112,7 +88,7 @@ def build_host_optimizer(optim_cfg: OptimConfig, total_steps: int) -> HostOptimi
         raise UserError("optim.moments", f"{o.moments} moments are implemented by the fused kernel only",
                         "set optim.kernel=fused (adamw), or optim.moments=float32")
     if o.kernel == "optax":
-        return OptaxHostOptimizer(_optax_tx(o, lr))
+        return NamedOptaxOptimizer(state_label(o), named_tx(o, lr), lr, shape_aware=o.name in SHAPE_AWARE)
     raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use fused or optax")
 
 
