@@ -415,7 +415,7 @@ class CheckpointSaver:
                     os.kill(os.getpid(), signal.SIGKILL)
             meta = dict(job.meta)
             meta.update(format=FORMAT, step=job.step, count=job.count, layouts=store_layouts(store),
-                        optimizer=type(opt).__name__, saved_at=time.time())
+                        optimizer=getattr(opt, "label", type(opt).__name__), saved_at=time.time())
             state_bytes = _write_json(os.path.join(job.tmp, STATE), meta)
             _write_json(os.path.join(job.tmp, MANIFEST), {
                 "format": FORMAT, "step": job.step, "count": job.count, "groups": groups,
@@ -506,7 +506,7 @@ def restore_into(path: str, store, host_opt) -> dict:
 
     def incompatible(detail: str) -> UserError:
         return UserError("optim", f"checkpoint {path} holds {state.get('optimizer')} state that the configured "
-                         f"{type(host_opt).__name__} cannot take ({detail})",
+                         f"{getattr(host_opt, 'label', type(host_opt).__name__)} cannot take ({detail})",
                          "resume with the optim settings the run was started with (see config.yaml in train.out_dir)")
 
     for g in store:

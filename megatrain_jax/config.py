@@ -44,8 +44,7 @@ class ModelConfig:
     #                      drawn by a parallel host kernel (seconds for 7B instead of ~35 s; benchmarks, smoke runs)
     from_hf: str | None = None  # Hugging Face checkpoint directory to load instead of random init; its
     #                            config.json overrides the architecture fields above (see megatrain_jax/hf/)
-    pad_token_id: int | None = None  # the embedding's padding index (transformers' padding_idx): its looked-up
-    #                                  rows get no gradient; from_hf: config.json's pad_token_id
+    pad_token_id: int | None = None  # padding_idx as transformers': its looked-up rows get no gradient (from_hf: its)
     family: str = "llama"  # llama | qwen3 | phi3 | gemma2 | gemma3 | mixtral | qwen3_moe (models/registry.py); from_hf sets it
     layer_types: list | None = None  # per layer: sliding_attention | full_attention; None: the family's pattern
     #                                 (gemma2: every 2nd layer full, from layer 1; gemma3: every 6th; others: all
@@ -555,8 +554,7 @@ def validate_model(m: ModelConfig) -> None:
                     ("model.rope_local_theta", m.rope_local_theta)]:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
             raise UserError(name, f"must be a positive number or null, got {v!r}", f"set {name} > 0, or null to turn it off")
-    pad = m.pad_token_id
-    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < m.vocab_size):
+    if (pad := m.pad_token_id) is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < m.vocab_size):
         raise UserError("model.pad_token_id", f"must be a token id in [0, {m.vocab_size}) or null, got {pad!r}",
                         "set it to the tokenizer's pad id, or null (no padding row)")
     if m.layer_types is not None:

@@ -103,7 +103,7 @@ def bad_override():
             "float32", "bfloat16", "int8", "fused", "optax", "adamw", "sgd", "streamed", "reference", "constant",
             "cosine", "warmup_cosine", "linear", "auto", "gpu_fp32", "gpu_bf16", "pinned_host", "device", "host",
             "llama", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "true", "false", "null", "none",
-            "yes", "no", "on", "off", "y", "n", "qwen2", "mistral"}))
+            "yes", "no", "on", "off", "y", "n", "qwen2", "mistral", "lion", "adafactor", "muon"}))
           .map(lambda kv: (f"{kv[0]}={kv[1]}", [kv[0]])),
         st.tuples(st.sampled_from(SECTIONS), ident).filter(lambda sk: sk[1] not in _known(sk[0]))
           .map(lambda sk: (f"{sk[0]}.{sk[1]}=1", [f"{sk[0]}.{sk[1]}", sk[1]])),
