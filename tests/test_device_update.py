@@ -84,6 +84,23 @@ def test_device_update_without_clipping_and_with_pinned_gradients():
     _assert_same(_state(host), _state(dev))
 
 
+def test_device_update_runs_in_slices_of_the_options_chunk(monkeypatch):
+    """``EngineOptions.device_update_chunk`` reaches the device step: groups of up to 16,384 values are
+    updated in slices of 2,048 (every slice call is seen), with the same numbers as the host kernels."""
+    from megatrain_jax.optim import device_adamw as da
+
+    seen = []
+    real = da.device_adamw_step
+    monkeypatch.setattr(da, "device_adamw_step", lambda *a, **k: seen.append(a[5]) or real(*a, **k))
+    host, lh = _run("host", "int8")
+    dev, ld = _run("device", "int8", device_update_chunk=2048)
+    assert seen and set(seen) == {2048}
+    assert lh == ld
+    _assert_same(_state(host), _state(dev))
+    host.close()
+    dev.close()
+
+
 def test_pending_device_updates_apply_at_finish_and_not_before():
     """After a step the store still holds the old state (the update waits for the next fetch);
     ``finish`` applies every pending update, so a checkpoint or export reads the new one."""

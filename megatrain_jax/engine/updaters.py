@@ -429,7 +429,7 @@ class DeviceUpdates(_Updates):
 
     def dispatch(self, u: DeviceUpdate) -> jax.Array:
         """Dispatch the update (the new master is the weights the block uses) and queue its write-back."""
-        p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars)
+        p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk)
         self._trace("compute", f"update {u.name}", p_new)  # runs on the compute stream
         g = self.store[u.name]
         targets = [(u.name, p_new, g.master)] + [(f"{u.name}/{k}", state[k], u.host_state[k]) for k in u.host_state]

@@ -168,12 +168,13 @@ class FusedAdamW:
     moments = "float32"  # the moment format (``device_adamw.device_adamw_step`` takes the same name)
     runs_on_device = True  # ``train.update_on=device``: ``device_step`` runs this update on the accelerator
 
-    def device_step(self, param, grad, state: dict, scalars: tuple):
-        """This update on the accelerator (``optim/device_adamw.py``): (new param, new state); the
-        param and state arrays are donated. ``scalars``: ``device_scalars(count, grad_scale)``."""
+    def device_step(self, param, grad, state: dict, scalars: tuple, chunk: int | None = None):
+        """This update on the accelerator (``optim/device_adamw.py``, ``chunk`` values per slice):
+        (new param, new state); the param and state arrays are donated. ``scalars``:
+        ``device_scalars(count, grad_scale)``."""
         from megatrain_jax.optim.device_adamw import device_adamw_step
 
-        return device_adamw_step(self.moments, param, grad, state, scalars)
+        return device_adamw_step(self.moments, param, grad, state, scalars, chunk)
 
     def device_scalars(self, count: int, grad_scale: float = 1.0) -> tuple:
         """The step's float32 scalars as the host kernels round them, for the device-side update
