@@ -320,7 +320,8 @@ def test_the_step_issues_each_transfer_before_the_compute_it_hides_behind(update
     parts, store = init_host_store(cfg, 0, bf16_stream=False)
     rec = _Recorder()
     st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 3), compute_dtype="float32", store=store,
-                         clip_norm=1.0, update_on=update_on, tracer=rec)
+                         clip_norm=1.0, update_on=update_on)
+    st.tracer = rec  # set between steps, as train.trace_step does
     batch = _batches(np.random.default_rng(0), 1, 2, 16, 256)[0]
     st.step(batch)
     if update_on == "host":

@@ -86,7 +86,7 @@ class StreamedTrainer:
         devices = list(devices) if devices else [device or jax.local_devices()[0]]
         if options.devices != "all" and int(options.devices) != len(devices):
             options = options.with_(devices=len(devices))  # the combination rules see the real count
-        self.options, self.parts, self.opt, self.tracer = options, parts, host_opt, tracer
+        self.options, self.parts, self.opt, self._tracer = options, parts, host_opt, tracer
         self.local_devices = [d for d in devices if d.process_index == jax.process_index()]
         if not self.local_devices:
             raise ValueError("none of the given devices belongs to this process")
@@ -211,8 +211,8 @@ class StreamedTrainer:
         return sq
 
     def _trace(self, lane: str, label: str, arr: Any) -> None:
-        if self.tracer is not None:
-            self.tracer.watch(lane, label, arr)
+        if self._tracer is not None:
+            self._tracer.watch(lane, label, arr)
 
     def _micro_batches(self, batch: Batch) -> list[MicroBatch]:
         """The step's micro-batches as device arrays, each split over the devices by sequence."""
@@ -251,6 +251,15 @@ class StreamedTrainer:
     @count.setter
     def count(self, value: int) -> None:
         self.updates.count = int(value)
+
+    @property
+    def tracer(self) -> Any:
+        """The timeline recorder (``trace.py``), or None; settable between steps."""
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Any) -> None:
+        self._tracer = self.weights.tracer = self.updates.tracer = tracer
 
     @property
     def before_update(self) -> Callable[[str, int], None] | None:
