@@ -30,6 +30,7 @@ from megatrain_jax.distributed import run_devices
 from megatrain_jax.engine import Batch, StepResult, StreamedTrainer
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim import HostOptimizer, OptaxHostOptimizer, build_host_optimizer
+from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import StreamedModel
 
 
@@ -51,14 +52,6 @@ def host_optimizer(optimizer: Any, steps: int | None = None) -> HostOptimizer:
         return optimizer
     raise UserError("optimizer", f"a {type(optimizer).__name__} is not an optimizer",
                     "pass an OptimConfig, an optax.GradientTransformation or a HostOptimizer")
-
-
-def host_bf16_copy(cfg: Config, plan=None) -> bool:
-    """Whether the host keeps a bf16 streaming copy (bf16 compute with ``train.stream_copy=host``,
-    or ``auto`` where the plan decided ``host``)."""
-    if plan is not None:
-        return plan.options.host_bf16_copy
-    return cfg.train.compute_dtype == "bfloat16" and cfg.train.stream_copy in ("host", "auto")
 
 
 def _plan(cfg: Config, plan):
@@ -105,18 +98,20 @@ class Trainer:
     ``model``: a ``StreamedModel`` (from ``stream.stream`` or ``models.streamed_parts``), or an NNX
     model / Linen module (``params=`` its params) with ``stream_kwargs`` passed on to ``stream``.
     ``optimizer``: ``OptimConfig``, ``optax.GradientTransformation`` or ``HostOptimizer``.
-    ``clip_norm``: global-norm clipping ("auto": the ``OptimConfig``'s, else none).
-    ``steps``: the run's length, for schedules that decay over it. ``seed``: dropout keys
-    (``templates.block_rng(seed, step, layer, micro_batch)``).
+    ``options``: the engine's ``EngineOptions`` (what the memory plan decides; default: its
+    defaults); ``micro_batches``, ``clip_norm`` ("auto": the ``OptimConfig``'s, else none),
+    ``compute_dtype``, ``loss_chunk``, ``seed`` (dropout keys: ``templates.block_rng(seed, step,
+    layer, micro_batch)``) and ``skip_nonfinite`` set its fields. ``steps``: the run's length, for
+    schedules that decay over it. ``store``: an already-filled ``HostStore`` for the model.
 
-    From a ``Config`` (what ``megatrain-jax train`` does): ``from_config``, ``resume``, or
-    ``from_parts`` over an already-made model, host store and host optimizer.
+    From a ``Config`` (what ``megatrain-jax train`` does): ``from_config`` or ``resume``.
     """
 
-    def __init__(self, model: Any, optimizer: Any = None, *, params: Any = None, steps: int | None = None,
-                 micro_batches: int = 1, clip_norm: float | None | str = "auto", compute_dtype: str = "float32",
-                 loss_chunk: int = 1024, seed: int = 0, skip_nonfinite: bool = False,
-                 device: jax.Device | None = None, **stream_kwargs: Any):
+    def __init__(self, model: Any, optimizer: Any = None, *, options: EngineOptions | None = None,
+                 store: Any = None, params: Any = None, steps: int | None = None, micro_batches: int | None = None,
+                 clip_norm: float | None | str = "auto", compute_dtype: str | None = None,
+                 loss_chunk: int | None = None, seed: int | None = None, skip_nonfinite: bool | None = None,
+                 device: jax.Device | None = None, devices: list[jax.Device] | None = None, **stream_kwargs: Any):
         if isinstance(model, StreamedModel):
             if params is not None or stream_kwargs:
                 raise UserError("params", "a StreamedModel is already split", "pass params/stream options to stream()")
@@ -125,52 +120,42 @@ class Trainer:
             from megatrain_jax.stream import stream
 
             self.parts = stream(model, params=params, **stream_kwargs)
-        if compute_dtype not in ("float32", "bfloat16"):
-            raise UserError("compute_dtype", f"{compute_dtype!r}", "use float32 or bfloat16")
         if clip_norm == "auto":
-            clip_norm = optimizer.clip_norm if isinstance(optimizer, OptimConfig) else None
+            clip_norm = options.clip_norm if options is not None else \
+                optimizer.clip_norm if isinstance(optimizer, OptimConfig) else None
+        given = dict(micro_batches=micro_batches, clip_norm=clip_norm, compute_dtype=compute_dtype,
+                     loss_chunk=loss_chunk, rng_seed=seed, skip_nonfinite=skip_nonfinite)
+        options = (options or EngineOptions()).with_(**{k: v for k, v in given.items()
+                                                        if v is not None or k == "clip_norm"})
         self.optimizer_spec, self.steps = optimizer, steps
-        self.settings = dict(micro_batches=micro_batches, clip_norm=clip_norm, compute_dtype=compute_dtype,
-                             loss_chunk=loss_chunk, seed=seed)
         self.opt = host_optimizer(optimizer, steps)
-        self.engine = StreamedTrainer(self.parts, self.opt, compute_dtype=compute_dtype, micro_batches=micro_batches,
-                              clip_norm=clip_norm, loss_chunk=loss_chunk, device=device,
-                              skip_nonfinite=skip_nonfinite, rng_seed=seed)
+        self.engine = StreamedTrainer(self.parts, self.opt, options, store=store, device=device, devices=devices)
+
+    @property
+    def options(self) -> EngineOptions:
+        return self.engine.options
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The engine settings a checkpoint records."""
+        o = self.engine.options
+        return dict(micro_batches=o.micro_batches, clip_norm=o.clip_norm, compute_dtype=o.compute_dtype,
+                    loss_chunk=o.loss_chunk, seed=o.rng_seed)
 
     # ---------------------------------------------------------------------------------- from a config
-
-    @classmethod
-    def from_parts(cls, parts: StreamedModel, store: Any, optimizer: HostOptimizer, cfg: Config, plan) -> "Trainer":
-        """A trainer over an already-made ``StreamedModel``, ``HostStore`` (filled) and ``HostOptimizer``
-        whose engine options are the memory plan's decisions (micro-batches, activation placement,
-        gradient holding and slabs) and ``cfg``'s, on the run's devices (``train.devices``), exactly
-        as ``megatrain-jax train`` runs it. A step with a non-finite loss or norm changes nothing."""
-        t, o = cfg.train, plan.options
-        # skip_nonfinite: every update waits for the step's norm, so a NaN/inf step touches nothing
-        engine = StreamedTrainer(parts, optimizer, compute_dtype=o.compute_dtype, micro_batches=o.micro_batches,
-                                 clip_norm=o.clip_norm, loss_chunk=o.loss_chunk, store=store,
-                                 skip_nonfinite=o.skip_nonfinite, offload_activations=o.activations == "pinned_host",
-                                 grad_hold=o.grad_hold, grad_slab_elems=o.grad_slab_elems,
-                                 grad_slabs=o.grad_slabs, devices=run_devices(o.devices),
-                                 update_on=o.update_on, keep_residuals=o.keep_residuals, rng_seed=o.rng_seed)
-        self = cls.__new__(cls)  # the parts are made: nothing of __init__'s splitting applies
-        self.parts, self.opt, self.engine = parts, optimizer, engine
-        self.optimizer_spec, self.steps = cfg.optim, t.steps
-        self.settings = dict(micro_batches=o.micro_batches, clip_norm=o.clip_norm,
-                             compute_dtype=t.compute_dtype, loss_chunk=t.loss_chunk, seed=engine.rng_seed)
-        return self
 
     @classmethod
     def from_config(cls, cfg: Config, plan=None, *, model: Any = None) -> "Trainer":
         """A new run of ``cfg``: the host store initialised part by part from ``train.seed`` (the
         whole model is never materialised), or filled from a Hugging Face checkpoint
-        (``model.from_hf``), or from ``model`` (a ``models.llama`` Decoder) when given. ``plan``: the
-        memory plan (``train.plan_or_refuse``; computed, and refused if it does not fit, when not given)."""
+        (``model.from_hf``), or from ``model`` (a ``models.llama`` Decoder) when given; the engine
+        options are the memory plan's (``plan.options``; planned, and refused if it does not fit,
+        when not given), on the run's devices (``train.devices``), exactly as ``megatrain-jax
+        train`` runs it."""
         from megatrain_jax.models.llama import init_host_store
 
         plan = _plan(cfg, plan)
-        host_opt = build_host_optimizer(cfg.optim, cfg.train.steps)
-        bf16 = host_bf16_copy(cfg, plan)
+        bf16 = plan.options.host_bf16_copy
         if model is not None:
             from megatrain_jax.hoststore import HostStore
             from megatrain_jax.models import streamed_parts
@@ -183,7 +168,7 @@ class Trainer:
             parts, store = load_hf_into_store(cfg.model, bf16_stream=bf16)
         else:
             parts, store = init_host_store(cfg.model, cfg.train.seed, bf16_stream=bf16)
-        return cls.from_parts(parts, store, host_opt, cfg, plan)
+        return cls._of_config(parts, store, build_host_optimizer(cfg.optim, cfg.train.steps), cfg, plan)
 
     @classmethod
     def resume(cls, cfg: Config, root: str, plan=None, log=print) -> tuple["Trainer", str, dict]:
@@ -196,12 +181,20 @@ class Trainer:
 
         plan = _plan(cfg, plan)
         parts = streamed_parts(abstract_model(cfg.model))
-        store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, host_bf16_copy(cfg, plan))
+        store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, plan.options.host_bf16_copy)
         host_opt = build_host_optimizer(cfg.optim, cfg.train.steps)
         path, state = ck.restore_latest(root, store, host_opt, log)
-        self = cls.from_parts(parts, store, host_opt, cfg, plan)
+        self = cls._of_config(parts, store, host_opt, cfg, plan)
         self.engine.count = int(state["count"])
         return self, path, state
+
+    @classmethod
+    def _of_config(cls, parts: StreamedModel, store: Any, host_opt: HostOptimizer, cfg: Config, plan) -> "Trainer":
+        """The trainer of ``cfg`` over made parts, a filled store and its host optimizer."""
+        self = cls(parts, host_opt, options=plan.options, store=store, steps=cfg.train.steps,
+                   devices=run_devices(plan.options.devices))
+        self.optimizer_spec = cfg.optim  # what ``plan()`` plans with
+        return self
 
     # ---------------------------------------------------------------------------------- training
 
@@ -229,9 +222,10 @@ class Trainer:
     def step(self, batch: Any) -> StepResult:
         """One optimizer step; ``StepResult(loss, grad_norm, tokens, skipped)``."""
         b = as_batch(batch)
-        if b.tokens.shape[0] % self.engine.micro_batches:
-            raise UserError("batch", f"{b.tokens.shape[0]} sequences do not split into "
-                            f"{self.engine.micro_batches} micro-batches", "use a batch size divisible by micro_batches")
+        m = self.engine.options.micro_batches
+        if b.tokens.shape[0] % m:
+            raise UserError("batch", f"{b.tokens.shape[0]} sequences do not split into {m} micro-batches",
+                            "use a batch size divisible by micro_batches")
         return self.engine.step(b)
 
     def params(self) -> Any:

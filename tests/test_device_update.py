@@ -84,6 +84,23 @@ def test_device_update_without_clipping_and_with_pinned_gradients():
     _assert_same(_state(host), _state(dev))
 
 
+def test_device_update_runs_in_slices_of_the_options_chunk(monkeypatch):
+    """``EngineOptions.device_update_chunk`` reaches the device step: groups of up to 16,384 values are
+    updated in slices of 2,048 (every slice call is seen), with the same numbers as the host kernels."""
+    from megatrain_jax.optim import device_adamw as da
+
+    seen = []
+    real = da.device_adamw_step
+    monkeypatch.setattr(da, "device_adamw_step", lambda *a, **k: seen.append(a[5]) or real(*a, **k))
+    host, lh = _run("host", "int8")
+    dev, ld = _run("device", "int8", device_update_chunk=2048)
+    assert seen and set(seen) == {2048}
+    assert lh == ld
+    _assert_same(_state(host), _state(dev))
+    host.close()
+    dev.close()
+
+
 def test_pending_device_updates_apply_at_finish_and_not_before():
     """After a step the store still holds the old state (the update waits for the next fetch);
     ``finish`` applies every pending update, so a checkpoint or export reads the new one."""
@@ -91,11 +108,11 @@ def test_pending_device_updates_apply_at_finish_and_not_before():
     parts, fresh = init_host_store(MODEL, 0, bf16_stream=False)
     np.testing.assert_array_equal(dev.store["block_0"].master, fresh["block_0"].master)
     assert not dev.store["block_0"].opt_state["nu_bf16"].any()
-    assert set(dev._dev_updates) == {"embed", "block_0", "block_1", "head"}
+    assert set(dev.updates.queued()) == {"embed", "block_0", "block_1", "head"}
     calls = []
     dev.before_update = lambda name, count: calls.append((name, count))
     dev.finish()
-    assert not dev._dev_updates
+    assert not dev.updates.queued()
     assert calls == [("embed", 1), ("block_0", 1), ("block_1", 1), ("head", 1)]
     assert dev.store["block_0"].opt_state["nu_bf16"].all()  # (the first step's learning rate is 0: warmup)
     dev.close()
@@ -104,9 +121,9 @@ def test_pending_device_updates_apply_at_finish_and_not_before():
 def test_engine_refuses_device_update_with_a_bf16_host_copy():
     parts, store = init_host_store(MODEL, 0, bf16_stream=True)
     opt = build_host_optimizer(OptimConfig(clip_norm=1.0), 3)
-    with pytest.raises(ValueError, match="stream_copy=device"):
+    with pytest.raises(UserError, match="stream_copy=device"):
         StreamedTrainer(parts, opt, compute_dtype="bfloat16", store=store, update_on="device")
-    with pytest.raises(ValueError, match="update_on must be host or device"):
+    with pytest.raises(UserError, match="train.update_on"):
         StreamedTrainer(parts, opt, compute_dtype="bfloat16", store=store, update_on="gpu")
 
 
@@ -199,7 +216,7 @@ def test_background_checkpoint_holds_the_state_after_its_step(tmp_path):
     batches = _batches(STEPS)
     dev.step(batches[0])
     dev.step(batches[1])
-    assert dev._dev_updates and not any(f.done() for f in dev.pending_updates().values())
+    assert dev.updates.queued() and not any(f.done() for f in dev.pending_updates().values())
     path = saver.save(2, {"note": "test"})  # in the background
     dev.step(batches[2])  # applies update 2 (the saver waits for it), then queues update 3
     dev.finish()  # applies update 3: held back group by group until saved

@@ -56,7 +56,7 @@ CASES = {
     # deferred gradients wait for the norm in pinned host memory instead of on the device
     "grad_hold_pinned_host": (dict(num_layers=2, num_kv_heads=2), 1, 1.0, "fused"),
 }
-ENGINE_OPTIONS = {"pinned_fallback_offloaded": dict(transfer_mode="pinned", offload_activations=True),
+ENGINE_OPTIONS = {"pinned_fallback_offloaded": dict(transfer_mode="pinned", activations="pinned_host"),
                   "slabs_of_1000_pool_of_2": dict(grad_slab_elems=1000, grad_slabs=2, skip_nonfinite=True),
                   "slabs_no_clip": dict(grad_slab_elems=777, grad_slabs=3),
                   "grad_hold_pinned_host": dict(grad_hold="pinned_host", grad_slab_elems=5000)}
@@ -133,14 +133,14 @@ def test_gradients_cross_in_slabs_of_the_configured_size():
     parts, store = init_host_store(cfg, 0, bf16_stream=False)
     st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 1), compute_dtype="float32", store=store,
                          grad_slab_elems=1000)
-    out = st._grad_out("embed", None)
+    out = st.updates.grad_out("embed", None)
     assert out.chunks[0] == (0, 1000) and out.chunks[-1][1] == store["embed"].size
     assert all(hi - lo <= 1000 for lo, hi in out.chunks) and len(out.chunks) == -(-store["embed"].size // 1000)
     st.close()
     # the optax kernel updates whole groups (its state is a pytree): one slab per group
     st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(kernel="optax"), 1), compute_dtype="float32",
                          store=store, grad_slab_elems=1000)
-    assert len(st._grad_out("embed", None).chunks) == 1
+    assert len(st.updates.grad_out("embed", None).chunks) == 1
     st.close()
 
 
@@ -220,7 +220,7 @@ def test_the_optimizer_thread_never_waits_for_the_copy_lock_held_by_a_slab_waite
     parts, store = init_host_store(cfg, 0, bf16_stream=False)
     st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 4), compute_dtype="float32", store=store,
                          clip_norm=1.0, grad_slab_elems=500, grad_slabs=2)
-    st.issue_wait_s = 1e-4
+    st.updates.issue_wait_s = 1e-4
     to_host = st.xfer.to_host
 
     def slow_to_host(x):
@@ -262,7 +262,7 @@ def _kept_run(cfg, ocfg, batches, keep: int, micro: int, dtype: str, update_on: 
     parts, store = init_host_store(cfg, 0, bf16_stream=False)
     st = StreamedTrainer(parts, build_host_optimizer(ocfg, len(batches)), compute_dtype=dtype, store=store,
                          micro_batches=micro, clip_norm=ocfg.clip_norm, loss_chunk=48, keep_residuals=keep,
-                         update_on=update_on)
+                         update_on=update_on, stream_copy="device")  # the store has no bf16 copy
     res = [st.step(b) for b in batches]
     st.close()
     return st, [(r.loss, r.grad_norm) for r in res], {g.name: g.master.copy() for g in st.store}
@@ -279,7 +279,7 @@ def test_kept_residuals_equal_recompute(dtype, micro, update_on):
     batches = _batches(np.random.default_rng(7), 3, 4, 32, cfg.vocab_size)
     _, base, w0 = _kept_run(cfg, ocfg, batches, 0, micro, dtype, update_on)
     st, kept, w2 = _kept_run(cfg, ocfg, batches, 2, micro, dtype, update_on)
-    assert st.keep_residuals == 2 and len(st._vjp_jits) == 1  # one compiled pair serves both blocks
+    assert st.keep_residuals == 2 and len(st.kernels.vjp_jits) == 1  # one compiled pair serves both blocks
     assert kept == base
     for name in w0:
         np.testing.assert_array_equal(w0[name], w2[name], err_msg=name)
@@ -287,7 +287,7 @@ def test_kept_residuals_equal_recompute(dtype, micro, update_on):
     st_all, _, _ = _kept_run(cfg, ocfg, batches[:1], 10, micro, dtype, update_on)
     assert st_all.keep_residuals == cfg.num_layers - 1
     h = jax.ShapeDtypeStruct((4 // micro, 32, cfg.hidden_size), dtype)
-    aux = st._aux_of(jax.numpy.zeros((4 // micro, 32), jax.numpy.int32), None)
+    aux = st.kernels.aux_of(jax.numpy.zeros((4 // micro, 32), jax.numpy.int32), None)
     res = st.residual_bytes(h, aux)
     assert res > 4 // micro * 32 * cfg.intermediate_size  # at least the MLP's activations
     # neither the block's weights (one copy per micro-batch, as jit outputs) nor its input, which the step
@@ -295,3 +295,77 @@ def test_kept_residuals_equal_recompute(dtype, micro, update_on):
     per_token = (cfg.hidden_size + 2 * 2 * 16 + cfg.hidden_size + 2 * cfg.intermediate_size) \
         * np.dtype(dtype).itemsize + 4 * 16
     assert res <= 4 // micro * 32 * per_token, (res, per_token)
+
+
+class _Recorder:
+    """A tracer that keeps the order in which the step reports its transfers and computations."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    def watch(self, lane, label, arr):
+        self.events.append((lane, label))
+
+    def interval(self, lane, label, t0, t1):
+        pass
+
+
+@pytest.mark.parametrize("update_on", ["host", "device"])
+def test_the_step_issues_each_transfer_before_the_compute_it_hides_behind(update_on):
+    """Issue order decides overlap (DESIGN.md §2), checked on the order of dispatch, not on time: block
+    i+1's weights are put in flight before block i's forward is dispatched, block i-1's before block i's
+    backward, and the head during the last blocks only; a device-side update is dispatched before the
+    next block's transfer (an update dispatched after a transfer would wait for it)."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=4, num_heads=2, intermediate_size=48)
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    rec = _Recorder()
+    st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 3), compute_dtype="float32", store=store,
+                         clip_norm=1.0, update_on=update_on)
+    st.tracer = rec  # set between steps, as train.trace_step does
+    batch = _batches(np.random.default_rng(0), 1, 2, 16, 256)[0]
+    st.step(batch)
+    if update_on == "host":
+        st.finish()  # every host update done: no block waits for its own (the order is then fixed)
+    rec.events.clear()
+    st.step(batch)  # the steady state: last step's updates are applied as this one fetches each group
+    ev = [e for e in rec.events if e[0] in ("h2d", "compute")]
+    st.close()
+
+    def at(lane, label, after=-1):
+        return next(j for j, e in enumerate(ev) if j > after and e == (lane, label))
+
+    L = cfg.num_layers
+    first = 1 if update_on == "device" else 0  # device-side: block 0's weights stayed on the device
+    for i in range(first, L - 1):
+        assert at("h2d", f"block_{i + 1}") < at("compute", f"fwd {i}"), (i, ev)
+        if update_on == "device":
+            assert at("compute", f"update block_{i}") < at("h2d", f"block_{i + 1}"), (i, ev)
+    loss = at("compute", "loss")
+    for i in range(1, L - (update_on == "device")):  # the backward fetches block i-1 before block i's VJP
+        assert at("h2d", f"block_{i - 1}", after=loss) < at("compute", f"bwd {i}"), (i, ev)
+    if update_on == "host":  # the head: in flight while the last two blocks compute, not earlier
+        assert at("compute", f"fwd {L - 3}") < at("h2d", "head") < at("compute", f"fwd {L - 2}"), ev
+    else:  # its update after the last block's forward, which it must not hold back
+        assert at("compute", f"fwd {L - 1}") < at("compute", "update head"), ev
+
+
+def test_nan_forward_makes_one_step_non_finite_and_it_changes_nothing():
+    """``nan_forward`` (the fault-injection point of train.py's NaN drill): a step run inside it has a
+    NaN loss and, with ``skip_nonfinite``, leaves every weight as it was; the next step trains."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48)
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 3), compute_dtype="float32", store=store,
+                         skip_nonfinite=True)
+    batch = _batches(np.random.default_rng(0), 1, 2, 16, 256)[0]
+    before = {g.name: g.master.copy() for g in st.store}
+    with st.nan_forward():
+        bad = st.step(batch)
+    st.finish()
+    assert bad.skipped and not np.isfinite(bad.loss) and st.count == 0
+    for g in st.store:
+        np.testing.assert_array_equal(g.master, before[g.name], err_msg=g.name)
+    good = st.step(batch)
+    st.finish()
+    assert not good.skipped and np.isfinite(good.loss) and st.count == 1
+    assert any(not np.array_equal(g.master, before[g.name]) for g in st.store)
+    st.close()

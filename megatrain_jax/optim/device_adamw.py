@@ -157,14 +157,14 @@ CHUNK = 8192 * BLOCK  # values per pass (16M, whole int8 blocks): bounds the ste
 
 
 def _chunked(step):
-    """``step`` over ``CHUNK``-value slices of the group, in place (a loop of dynamic slices and
+    """``step`` over ``chunk``-value slices of the group, in place (a loop of dynamic slices and
     updates of the donated buffers): the temporaries of one slice (the int8 step's fp32 moments
     before requantization: up to 16 bytes per value) instead of the whole group's (12 GB for a 14B
     model's 0.78B-parameter embedding). The arithmetic is elementwise and blockwise, so slicing at
     block boundaries changes no value."""
-    def run(p, g, st, s):
+    def run(p, g, st, s, chunk):
         n = p.shape[0]
-        if n <= CHUNK:
+        if n <= chunk:
             return step(p, g, st, s)
         per_block = {k: a.shape[0] != n for k, a in st.items()}
 
@@ -177,24 +177,30 @@ def _chunked(step):
                   for k, a in st.items()}
             return p, st
 
-        full = n // CHUNK
-        p, st = lax.fori_loop(0, full, lambda i, c: piece(i * CHUNK, CHUNK, *c), (p, st))
-        if n % CHUNK:
-            p, st = piece(full * CHUNK, n % CHUNK, p, st)
+        full = n // chunk
+        p, st = lax.fori_loop(0, full, lambda i, c: piece(i * chunk, chunk, *c), (p, st))
+        if n % chunk:
+            p, st = piece(full * chunk, n % chunk, p, st)
         return p, st
     return run
 
 
-_JITS = {mode: jax.jit(_chunked(fn), donate_argnums=(0, 2))
+_JITS = {mode: jax.jit(_chunked(fn), donate_argnums=(0, 2), static_argnums=(4,))
          for mode, fn in (("float32", _step_f32), ("bfloat16", _step_bf16), ("int8", _step_int8))}
 
 
-def device_adamw_step(moments: str, param, grad, state: dict, scalars) -> tuple[jax.Array, dict]:
+def device_adamw_step(moments: str, param, grad, state: dict, scalars, chunk: int | None = None
+                      ) -> tuple[jax.Array, dict]:
     """moments: 'float32' | 'bfloat16' | 'int8'. param: f32 (n,) device array; grad f32/bf16 (n,);
     state: dict of device arrays with the keys above; scalars: the 11-tuple from _scalars (numpy f32).
     Returns (new param f32 (n,), new state dict with the same keys, dtypes, shapes).
 
+    ``chunk``: values per slice (default ``CHUNK``; the plan's ``device_update_chunk``), whole blocks.
+
     ``param`` and the state arrays are donated: do not use them after the call."""
+    chunk = CHUNK if chunk is None else int(chunk)
+    if chunk < BLOCK or chunk % BLOCK:
+        raise ValueError(f"chunk must be a positive multiple of {BLOCK} values, got {chunk}")
     if moments not in _JITS:
         raise ValueError(f"moments must be one of {tuple(_JITS)}, got {moments!r}")
     if set(state) != set(STATE_KEYS[moments]):
@@ -207,4 +213,4 @@ def device_adamw_step(moments: str, param, grad, state: dict, scalars) -> tuple[
         raise ValueError(f"scalars: the 11 values of compact_adamw._scalars, got {len(scalars)}")
     s = np.array([*scalars, 0.0], np.float32)  # the zero: see ``_update``
     with jax.enable_x64(True):  # float64 / and sqrt inside; thread-local
-        return _JITS[moments](param, grad, dict(state), s)
+        return _JITS[moments](param, grad, dict(state), s, chunk)

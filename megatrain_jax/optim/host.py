@@ -166,6 +166,15 @@ class FusedAdamW:
         return 8.0
 
     moments = "float32"  # the moment format (``device_adamw.device_adamw_step`` takes the same name)
+    runs_on_device = True  # ``train.update_on=device``: ``device_step`` runs this update on the accelerator
+
+    def device_step(self, param, grad, state: dict, scalars: tuple, chunk: int | None = None):
+        """This update on the accelerator (``optim/device_adamw.py``, ``chunk`` values per slice):
+        (new param, new state); the param and state arrays are donated. ``scalars``:
+        ``device_scalars(count, grad_scale)``."""
+        from megatrain_jax.optim.device_adamw import device_adamw_step
+
+        return device_adamw_step(self.moments, param, grad, state, scalars, chunk)
 
     def device_scalars(self, count: int, grad_scale: float = 1.0) -> tuple:
         """The step's float32 scalars as the host kernels round them, for the device-side update
@@ -321,6 +330,8 @@ class OptaxHostOptimizer:
     counts, so ``count`` is not used: call ``update`` once per applied step. ``state_to_arrays`` gives
     copies keyed by the state's tree path, e.g. ``'0.mu.attn.wq'`` for ``optax.adamw`` on
     ``{'attn': {'wq': ...}}`` (0-d arrays for the counts)."""
+
+    runs_on_device = False  # the update runs on the jax CPU device (``train.update_on=host`` only)
 
     def __init__(self, tx: optax.GradientTransformation, cpu_device=None):
         self.tx = tx

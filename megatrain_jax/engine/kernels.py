@@ -1,0 +1,345 @@
+"""The jitted pieces of a streamed step, and the per-layer kernel variants the sweeps call.
+
+Each piece is the single-device computation inside a ``shard_map`` over the devices' one-axis mesh:
+weights replicated, activations and data split by sequence, and the accumulated weight gradients per
+device (a ``(devices x size,)`` array, each device's share its own partial sum) until ``reduce`` sums
+them with one collective per group. On one device the map is the identity and ``reduce`` is None.
+Every block of a kind shares one forward / backward executable (one kind for identical blocks).
+
+A layer's variant is chosen once, at construction (``layers[i]``): ``Recompute`` (the backward
+recomputes the block from its saved input), ``KeepResiduals`` (the last blocks keep their forward's
+VJP residuals: no recompute) or ``EmitsStats`` (a block that adds auxiliary-loss statistics, e.g.
+MoE router load balancing, to the step's accumulator and takes their cotangent in the backward).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from megatrain_jax.engine.loss import chunked_cross_entropy
+from megatrain_jax.hoststore import HostStore
+from megatrain_jax.templates import StreamedModel, block_rng
+
+F32 = jnp.float32
+
+
+def local_shard(x: jax.Array, j: int = 0) -> jax.Array:
+    """One local device's copy of a replicated array (chunk ``j`` of a gradient leaves through
+    local device ``j mod n``: each device's own link carries a share)."""
+    shards = x.addressable_shards
+    if len(shards) == 1:
+        return shards[0].data
+    return shards[j % len(shards)].data
+
+
+class Kernels:
+    """Jits the step's pieces for ``parts`` over ``mesh``; ``layers[i]`` is layer i's variant."""
+
+    def __init__(self, parts: StreamedModel, store: HostStore, mesh: Mesh, dtype: Any, loss_chunk: int,
+                 keep_residuals: int):
+        self.parts, self.store, self.mesh, self.dtype = parts, store, mesh, dtype
+        self.num_devices = mesh.devices.size
+        p, dt, chunk = parts, dtype, loss_chunk
+        lay_e, lay_h = store["embed"].layout, store["head"].layout
+        tied, cap = p.tied, p.logit_softcap
+        stack = p.blocks
+        aux_loss = stack.aux_loss
+        rep, dat = P(), P("data")
+        multi = self.num_devices > 1
+
+        # weights arrive as the host streams them: bf16, or the fp32 master cast here, on the device
+        def embed_fwd(w, tokens):
+            return p.embed_fn(lay_e.unflatten(w.astype(dt)), tokens).astype(dt)
+
+        def head_loss(wh, we, h, labels, mask, inv, gh, ge):
+            def f(wh, we, h):
+                normed, out = p.head_fn(lay_h.unflatten(wh.astype(dt)), h,
+                                        lay_e.unflatten(we.astype(dt)) if tied else None)
+                return chunked_cross_entropy(normed, out, labels, mask, chunk, cap) * inv
+
+            loss, (dwh, dwe, dh) = jax.value_and_grad(f, argnums=(0, 1, 2))(wh, we, h)
+            if tied:
+                ge = ge + dwe.astype(F32)
+            if multi:
+                loss = jax.lax.psum(loss, "data")
+            return loss, dh, gh + dwh.astype(F32), ge
+
+        def embed_bwd(we, tokens, dh, ge):
+            _, vjp = jax.vjp(lambda w: embed_fwd(w, tokens), we)
+            (dw,) = vjp(dh)
+            return ge + dw.astype(F32)
+
+        smap = self._smap
+        self._block_raw: dict[Any, Callable] = {}  # per template: its plain forward (for kept residuals)
+        self.vjp_jits: dict[Any, tuple] = {}
+        self.embed_fwd = jax.jit(smap(embed_fwd, (rep, dat), dat))
+        self._block_fns = {k: self._block_fns_of(stack.templates[k], store[f"block_{stack.kinds.index(k)}"].layout,
+                                                 aux_loss is not None and k in aux_loss.kinds, multi)
+                           for k in dict.fromkeys(stack.kinds)}
+        self._block_jits: dict[Any, tuple] = {}  # (forward, backward[, statistics shapes]) per kind and aux layout
+        self._aux_cache: dict[Any, Callable] = {}
+        self.head_loss = jax.jit(smap(head_loss, (rep, rep, dat, dat, dat, rep, dat, dat), (rep, dat, dat, dat)),
+                                 donate_argnums=(6, 7))
+        self.embed_bwd = jax.jit(smap(embed_bwd, (rep, dat, dat, dat), dat), donate_argnums=(3,))
+        self.reduce = jax.jit(smap(lambda g: jax.lax.psum(g, "data"), (dat,), rep)) if multi else None
+        self._aux_total = None
+        if aux_loss is not None:
+            def aux_total(acc):  # the step's summed statistics -> (aux loss, its gradient w.r.t. them)
+                total = jax.tree_util.tree_map(lambda a: a[0], acc)
+                if multi:
+                    total = jax.lax.psum(total, "data")
+                return jax.value_and_grad(aux_loss.fn)(total)
+
+            self._aux_total = jax.jit(smap(aux_total, (dat,), (rep, rep)))
+        self._stats_zero_fn: Callable | None = None
+        self.sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)))
+        self.to_bf16 = jax.jit(lambda g: g.astype(jnp.bfloat16))
+        self.chunk = jax.jit(lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32), static_argnums=2)
+        self.totals = jax.jit(lambda losses, sqs: (sum(losses), sum(sqs)))  # one fetch per step
+        # committed to the devices like every other operand, so the first micro-batch's call
+        # (fresh zeros) and later ones (accumulated outputs) share one executable
+        self.batch_sharding = NamedSharding(mesh, dat)
+        n_dev = self.num_devices
+        self._zeros_fn = jax.jit(lambda n: jnp.zeros((n * n_dev,), F32), static_argnums=0,
+                                 out_shardings=self.batch_sharding)
+        self._rng_fn = jax.jit(block_rng, out_shardings=NamedSharding(mesh, rep)) if stack.takes_rng else None
+        self.rng_seed, self.rng_step = 0, 0
+        self.stats = _Stats()
+        L = store.num_blocks
+        self.keep_residuals = max(0, min(int(keep_residuals), L - 1))  # never the first block
+        self.layers: list[Recompute] = [
+            EmitsStats(self, i) if stack.emits_stats(i) else
+            KeepResiduals(self, i) if i >= L - self.keep_residuals else Recompute(self, i) for i in range(L)]
+
+    # ---------------------------------------------------------------------------- per step
+
+    def begin(self, step: int) -> None:
+        """A new step: dropout keys are (updates done before it, layer, micro-batch)."""
+        self.rng_step = step
+        self.stats.acc = self.stats.ct = None
+
+    def zeros(self, size: int) -> jax.Array:
+        """A gradient accumulator: ``size`` fp32 values per device."""
+        return self._zeros_fn(size)
+
+    def rng(self, layer: int, micro: int) -> jax.Array | None:
+        """The dropout key of (this step, layer, micro-batch); None for blocks without randomness."""
+        if self._rng_fn is None:
+            return None
+        return self._rng_fn(self.rng_seed, self.rng_step, layer, micro)
+
+    def aux_total(self) -> jax.Array | None:
+        """The step's auxiliary loss (None: no block emitted statistics); its gradient w.r.t. the
+        summed statistics is kept for the emitting blocks' backward."""
+        if self.stats.acc is None:
+            return None
+        value, self.stats.ct = self._aux_total(self.stats.acc)
+        return value
+
+    def aux_of(self, positions: jax.Array, segment_ids: jax.Array | None) -> Any:
+        """``aux_fn`` on each device's share of the micro-batch. Leaves that carry the batch
+        dimension stay split over the devices; any other leaf is replicated."""
+        key = (positions.shape, segment_ids is None)
+        fn = self._aux_cache.get(key)
+        if fn is None:
+            local = jax.ShapeDtypeStruct((positions.shape[0] // self.num_devices,) + positions.shape[1:], jnp.int32)
+            shapes = jax.eval_shape(self.parts.aux_fn, local, None if segment_ids is None else local)
+            specs = jax.tree_util.tree_map(
+                lambda a: P("data") if (a.ndim >= 1 and a.shape[0] == local.shape[0]) else P(), shapes)
+            in_specs = (P("data"), None if segment_ids is None else P("data"))
+            fn = jax.jit(self._smap(self.parts.aux_fn, in_specs, specs))
+            self._aux_cache[key] = fn
+        return fn(positions, segment_ids)
+
+    # ---------------------------------------------------------------------------- blocks
+
+    def block_fwd(self, i: int, w, h, aux, rng, stats=None):
+        """Layer ``i``'s output; ``(output, stats + its statistics)`` for a layer that emits them."""
+        if stats is None:
+            return self._block_kernels(i, aux)[0](w, h, aux, rng)
+        return self._block_kernels(i, aux)[0](w, h, aux, rng, stats)
+
+    def block_bwd(self, i: int, w, h, aux, rng, dh, g, stats_ct=None):
+        """Recompute layer ``i`` from its input ``h``, VJP: (d input, g + d weights)."""
+        if stats_ct is None:
+            return self._block_kernels(i, aux)[1](w, h, aux, rng, dh, g)
+        return self._block_kernels(i, aux)[1](w, h, aux, rng, dh, g, stats_ct)
+
+    def stats_zeros(self, i: int, w, h, aux, rng) -> Any:
+        """Zero accumulators for the auxiliary loss's statistics: one per device (leading axis)."""
+        if self._stats_zero_fn is None:
+            shapes = jax.eval_shape(self._block_kernels(i, aux)[2], w, h, aux, rng)
+            self._stats_zero_fn = jax.jit(
+                lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, F32), shapes),
+                out_shardings=self.batch_sharding)
+        return self._stats_zero_fn()
+
+    def _smap(self, f: Callable, in_specs: Any, out_specs: Any) -> Callable:
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def _block_fns_of(self, template, lay, emits_stats: bool, multi: bool):
+        dt, stack = self.dtype, self.parts.blocks
+
+        def block_fwd(w, h, aux, rng):
+            if stack.takes_rng:
+                if multi:  # each device's sequences get their own masks
+                    rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
+                return template(lay.unflatten(w.astype(dt)), h, aux, rng)
+            return template(lay.unflatten(w.astype(dt)), h, aux)
+
+        def block_bwd(w, h, aux, rng, dh, g):
+            _, vjp = jax.vjp(lambda w_, h_: block_fwd(w_, h_, aux, rng), w, h)
+            dw, dh_in = vjp(dh)
+            return dh_in, g + dw.astype(F32)
+
+        self._block_raw[template] = block_fwd
+        if not emits_stats:
+            return block_fwd, block_bwd
+
+        # a block that also returns statistics: (hidden, stats), the stats in fp32
+        def fwd_stats(w, h, aux, rng):
+            out, stats = block_fwd(w, h, aux, rng)
+            return out, jax.tree_util.tree_map(lambda x: x.astype(F32), stats)
+
+        def block_fwd_acc(w, h, aux, rng, acc):  # acc: this device's running sums, leaves (1, ...)
+            out, stats = fwd_stats(w, h, aux, rng)
+            return out, jax.tree_util.tree_map(lambda a, x: a + x[None], acc, stats)
+
+        def block_bwd_ct(w, h, aux, rng, dh, g, ct):  # ct: d aux_loss / d (summed stats)
+            _, vjp = jax.vjp(lambda w_, h_: fwd_stats(w_, h_, aux, rng), w, h)
+            dw, dh_in = vjp((dh, ct))
+            return dh_in, g + dw.astype(F32)
+
+        def stats_only(w, h, aux, rng):  # for the accumulator's shapes (eval_shape only)
+            return jax.tree_util.tree_map(lambda x: x[None], fwd_stats(w, h, aux, rng)[1])
+
+        return block_fwd_acc, block_bwd_ct, stats_only
+
+    def _block_kernels(self, i: int, aux: Any) -> tuple:
+        """Layer ``i``'s (forward, backward) executables, for ``aux`` laid out as it is."""
+        kind = self.parts.blocks.kinds[i]
+        specs = jax.tree_util.tree_map(lambda a: a.sharding.spec, aux)
+        key = (kind, jax.tree_util.tree_structure(aux), tuple(jax.tree_util.tree_leaves(
+            specs, is_leaf=lambda x: isinstance(x, P))))
+        fns = self._block_jits.get(key)
+        if fns is None:
+            rep, dat = P(), P("data")
+            if len(self._block_fns[kind]) == 2:
+                fwd, bwd = self._block_fns[kind]
+                fns = (jax.jit(self._smap(fwd, (rep, dat, specs, rep), dat)),
+                       jax.jit(self._smap(bwd, (rep, dat, specs, rep, dat, dat), (dat, dat)), donate_argnums=(4, 5)))
+            else:  # emits statistics: the forward adds them to the accumulator, the backward takes their cotangent
+                fwd, bwd, stats_only = self._block_fns[kind]
+                fns = (jax.jit(self._smap(fwd, (rep, dat, specs, rep, dat), (dat, dat)), donate_argnums=(4,)),
+                       jax.jit(self._smap(bwd, (rep, dat, specs, rep, dat, dat, rep), (dat, dat)),
+                               donate_argnums=(4, 5)),
+                       self._smap(stats_only, (rep, dat, specs, rep), dat))
+            self._block_jits[key] = fns
+        return fns
+
+    def vjp_kernels(self, i: int, aux: Any) -> tuple[Callable, Callable]:
+        """Layer ``i``'s forward that also returns its VJP (the residuals, kept on the device) and
+        the backward that applies it: no recompute. One device only (``keep_residuals``)."""
+        stack = self.parts.blocks
+        kind = stack.kinds[i]
+        key = (kind, jax.tree_util.tree_structure(aux))
+        fns = self.vjp_jits.get(key)
+        if fns is None:
+            fwd = self._block_raw[stack.templates[kind]]
+
+            # matmul outputs are kept; the elementwise rest (norms, activations, rotary, casts) and the
+            # attention's own computation are recomputed from them in the backward, a small part of the
+            # block's forward, for residuals of a few activations per token
+            keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+            # the residuals leave out the block's weights and its input: the weights would be one copy per
+            # micro-batch as the jit's outputs (experiments/RESULTS.md), and the input is the boundary
+            # activation the step keeps anyway; the backward gets both again as arguments and puts them
+            # back where the VJP expects them
+            layout: dict[tuple, tuple] = {}  # per input shape: the VJP's tree and which leaves are w / h
+
+            def fwd_vjp(w, h, aux, rng):
+                out, f = jax.vjp(jax.checkpoint(lambda w_, h_: fwd(w_, h_, aux, rng), policy=keep), w, h)
+                leaves, tree = jax.tree_util.tree_flatten(f)
+                slots = tuple("w" if x is w else "h" if x is h else None for x in leaves)
+                layout[h.shape, str(h.dtype)] = (tree, slots)
+                return out, [x for x, s in zip(leaves, slots) if s is None]
+
+            def bwd_vjp(w, h, res, dh, g):
+                tree, slots = layout[h.shape, str(h.dtype)]
+                rest = iter(res)
+                f = jax.tree_util.tree_unflatten(tree, [w if s == "w" else h if s == "h" else next(rest)
+                                                        for s in slots])
+                dw, dh_in = f(dh)
+                return dh_in, g + dw.astype(F32)
+
+            fns = (jax.jit(fwd_vjp), jax.jit(bwd_vjp, donate_argnums=(3, 4), out_shardings=(self.batch_sharding, None)))
+            self.vjp_jits[key] = fns
+        return fns
+
+    def residual_bytes(self, h: Any, aux: Any) -> int:
+        """Bytes of the VJP residuals the last block keeps for one micro-batch of hidden states
+        shaped like ``h`` (abstract evaluation: nothing runs)."""
+        L = self.store.num_blocks
+        v = self.store[f"block_{L - 1}"].stream_view()
+        w = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        h = jax.ShapeDtypeStruct(h.shape, self.dtype)
+        _, vjp = jax.eval_shape(self.vjp_kernels(L - 1, aux)[0], w, h, aux, self.rng(L - 1, 0))
+        return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(vjp)))
+
+
+class _Stats:
+    """The auxiliary loss's running sums for one step (``acc``, per device) and their cotangent."""
+
+    acc: Any = None
+    ct: Any = None
+
+
+class Recompute:
+    """Layer ``i``: the forward keeps nothing; the backward recomputes it from its saved input."""
+
+    def __init__(self, kernels: Kernels, i: int):
+        self.k, self.i = kernels, i
+
+    def forward(self, w, h, aux, m: int):
+        return self.k.block_fwd(self.i, w, h, aux, self.k.rng(self.i, m))
+
+    def backward(self, w, h, aux, m: int, dh, g):
+        return self.k.block_bwd(self.i, w, h, aux, self.k.rng(self.i, m), dh, g)
+
+
+class EmitsStats(Recompute):
+    """A layer whose forward adds auxiliary-loss statistics to the step's accumulator, and whose
+    backward receives d aux_loss / d statistics as an extra cotangent."""
+
+    def forward(self, w, h, aux, m: int):
+        k, rng = self.k, self.k.rng(self.i, m)
+        if k.stats.acc is None:
+            k.stats.acc = k.stats_zeros(self.i, w, h, aux, rng)
+        h, k.stats.acc = k.block_fwd(self.i, w, h, aux, rng, k.stats.acc)
+        return h
+
+    def backward(self, w, h, aux, m: int, dh, g):
+        return self.k.block_bwd(self.i, w, h, aux, self.k.rng(self.i, m), dh, g, self.k.stats.ct)
+
+
+class KeepResiduals(Recompute):
+    """One of the last blocks: its forward keeps the VJP residuals on the device (one set per
+    micro-batch), and its backward applies them: no recompute."""
+
+    res: list
+
+    def forward(self, w, h, aux, m: int):
+        if m == 0:
+            self.res = []
+        h, res = self.k.vjp_kernels(self.i, aux)[0](w, h, aux, self.k.rng(self.i, m))
+        self.res.append(res)
+        return h
+
+    def backward(self, w, h, aux, m: int, dh, g):
+        res, self.res[m] = self.res[m], None  # its residuals are freed as soon as they are used
+        return self.k.vjp_kernels(self.i, aux)[1](w, h, res, dh, g)

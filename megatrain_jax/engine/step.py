@@ -1,0 +1,319 @@
+"""The streamed training step.
+
+Read ``StreamedTrainer.step`` top to bottom: forward sweep, loss, backward sweep, updates. The
+model's state lives in the host store; the accelerator sees, at any moment, the embedding and head
+(resident for the step: small, needed at both ends), the block being computed and the next block
+already in flight.
+
+- **Forward**: layer by layer; every micro-batch passes a block while its weights are resident
+  (layer-major), and each block's input activation is kept (the boundary checkpoints).
+- **Loss**: final norm + LM head + cross-entropy in chunks of ``loss_chunk`` tokens
+  (``loss.py``), so the (tokens x vocab) logits never exist at once, forward or backward.
+- **Backward**: blocks in reverse; each recomputes its forward from the saved input inside a
+  per-layer VJP (or applies its kept residuals), accumulates its weight gradient over micro-batches
+  in fp32, and hands it to the updater (``updaters.py``).
+- **Auxiliary loss** (a stack with ``aux_loss``, e.g. MoE load balancing): the emitting blocks add
+  their statistics to a per-device accumulator during the forward; ``fn(total)`` joins the loss and
+  its gradient w.r.t. the total is the extra cotangent each emitting block's VJP receives.
+
+The machinery sits behind small objects: ``WeightStream`` and ``Boundaries`` (``weights.py``), the
+updater (``updaters.py``) and the jitted kernels with one variant per layer (``kernels.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from megatrain_jax.engine.kernels import F32, Kernels, local_shard
+from megatrain_jax.engine.updaters import EMBED, HEAD, Groups, make_updates
+from megatrain_jax.engine.weights import Boundaries, WeightStream
+from megatrain_jax.hoststore import HostStore
+from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
+from megatrain_jax.plan.options import EngineOptions
+from megatrain_jax.templates import StreamedModel
+from megatrain_jax.transfer import Transfers
+
+
+class Batch(NamedTuple):
+    """One optimizer step's data, all (B, S) numpy arrays."""
+
+    tokens: np.ndarray
+    labels: np.ndarray
+    loss_mask: np.ndarray | None = None
+    segment_ids: np.ndarray | None = None
+    positions: np.ndarray | None = None
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens: int  # tokens that count in the loss
+    skipped: bool = False
+    aux_loss: float | None = None  # the auxiliary term included in ``loss`` (None: the stack has none)
+
+
+class MicroBatch(NamedTuple):
+    inputs: Any  # the embedding's input: tokens (B/M, S), or (tokens, positions)
+    labels: jax.Array  # (B/M, S) int32
+    mask: jax.Array  # (B/M, S) float32
+    mask_sum: float
+    aux: Any  # the blocks' extra inputs (``aux_fn``: positions, masks)
+
+
+class StreamedTrainer:
+    """Trains a ``StreamedModel`` whose state lives in a ``HostStore``, as ``options`` say.
+
+    ``options``: an ``EngineOptions`` (what the memory plan decides), or its fields as keywords.
+    ``devices`` (data parallel): every device of the run, in every process (``jax.devices()``
+    order); this process drives those it can address. Each receives every block, computes its share
+    of each micro-batch, and each group's gradient is summed over all of them by one collective.
+    ``tracer``: an optional timeline recorder (``trace.py``: ``watch`` and ``interval``).
+    """
+
+    def __init__(self, parts: StreamedModel, host_opt: HostOptimizer, options: EngineOptions | None = None, *,
+                 store: HostStore | None = None, device: jax.Device | None = None,
+                 devices: list[jax.Device] | None = None, tracer: Any = None, **fields: Any):
+        if options is not None and fields:
+            raise TypeError("pass options or its fields, not both")
+        options = options if options is not None else EngineOptions(**fields)
+        devices = list(devices) if devices else [device or jax.local_devices()[0]]
+        if options.devices != "all" and int(options.devices) != len(devices):
+            options = options.with_(devices=len(devices))  # the combination rules see the real count
+        self.options, self.parts, self.opt, self._tracer = options, parts, host_opt, tracer
+        self.local_devices = [d for d in devices if d.process_index == jax.process_index()]
+        if not self.local_devices:
+            raise ValueError("none of the given devices belongs to this process")
+        self.device, self.num_devices = self.local_devices[0], len(devices)
+        self.mesh = Mesh(np.array(devices), ("data",))
+        self.dtype = jnp.dtype(options.compute_dtype)
+        # the streamed dtype follows the store: without a bf16 copy the fp32 master streams, and
+        # each jitted piece casts it to the compute dtype on the device (stream_copy=device)
+        self.store = store or HostStore.from_trees(parts.host_trees(), bf16_stream=self.dtype == jnp.bfloat16)
+        self.num_layers = self.store.num_blocks
+        self.xfer = Transfers(self.local_devices, options.transfer_mode, mesh=self.mesh)
+        self.kernels = Kernels(parts, self.store, self.mesh, self.dtype, options.loss_chunk,
+                               options.keep_residuals)
+        self.kernels.rng_seed = options.rng_seed
+        groups = Groups(self.num_layers)
+        self.updates = make_updates(self.store, host_opt, self.xfer, self.kernels, options, groups, tracer)
+        for g in self.store:
+            if g.opt_state is None:
+                g.opt_state = host_opt.init_state(g.master, g.layout.unflatten)
+            self.xfer.register(g.name, g.stream_view())
+            self.updates.register(g)
+        self.weights = WeightStream(self.store, self.xfer, self.updates, groups, tracer)
+        self.boundaries = Boundaries(self.xfer, options.activations == "pinned_host"
+                                     and self.xfer.host_sharding is not None)
+        # the head goes in flight during the last two blocks; with device-side updates during the
+        # last only, so that block L-1's update does not wait for its transfer
+        self._head_from = self.num_layers - (1 if self.updates.on_device else 2)
+        self.last_step_info: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------ the step
+
+    def step(self, batch: Batch) -> StepResult:
+        L, k, weights, acts = self.num_layers, self.kernels, self.weights, self.boundaries
+        mbs = self._micro_batches(batch)  # M micro-batches of (B/M, S)
+        n_tokens = int(sum(mb.mask_sum for mb in mbs))
+        inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)  # () the loss is a mean over the step's tokens
+        k.begin(self.count)
+        acts.start()
+
+        # ---- forward sweep. Issue order decides overlap: block i+1's transfer is issued before block
+        # i is dispatched, and a device-side update is dispatched (``take``) before the next transfer
+        # (dispatched after it, it would wait for that transfer too: experiments/RESULTS.md)
+        emb_w = weights.take(EMBED)  # (embed size,) resident for the step
+        weights.prefetch(0)
+        hs = [k.embed_fwd(emb_w, mb.inputs) for mb in mbs]  # M x (B/M, S, H)
+        for i in range(L):
+            w = weights.take(i)  # (block size,)
+            weights.prefetch(i + 1, wait=False)  # not while its host update runs: block i goes first
+            if i >= self._head_from:
+                weights.prefetch(HEAD, wait=False)  # the head: in flight while the last blocks compute
+            acts.keep(hs)  # block i's input: the boundary checkpoint
+            hs = self._forward_block(i, w, hs, mbs)  # M x (B/M, S, H)
+            self._trace("compute", f"fwd {i}", hs[-1])
+            weights.prefetch(i + 1)  # (when its update was still running: fetched now, after block i)
+        weights.hold(L - 1, w)  # device-side updates: block L-1's just-updated weights serve the backward
+        del w
+        head_w = weights.take(HEAD)  # (head size,)
+        aux_val = k.aux_total()  # () or None: the auxiliary loss of the whole step
+
+        # ---- loss and head backward; the last block and its inputs go in flight first, to overlap it
+        weights.prefetch(L - 1)
+        acts.bring(L - 1)
+        g_head, g_emb = k.zeros(self.store["head"].size), k.zeros(self.store["embed"].size)  # fp32 per device
+        losses, dhs = [], []  # M x (), M x (B/M, S, H)
+        for h, mb in zip(hs, mbs):
+            loss, dh, g_head, g_emb = k.head_loss(head_w, emb_w, h, mb.labels, mb.mask, inv, g_head, g_emb)
+            losses.append(loss)
+            dhs.append(dh)
+        self._trace("compute", "loss", losses[-1])
+        if aux_val is not None:
+            losses.append(aux_val)
+        sq = [self._gradient(HEAD, g_head)]  # squared norms, fp32 (), one per group
+
+        # ---- backward sweep: recompute each block from its saved input, VJP, gradient out
+        for i in reversed(range(L)):
+            w = weights.take(i)
+            weights.prefetch(i - 1)  # before block i's backward: the transfer overlaps it
+            acts.bring(i - 1)
+            g = self._backward_block(i, w, acts.take(i), mbs, dhs)  # (devices x block size,) fp32
+            sq.append(self._gradient(i, g))
+            self._trace("compute", f"bwd {i}", sq[-1])  # (g itself may be donated later)
+        for m, mb in enumerate(mbs):
+            g_emb = k.embed_bwd(emb_w, mb.inputs, dhs[m], g_emb)
+        sq.append(self._gradient(EMBED, g_emb))
+
+        # ---- norm, clipping and the updates (deferred ones queued in the order the forward needs them)
+        loss, sq_total = (float(np.asarray(local_shard(x))) for x in k.totals(losses, sq))
+        grad_norm = float(np.sqrt(sq_total))
+        aux = None if aux_val is None else float(np.asarray(local_shard(aux_val)))
+        self.last_step_info = {"offload_activations": acts.offload, "transfer_mode": self.xfer.mode}
+        skipped = self.updates.deferred and not (np.isfinite(loss) and np.isfinite(grad_norm))
+        scale = None if skipped else global_norm_scale(grad_norm ** 2, self.options.clip_norm)
+        self.updates.apply(scale, resident={"embed": emb_w, "head": head_w, "block_0": w})
+        return StepResult(loss, grad_norm, n_tokens, skipped=skipped, aux_loss=aux)
+
+    # ------------------------------------------------------------------------------ step helpers
+
+    def _forward_block(self, i: int, w: jax.Array, hs: list, mbs: list[MicroBatch]) -> list:
+        """Every micro-batch through block ``i`` (layer-major); queued gradient copies are issued
+        before each micro-batch's compute, which they then overlap."""
+        layer, out = self.kernels.layers[i], []
+        for m, (h, mb) in enumerate(zip(hs, mbs)):
+            self.updates.issue_ahead(i)
+            out.append(layer.forward(w, h, mb.aux, m))
+        return out
+
+    def _backward_block(self, i: int, w: jax.Array, acts: list, mbs: list[MicroBatch], dhs: list) -> jax.Array:
+        """Block ``i``'s VJP for every micro-batch: ``dhs`` becomes the inputs' cotangents, and the
+        weight gradient accumulates over the micro-batches in fp32."""
+        layer, g = self.kernels.layers[i], self.kernels.zeros(self.store[f"block_{i}"].size)
+        for m, mb in enumerate(mbs):
+            dhs[m], g = layer.backward(w, acts[m], mb.aux, m, dhs[m], g)
+        return g
+
+    def _gradient(self, key: Any, g: jax.Array) -> jax.Array:
+        """A group's gradient is complete on the devices: summed over them (one collective per
+        group), its squared norm taken in fp32, then held for the norm or sent to be applied."""
+        if self.kernels.reduce is not None:
+            g = self.kernels.reduce(g)
+        sq = self.kernels.sqnorm(g)
+        self.updates.gradient(self.weights.groups.names[key], g)
+        return sq
+
+    def _trace(self, lane: str, label: str, arr: Any) -> None:
+        if self._tracer is not None:
+            self._tracer.watch(lane, label, arr)
+
+    def _micro_batches(self, batch: Batch) -> list[MicroBatch]:
+        """The step's micro-batches as device arrays, each split over the devices by sequence."""
+        b, s = batch.tokens.shape
+        m, n = self.options.micro_batches, self.num_devices
+        if b % m:
+            raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
+        if (b // m) % n:
+            raise ValueError(f"micro-batches of {b // m} sequences do not split over {n} devices "
+                             f"(batch_size must be a multiple of micro_batches x devices = {m * n})")
+        mask = batch.loss_mask if batch.loss_mask is not None else np.ones((b, s), np.float32)
+        pos = batch.positions if batch.positions is not None else np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+        sharding = self.kernels.batch_sharding
+
+        def put(x, dtype):
+            x = np.ascontiguousarray(x, dtype)
+            return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+        out = []
+        for part in range(m):
+            sl = slice(part * b // m, (part + 1) * b // m)
+            seg = None if batch.segment_ids is None else put(batch.segment_ids[sl], np.int32)
+            tokens, positions = put(batch.tokens[sl], np.int32), put(pos[sl], np.int32)
+            out.append(MicroBatch((tokens, positions) if self.parts.embed_takes_positions else tokens,
+                                  put(batch.labels[sl], np.int32), put(mask[sl], np.float32),
+                                  float(np.asarray(mask[sl], np.float64).sum()), self.kernels.aux_of(positions, seg)))
+        return out
+
+    # ------------------------------------------------------------------------------ state and control
+
+    @property
+    def count(self) -> int:
+        """Optimizer steps taken."""
+        return self.updates.count
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self.updates.count = int(value)
+
+    @property
+    def tracer(self) -> Any:
+        """The timeline recorder (``trace.py``), or None; settable between steps."""
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Any) -> None:
+        self._tracer = self.weights.tracer = self.updates.tracer = tracer
+
+    @property
+    def before_update(self) -> Callable[[str, int], None] | None:
+        """Called as ``before_update(name, count)`` on the updating thread just before update
+        ``count`` writes group ``name`` in place (a background checkpoint holds back writes)."""
+        return self.updates.before_update
+
+    @before_update.setter
+    def before_update(self, fn: Callable[[str, int], None] | None) -> None:
+        self.updates.before_update = fn
+
+    micro_batches = property(lambda self: self.options.micro_batches)
+    clip_norm = property(lambda self: self.options.clip_norm)
+    loss_chunk = property(lambda self: self.options.loss_chunk)
+    skip_nonfinite = property(lambda self: self.options.skip_nonfinite)
+    rng_seed = property(lambda self: self.options.rng_seed)
+    update_on = property(lambda self: self.options.update_on)
+    grad_hold = property(lambda self: self.options.grad_hold)
+    keep_residuals = property(lambda self: self.kernels.keep_residuals)
+
+    def pending_updates(self) -> dict:
+        """Per group, a future that completes once the update queued last is in the host store (a
+        background checkpoint waits for these)."""
+        return self.updates.pending_updates()
+
+    def residual_bytes(self, h: Any, aux: Any) -> int:
+        """Bytes of the VJP residuals the last block keeps for one micro-batch shaped like ``h``."""
+        return self.kernels.residual_bytes(h, aux)
+
+    @contextlib.contextmanager
+    def nan_forward(self) -> Iterator[None]:
+        """Fault injection: steps run inside see a NaN embedding output, hence a NaN loss and NaN
+        gradients everywhere (``train.skip_nonfinite`` must then change nothing)."""
+        k = self.kernels
+        real = k.embed_fwd
+        k.embed_fwd = lambda w, tokens: real(w, tokens) * jnp.nan
+        try:
+            yield
+        finally:
+            k.embed_fwd = real
+
+    def finish(self) -> None:
+        """Wait for every queued update (before reading, saving or exporting the weights)."""
+        self.updates.finish()
+
+    def close(self) -> None:
+        self.updates.close()
+        self.xfer.close()
+
+    def params_tree(self) -> dict[str, Any]:
+        """fp32 master weights as the full model's pure-dict tree (views into the host store)."""
+        self.finish()
+        return {
+            "embed": self.store["embed"].tree(),
+            "layers": {i: self.store[f"block_{i}"].tree() for i in range(self.num_layers)},
+            "head": self.store["head"].tree(),
+        }

@@ -1,0 +1,491 @@
+"""Where each group's optimizer step runs: one class per update path, chosen once from the options.
+
+- ``HostUpdates``: the gradient goes to host memory in pinned slabs, and the host optimizer thread
+  updates the group in place slab by slab as each lands (``update_on=host``).
+- ``DeviceUpdates``: the group's fp32 master and optimizer state cross PCIe instead, the update runs on
+  the accelerator when the next forward fetches the group, and a write-back thread puts the new
+  state straight into the host store (``update_on=device``).
+
+Without clipping (or the NaN check) a host update starts as soon as its group's gradient lands. With
+them every update waits for the step's norm: the gradients are *held* (fp32 or bf16 on the device, or
+in pinned host memory: ``grad_hold``) and queued in forward order after the step, so the next step's
+forward waits for each group's update only when it needs that group.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from megatrain_jax.engine.kernels import F32, Kernels, local_shard
+from megatrain_jax.errors import UserError
+from megatrain_jax.hoststore import HostStore
+from megatrain_jax.optim.host import HostOptimizer
+from megatrain_jax.plan.options import EngineOptions
+from megatrain_jax.transfer import Transfers
+
+
+class Groups:
+    """The store's groups by key (``EMBED``, block index, ``HEAD``), in the order a forward needs them."""
+
+    def __init__(self, num_layers: int):
+        self.names: dict[Any, str] = {EMBED: "embed", **{i: f"block_{i}" for i in range(num_layers)}, HEAD: "head"}
+        self.order = list(self.names.values())  # forward order: deferred updates run in this order
+        self.pos = {n: j for j, n in enumerate(self.order)}
+
+
+EMBED, HEAD = "embed", "head"
+
+
+class _Updates:
+    """What both paths share: held gradients, the pending futures a fetch waits for, the step count."""
+
+    on_device = False
+
+    def __init__(self, store: HostStore, opt: HostOptimizer, xfer: Transfers, kernels: Kernels,
+                 options: EngineOptions, groups: Groups, tracer: Any):
+        self.store, self.opt, self.xfer, self.k, self.o, self.groups = store, opt, xfer, kernels, options, groups
+        self.tracer = tracer
+        # updates wait for the whole gradient when it must be clipped or checked for NaN first
+        self.deferred = options.clip_norm is not None or options.skip_nonfinite or options.update_on == "device"
+        self.count = 0  # optimizer steps taken
+        self.pending: dict[str, Future] = {}  # per group: the host buffers are rewritten when this completes
+        self.wait_s = 0.0  # time the dispatching thread spent waiting for updates
+        self.update_error: BaseException | None = None  # the first update that raised
+        # called on the updating thread as ``before_update(name, count)`` just before update ``count``
+        # writes group ``name`` in place (a background checkpoint holds back writes it has not saved)
+        self.before_update: Callable[[str, int], None] | None = None
+        self._held: dict[str, Any] = {}  # deferred gradients waiting for the norm
+
+    def register(self, g: Any) -> None:
+        """Group ``g``'s host buffers that cross PCIe besides its streaming copy (none here)."""
+
+    def done(self, name: str) -> bool:
+        fut = self.pending.get(name)
+        return fut is None or fut.done()
+
+    def wait(self, name: str) -> None:
+        """Before a group's host buffers are read again: its pending update has written them."""
+        fut = self.pending.pop(name, None)
+        if fut is not None:
+            self.issue_through(self.groups.pos[name])
+            t0 = time.perf_counter()
+            fut.result()
+            self.wait_s += time.perf_counter() - t0
+
+    def load(self, name: str) -> Any:
+        """A queued device-side update of ``name`` put in flight, or None (none on this path)."""
+        return None
+
+    def issue_ahead(self, i: int) -> None:
+        """The forward is at block ``i``: issue queued gradient copies a few groups ahead (none here)."""
+
+    def issue_through(self, pos: int, wait: bool = True) -> None:
+        """Issue queued gradient copies up to forward position ``pos`` (none here)."""
+
+    def hold(self, name: str, grad: jax.Array) -> None:
+        """A deferred gradient waits for the norm where ``grad_hold`` says."""
+        if self.o.grad_hold == "gpu_bf16":
+            grad = self.k.to_bf16(grad)  # the norm was taken in fp32
+        elif self.o.grad_hold == "pinned_host":
+            grad = self.xfer.to_host(local_shard(grad))  # issued before the next block's backward: they overlap
+            self._trace("d2h", name, grad)
+        self._held[name] = grad
+
+    def _trace(self, lane: str, label: str, arr: Any) -> None:
+        if self.tracer is not None:
+            self.tracer.watch(lane, label, arr)
+
+    def pending_updates(self) -> dict[str, Future]:
+        return dict(self.pending)
+
+    def close(self) -> None:
+        self.finish()
+
+
+# ------------------------------------------------------------------------------------------ host
+
+
+class GradOut:
+    """A group's gradient on its way to host memory, in slabs.
+
+    The gradient leaves the device in chunks of at most ``grad_slab_elems`` values; each chunk lands
+    in its own pinned buffer, and at most ``grad_slabs`` such buffers exist at once (a semaphore that
+    the optimizer releases as it finishes each chunk): the pinned pool stays at a fixed size however
+    large the model, and a chunk's transfer overlaps the update of the one before it (MegaTrain's
+    gradient slabs). XLA's pinned-host pool is a BFC allocator, so equal-sized chunks reuse the same
+    memory step after step.
+
+    GPU->host copies overlap compute only when issued *before* the compute they should hide behind,
+    so the dispatching thread issues each copy at the right point of the step. The optimizer thread
+    waits for that, and issues the copies itself if nobody has within a short time, so a waiting
+    reader can never deadlock (copies are issued and updates applied in one FIFO order, so the slabs a
+    copy waits for are always released next).
+    """
+
+    def __init__(self, grad: Any, chunks: list[tuple[int, int]], on_host: bool = False):
+        self.grad = grad  # device array (fp32/bf16), or a pinned-host fp32 array when on_host
+        self.chunks = chunks
+        self.on_host = on_host
+        self.host: list[Any] = [None] * len(chunks)
+        self.issued = len(chunks) if on_host else 0  # chunks issued so far
+        self.failed = False  # its update raised: no more slabs are taken for it, and its slabs are returned
+        self._lock = threading.Lock()
+        self._events = [threading.Event() for _ in chunks]
+        if on_host:  # already in host memory: nothing to issue
+            for e in self._events:
+                e.set()
+
+    def issue_next(self, up: "HostUpdates", wait: bool = True) -> bool:
+        """Issue the next chunk's copy; False (nothing issued) when no slab is free and not ``wait``."""
+        j = self.issued
+        lo, hi = self.chunks[j]
+        if self.on_host or self.failed:
+            self.host[j] = None  # read from the held pinned array itself (or nobody will read it)
+        else:
+            if not wait:
+                if not up.slabs.acquire(blocking=False):
+                    return False
+            else:
+                # a slab frees when the optimizer thread finishes a chunk; if an update has failed, the
+                # slabs it would have freed may never come back: surface its error instead of waiting
+                while not up.slabs.acquire(timeout=0.05):
+                    if up.update_error is not None:
+                        raise up.update_error
+            g = local_shard(self.grad, j)  # one device's copy of the (replicated) gradient
+            piece = g if (len(self.chunks) == 1 and g.dtype == F32) else up.k.chunk(g, lo, hi - lo)
+            arr = up.xfer.to_host(piece)
+            with self._lock:
+                if self.failed:
+                    up.slabs.release()
+                else:
+                    self.host[j] = arr
+        self.issued += 1
+        if self.issued == len(self.chunks) and not self.on_host:
+            self.grad = None  # the device copy is freed once its transfers are done
+        self._events[j].set()
+        return True
+
+    def chunk(self, j: int, up: "HostUpdates") -> np.ndarray:
+        """Chunk ``j`` as a host numpy array; waits until it has landed."""
+        while not self._events[j].wait(timeout=up.issue_wait_s):
+            up.issue_for(self, j)
+        if self.on_host:
+            lo, hi = self.chunks[j]
+            return up.xfer.host_view(self.grad)[lo:hi]
+        return up.xfer.host_view(self.host[j])
+
+    def release(self, j: int, up: "HostUpdates") -> None:
+        with self._lock:
+            if not self.on_host and self.host[j] is not None:
+                self.host[j] = None
+                up.slabs.release()
+
+    def fail(self, up: "HostUpdates") -> None:
+        """The update raised: give every slab back, so the dispatching thread never waits for one
+        that nobody will release (the error then surfaces where the update is waited for)."""
+        with self._lock:
+            self.failed = True
+            for j, arr in enumerate(self.host):
+                if arr is not None and not self.on_host:
+                    self.host[j] = None
+                    up.slabs.release()
+
+
+class HostUpdates(_Updates):
+    """Gradients to host memory in slabs; the host optimizer thread updates each group in place."""
+
+    LOOKAHEAD = 3  # during a forward, deferred gradient copies run this many blocks ahead of it
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        # how long the optimizer thread waits for the dispatching thread to issue a gradient copy
+        # before issuing it itself: on a GPU a copy issued late queues behind the compute already
+        # dispatched, so the dispatcher should issue it; the CPU backend has no such queue
+        self.issue_wait_s = 0.2 if self.xfer.on_gpu else 0.02
+        # gradient slabs: chunk size (aligned as the optimizer's state needs) and the pool's size
+        align, n = getattr(self.opt, "chunk_align", None), self.o.grad_slab_elems
+        self.slab = None if (n is None or align is None) else max(align, n // align * align)
+        self.slabs = threading.Semaphore(self.o.grad_slabs)
+        self._queue: list[tuple[str, GradOut]] = []  # gradients not yet sent to the host
+        self._copy_lock = threading.RLock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")
+        self._num_layers = len(self.groups.order) - 2
+
+    # ---- the step's calls
+
+    def issue_ahead(self, i: int) -> None:
+        """Before each micro-batch's compute in the forward: copies issued here overlap it, and the
+        host optimizer gets slabs back to work on several times per block."""
+        j = i + self.LOOKAHEAD
+        self.issue_through(j + 1 if j < self._num_layers else len(self.groups.order), wait=False)
+
+    def gradient(self, name: str, grad: jax.Array) -> None:
+        """Group ``name``'s gradient is complete (summed over the devices): held, or sent now."""
+        if self.deferred:
+            return self.hold(name, grad)
+        if name == HEAD:  # first gradient of the step: the step counts from here
+            self.count += 1
+        out = self.grad_out(name, grad)
+        with self._copy_lock:
+            self._queue.append((name, out))
+        self._submit(name, out, 1.0)  # first: its progress frees the slabs the copies below wait for
+        self.issue_through(self.groups.pos[name], wait=False)  # before the next block's backward: they overlap
+
+    def apply(self, scale: float | None, resident: dict[str, jax.Array]) -> None:
+        """After the norm: the held updates queued in forward order (their copies are issued during
+        the next forward); ``scale`` None drops them (a skipped step)."""
+        held, self._held = self._held, {}
+        if scale is None or not self.deferred:
+            return
+        self.count += 1
+        for name in self.groups.order:
+            out = self.grad_out(name, held.pop(name))
+            if not out.on_host:
+                self._queue.append((name, out))
+            self._submit(name, out, scale)
+        self.issue_ahead(-1)
+
+    def grad_out(self, name: str, grad: Any) -> GradOut:
+        n = self.store[name].size
+        step = self.slab or n
+        chunks = [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
+        return GradOut(grad, chunks, on_host=self.deferred and self.o.grad_hold == "pinned_host")
+
+    # ---- gradient copies
+
+    def issue_through(self, pos: int, wait: bool = True) -> None:
+        """Issue the queued gradient copies, chunk by chunk in forward order, up to position ``pos``.
+
+        ``wait=False`` (the sweeps, before dispatching compute): issue only as many chunks as there
+        are free slabs and leave the rest queued, so the accelerator's queue never runs dry while
+        the dispatching thread waits for the host optimizer; the next call, or the optimizer thread
+        itself, issues the rest. ``wait=True`` (about to wait for an update anyway): all of them.
+        """
+        order = self.groups.pos
+        with self._copy_lock:
+            while self._queue and order[self._queue[0][0]] <= pos:
+                name, out = self._queue[0]
+                while out.issued < len(out.chunks):
+                    if not out.issue_next(self, wait):
+                        return
+                    self._trace("d2h", name, out.host[out.issued - 1])
+                self._queue.pop(0)
+
+    def issue_for(self, out: GradOut, j: int) -> None:
+        """The optimizer thread needs chunk ``j`` of ``out`` and nobody has issued it: issue the
+        queue in order up to it (FIFO order keeps the slab pool deadlock-free).
+
+        Never blocks on the copy lock: whoever holds it is issuing the same queue in the same
+        order, and may be waiting for a slab that only this thread can free (a chunk it already
+        issued past ``j``); the caller waits for chunk ``j``'s event and tries again.
+        """
+        if not self._copy_lock.acquire(blocking=False):
+            return
+        try:
+            while out.issued <= j and self._queue:
+                head = self._queue[0][1]
+                head.issue_next(self)
+                if head.issued == len(head.chunks):
+                    self._queue.pop(0)
+        finally:
+            self._copy_lock.release()
+
+    # ---- the optimizer thread
+
+    def _submit(self, name: str, out: GradOut, scale: float) -> None:
+        self.pending[name] = self._pool.submit(self._update, name, out, scale, self.count)
+
+    def _update(self, name: str, out: GradOut, scale: float, count: int) -> None:
+        """Runs on the host optimizer thread: updates the group in place, slab by slab, each as
+        soon as it has landed (zero-copy views of the pinned buffers)."""
+        try:
+            self._update_slabs(name, out, scale, count)
+        except BaseException as e:
+            out.fail(self)
+            self.update_error = e
+            raise
+
+    def _update_slabs(self, name: str, out: GradOut, scale: float, count: int) -> None:
+        g = self.store[name]
+        t0 = None
+        whole = len(out.chunks) == 1
+        for j, (lo, hi) in enumerate(out.chunks):
+            host_grad = out.chunk(j, self)  # waits until it has landed
+            if j == 0:
+                if self.before_update is not None:
+                    self.before_update(name, count)
+                t0 = time.perf_counter()
+            if whole:
+                self.opt.update(g.master, host_grad, g.opt_state, count, scale, g.stream_bits, g.layout.unflatten)
+            else:
+                bits = None if g.stream_bits is None else g.stream_bits[lo:hi]
+                self.opt.update(g.master[lo:hi], host_grad, self.opt.state_slice(g.opt_state, lo, hi), count, scale,
+                                bits)
+            out.release(j, self)
+        self.xfer.host_written(name, g.stream_view())
+        if self.tracer is not None and t0 is not None:
+            self.tracer.interval("optimizer", name, t0, time.perf_counter())
+
+    def finish(self) -> None:
+        """Wait for every queued update (before reading, saving or exporting the weights).
+
+        Deferred gradient copies are issued a few groups ahead of the update being waited for,
+        never all at once: pinned host memory for a whole model's gradients may not exist.
+        """
+        last = len(self.groups.order) - 1
+        for j, name in enumerate(self.groups.order):
+            self.issue_through(min(j + self.LOOKAHEAD, last))
+            fut = self.pending.pop(name, None)
+            if fut is not None:
+                fut.result()
+        for name in list(self.pending):
+            self.pending.pop(name).result()
+
+    def close(self) -> None:
+        self.finish()
+        self._pool.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ device
+
+
+@dataclass
+class DeviceUpdate:
+    """A group whose update runs on the device: its master and state in flight."""
+
+    name: str
+    param: jax.Array
+    grad: jax.Array
+    state: dict
+    host_state: dict  # the host arrays the new state is written back into
+    scalars: tuple
+    count: int
+
+
+class DeviceUpdates(_Updates):
+    """``update_on=device``: each group's update is applied on the accelerator when the next forward
+    fetches it (``optim/device_adamw.py``); the new master and state go back straight into the host
+    store on a write-back thread while the block computes. Updates are always deferred."""
+
+    on_device = True
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        if not getattr(self.opt, "runs_on_device", False):
+            raise UserError("train.update_on", f"device needs an optimizer that runs there, not {type(self.opt).__name__}",
+                            "set optim.kernel=fused (or train.update_on=host)")
+        if any(g.stream_bits is not None for g in self.store):
+            raise ValueError("update_on=device needs a store without a bf16 streaming copy "
+                             "(train.stream_copy=device, or float32 compute)")
+        self._queued: dict[str, tuple[Any, float, int]] = {}  # per group: (gradient, clip scale, count)
+        self._done: dict[str, Future] = {}  # per group: its queued update is in the store
+        self._resident: dict[str, jax.Array] = {}  # current weights already on the device
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h-writeback")
+
+    def register(self, g: Any) -> None:
+        for k, a in self.opt.state_to_arrays(g.opt_state).items():  # the optimizer state crosses PCIe too
+            self.xfer.register(f"{g.name}/{k}", a)
+
+    def gradient(self, name: str, grad: jax.Array) -> None:
+        self.hold(name, grad)
+
+    def apply(self, scale: float | None, resident: dict[str, jax.Array]) -> None:
+        """Queue each group's update, applied when the next forward fetches the group. The current
+        weights of the groups needed first and last are on the device already: their updates start
+        from these instead of crossing PCIe again (the step's first transfers are exposed)."""
+        held, self._held = self._held, {}
+        if scale is None:
+            return
+        self.count += 1
+        for name in self.groups.order:
+            self._queued[name] = (held.pop(name), scale, self.count)
+            self._done[name] = Future()  # set once this update is back in the host store
+        self._resident = dict(resident)
+
+    def load(self, name: str) -> DeviceUpdate | None:
+        """Put the group's fp32 master and optimizer state in flight to the device; the update itself
+        is dispatched by ``dispatch`` when the weights are first used (dispatched now it would run
+        before the block being computed, and hold it back until this transfer lands)."""
+        pend = self._queued.pop(name, None)
+        if pend is None:
+            return None
+        grad, scale, count = pend
+        g = self.store[name]
+        host_state = self.opt.state_to_arrays(g.opt_state)
+        p = self._resident.pop(name, None)
+        if p is None:
+            p = self.xfer.to_device(name, g.master)
+            self._trace("h2d", name, p)
+        state = {k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
+        if self.o.grad_hold == "pinned_host":
+            grad = jax.device_put(grad, self.xfer.device_sharding)
+        return DeviceUpdate(name, p, grad, state, host_state, self.opt.device_scalars(count, scale), count)
+
+    def dispatch(self, u: DeviceUpdate) -> jax.Array:
+        """Dispatch the update (the new master is the weights the block uses) and queue its write-back."""
+        p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk)
+        self._trace("compute", f"update {u.name}", p_new)  # runs on the compute stream
+        g = self.store[u.name]
+        targets = [(u.name, p_new, g.master)] + [(f"{u.name}/{k}", state[k], u.host_state[k]) for k in u.host_state]
+        self.pending[u.name] = self._writer.submit(self._write_back, u.name, u.count, targets,
+                                                   self._done.pop(u.name, None))
+        return p_new
+
+    def queued(self) -> list[str]:
+        """Groups whose update is queued and not yet applied."""
+        return list(self._queued)
+
+    def _write_back(self, name: str, count: int, targets: list[tuple[str, jax.Array, np.ndarray]],
+                    done: Future | None) -> None:
+        """On the write-back thread: the updated master and state into the host store, in place;
+        then ``done`` (the future a background checkpoint may wait on) completes."""
+        try:
+            if self.before_update is not None:
+                self.before_update(name, count)
+            t0 = time.perf_counter()
+            for buf_name, x, dst in targets:
+                self.xfer.copy_into(x, dst)
+                self.xfer.host_written(buf_name, dst)
+            if self.tracer is not None:
+                self.tracer.interval("d2h", f"{name} state", t0, time.perf_counter())
+        except BaseException as e:
+            if done is not None:
+                done.set_exception(e)
+            raise
+        if done is not None:
+            done.set_result(None)
+
+    def pending_updates(self) -> dict[str, Future]:
+        """Per group, a future that completes once the update queued last is in the host store (a
+        background checkpoint waits for these): write-backs in flight, and updates not yet applied."""
+        return {**self.pending, **self._done}
+
+    def finish(self) -> None:
+        """Apply the queued updates now (in forward order), then wait for every write-back."""
+        for name in self.groups.order:
+            if name in self._queued:
+                self.wait(name)
+                self.dispatch(self.load(name))
+        for name in self.groups.order:
+            fut = self.pending.pop(name, None)
+            if fut is not None:
+                fut.result()
+        for name in list(self.pending):
+            self.pending.pop(name).result()
+
+    def close(self) -> None:
+        self.finish()
+        self._writer.shutdown()
+
+
+def make_updates(store: HostStore, opt: HostOptimizer, xfer: Transfers, kernels: Kernels, options: EngineOptions,
+                 groups: Groups, tracer: Any) -> _Updates:
+    """The update path the options ask for."""
+    cls = DeviceUpdates if options.update_on == "device" else HostUpdates
+    return cls(store, opt, xfer, kernels, options, groups, tracer)
