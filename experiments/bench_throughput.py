@@ -173,14 +173,14 @@ def bench_size(size: str, args, ceil: dict, rss: PeakRSS) -> dict:
         r = st.step(batches[i % 2])
         log(f"   warmup {i}: loss {r.loss:.3f}")
     times = []
-    st._wait_s = 0.0
+    st.updates.wait_s = 0.0
     for i in range(args.steps):
         t0 = time.perf_counter()
         r = st.step(batches[i % 2])
         times.append(time.perf_counter() - t0)
         log(f"   step {i}: {times[-1]:.3f}s loss {r.loss:.3f}")
     step_s = statistics.median(times)
-    wait_s = st._wait_s / max(args.steps, 1)
+    wait_s = st.updates.wait_s / max(args.steps, 1)
     mem = dev.memory_stats() or {}
 
     P = store.num_params()

@@ -9,7 +9,7 @@ per kind of state, so that
 
 Memory per parameter: 4 (fp32 master) + 2 (bf16 copy of the blocks, only with bf16 compute and
 ``train.stream_copy=host``) + optimizer state (8 for fp32 Adam moments, 4 bf16, about 2 int8). The accelerator never holds more than two blocks' weights plus the embedding and
-head (see ``engine.py``).
+head (see ``engine/``).
 """
 from __future__ import annotations
 

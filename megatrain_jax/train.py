@@ -105,19 +105,6 @@ class TrainHooks:
     kill_in_save: int | None = None
 
 
-@contextlib.contextmanager
-def _nan_forward(engine):
-    """``TrainHooks.nan_steps``: the embedding's output (hence loss and every gradient) is NaN for one step."""
-    import jax.numpy as jnp
-
-    orig = engine._embed_fwd
-    engine._embed_fwd = lambda w, tokens: orig(w, tokens) * jnp.nan
-    try:
-        yield
-    finally:
-        engine._embed_fwd = orig
-
-
 class _Timeline:
     """``train.trace_step``: one step's per-layer timeline (``trace.py``) written next to the metrics.
 
@@ -451,7 +438,7 @@ class _Loop:
         engine = getattr(self.trainer, "engine", None)
         traced = _Timeline(engine, t.out_dir, s, self.log) if (self.main and s == t.trace_step) \
             else contextlib.nullcontext()
-        poisoned = _nan_forward(engine) if s in self.hooks.nan_steps else contextlib.nullcontext()
+        poisoned = engine.nan_forward() if s in self.hooks.nan_steps else contextlib.nullcontext()
         with poisoned, traced:
             res = self.trainer.step(batch)
         self.step_done = s

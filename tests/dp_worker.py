@@ -69,7 +69,7 @@ def main() -> None:
         # slabs through a small pool, gradients held in pinned host memory, activations parked there
         losses, norms, flat = run(jax.devices()[:4], options=dict(grad_slab_elems=1000, grad_slabs=2,
                                                                   grad_hold="pinned_host",
-                                                                  offload_activations=True))
+                                                                  activations="pinned_host"))
         out["losses_4opts"], out["norms_4opts"], out["params_4opts"] = losses, norms, flat
         np.savez(args.out, **out)
         return

@@ -263,7 +263,7 @@ def test_the_plans_residual_estimate_covers_the_engines_abstract_residuals():
                              keep_residuals=1)
         b, s, micro = 4, 64, 2
         h = jax.ShapeDtypeStruct((b // micro, s, cfg.hidden_size), jnp.bfloat16)
-        aux = st._aux_of(jnp.zeros((b // micro, s), jnp.int32), None)
+        aux = st.kernels.aux_of(jnp.zeros((b // micro, s), jnp.int32), None)
         engine = micro * st.residual_bytes(h, aux)
         plan = residual_bytes_per_block(Shapes.of(cfg, b, s, "bfloat16"), cfg.dim_per_head)
         assert engine <= plan <= 1.35 * engine, (over, engine, plan)

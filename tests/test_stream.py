@@ -143,7 +143,7 @@ def test_linen_dropout_recompute_sees_the_forward_mask():
     seed, M = 3, 2
     tr = Trainer(module, optax.sgd(0.1), params=params, micro_batches=M, seed=seed, loss_chunk=20, check=False)
     eng, fwd, bwd = tr.engine, {}, []
-    real_fwd, real_bwd = eng._block_fwd, eng._block_bwd
+    real_fwd, real_bwd = eng.kernels.block_fwd, eng.kernels.block_bwd
 
     def rec_fwd(i, w, h, aux, rng, *rest):
         out = real_fwd(i, w, h, aux, rng, *rest)
@@ -156,7 +156,7 @@ def test_linen_dropout_recompute_sees_the_forward_mask():
         bwd.append((i, args, np.array(dh_in), np.array(g_out)))
         return dh_in, g_out
 
-    eng._block_fwd, eng._block_bwd = rec_fwd, rec_bwd
+    eng.kernels.block_fwd, eng.kernels.block_bwd = rec_fwd, rec_bwd
     tr.step(_toks(cfg.vocab_size, 1)[0])
     assert len(bwd) == cfg.num_layers * M
     block = EncoderDecoder1DBlock(config=cfg)

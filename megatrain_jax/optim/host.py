@@ -350,7 +350,7 @@ class OptaxHostOptimizer:
 
     def init_state(self, params: np.ndarray, unflatten: Unflatten | None = None) -> OptaxState:
         tree = jax.device_put(self._tree(params, unflatten), self.device)
-        return OptaxState(self._init(tree))
+        return OptaxState(jax.device_put(self._init(tree), self.device))  # committed: the update compiles once
 
     def update(self, params, grad, state, count, grad_scale=1.0, bf16_out=None, unflatten=None) -> None:
         if params.dtype != np.float32 or grad.dtype != np.float32 or params.shape != grad.shape:

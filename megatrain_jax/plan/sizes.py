@@ -183,7 +183,7 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
 
 def residual_bytes_per_block(shapes: Shapes, head_dim: int) -> float:
     """GPU bytes one block's kept forward residuals take for the whole step: the matmul outputs a
-    token keeps (q, k, v, the attention's output projection, gate and up; engine.py's checkpoint
+    token keeps (q, k, v, the attention's output projection, gate and up; engine/kernels.py's checkpoint
     policy) and the rotary tables in fp32 (jax.eval_shape of the engine's kernel: tests). The block's
     weights and its input are not among them (the backward gets them again)."""
     # + dt x H: a margin for what the GPU may keep beyond the abstract count
