@@ -67,9 +67,6 @@ STATE = "state.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 Log = Callable[[str], None]
 
-# test hook: SIGKILL this process after the first group of the save at this step is written
-_KILL_IN_SAVE = "MEGATRAIN_DEBUG_KILL_IN_SAVE"
-
 
 class CorruptCheckpoint(Exception):
     """A checkpoint that is incomplete, truncated or fails its checksums."""
@@ -270,6 +267,7 @@ class CheckpointSaver:
         self._active: _Job | None = None  # the save whose groups are still held
         self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
         self._ckptr = None
+        self.kill_in_save: int | None = None  # fault injection (train.TrainHooks): SIGKILL mid-save of this step
         self._ckptr_ready = threading.Thread(target=self._make_checkpointer, name="ckpt-init", daemon=True)
         self._ckptr_ready.start()  # importing orbax takes a second: not while groups are held
         self.history: list[SaveStats] = []
@@ -381,7 +379,7 @@ class CheckpointSaver:
     def _write(self, job: _Job) -> None:
         st = job.stats
         t_start = time.perf_counter()
-        kill_step = os.environ.get(_KILL_IN_SAVE)
+        kill_step = self.kill_in_save
         try:
             self._ckptr_ready.join()
             if self._ckptr is None:

@@ -22,8 +22,6 @@ def main() -> int:
     argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
     hooks = train.TrainHooks(nan_steps=frozenset(int(x) for x in a.nan_steps.split(",") if x.strip()),
                              kill_after_step=a.kill_after_step, kill_in_save=a.kill_in_save)
-    if a.kill_in_save is not None:  # until checkpoint.py reads CheckpointSaver.kill_in_save (set from hooks)
-        os.environ["MEGATRAIN_DEBUG_KILL_IN_SAVE"] = str(a.kill_in_save)
     train.train = functools.partial(train.train, hooks=hooks)  # what cli._train calls
     return cli.main(argv)
 
