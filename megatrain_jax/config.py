@@ -73,6 +73,13 @@ class ModelConfig:
         return self.num_kv_heads or self.num_heads
 
     @property
+    def seq_tile_tokens(self) -> int:
+        """The blocks' sequence tile in tokens (0: untiled; ``auto`` is untiled until the memory plan
+        resolves it, ``plan.options.seq_tile``)."""
+        t = self.seq_tile
+        return t if isinstance(t, int) and not isinstance(t, bool) else 0
+
+    @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 

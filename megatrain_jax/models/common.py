@@ -189,13 +189,6 @@ class Attention(nnx.Module):
 # ------------------------------------------------------------------------------ sequence tiles
 
 
-def seq_tile_of(cfg: ModelConfig) -> int:
-    """The block's sequence tile in tokens (0: untiled). ``auto`` is untiled until the memory plan
-    resolves it (``plan.options.seq_tile``)."""
-    tile = getattr(cfg, "seq_tile", 0)
-    return tile if isinstance(tile, int) and not isinstance(tile, bool) else 0
-
-
 def over_tiles(fn, modules: Any, tile: int, *xs: jax.Array) -> Any:
     """``fn(modules, *tiles)`` over the sequence axis (1) of ``xs`` in tiles of ``tile`` tokens, as a
     ``lax.map`` of a ``jax.checkpoint``-ed tile function: a VJP keeps only each tile's inputs and

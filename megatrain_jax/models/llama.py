@@ -18,7 +18,7 @@ from megatrain_jax.models import hfconfig
 from megatrain_jax.models.common import (Attention, Aux, Decoder, Embed, Head, MLP, RMSNorm, abstract_model,  # noqa: F401
                                          apply_rope, dense_block_params, dot_product_attention, init_host_store,
                                          init_model, init_part, llama3_scale_frequencies, make_aux, over_tiles,
-                                         part_names, rope_tables, seq_tile_of, streamed_parts)
+                                         part_names, rope_tables, streamed_parts)
 from megatrain_jax.models.registry import Family, register
 
 Llama = Decoder  # the whole model of any family (the name predates the other families)
@@ -40,7 +40,7 @@ class Block(nnx.Module):
                                    qk_norm=self.QK_NORM, fused=self.FUSED, scale=cfg.attention_scale)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, rngs, fused=self.FUSED)
-        self.seq_tile = seq_tile_of(cfg)  # static: part of the template, the same for every layer
+        self.seq_tile = cfg.seq_tile_tokens  # static: part of the template, the same for every layer
 
     def __call__(self, x, aux: Aux):
         if 0 < self.seq_tile < x.shape[1]:
