@@ -516,6 +516,9 @@ def validate_model(m: ModelConfig) -> None:
     if t != "auto" and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
         raise UserError("model.seq_tile", f"must be auto or an integer >= 0, got {t!r}",
                         "set model.seq_tile=auto (or 0 for untiled blocks, or tokens per tile, e.g. 8192)")
+    if isinstance(t, int) and t > 0 and not getattr(fam.block, "SEQ_TILING", False):
+        raise UserError("model.seq_tile", f"the {m.family} family's blocks do not run over sequence tiles",
+                        "set model.seq_tile=auto or 0 (tiling: llama, qwen3 and phi3 families)")
     _validate_moe(m, fam)
     if fam.validate is not None:
         fam.validate(m)
