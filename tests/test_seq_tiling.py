@@ -186,7 +186,8 @@ def _planned(cfg: ModelConfig, seq: int, tile: int) -> float:
 
     shapes = Shapes.of(cfg, 1, seq, "bfloat16", seq_tile=tile)
     d, n, k = cfg.dim_per_head, cfg.num_heads, cfg.kv_heads
-    extra = attn.working_set_bytes(1, seq, n, k, d, 2, "xla_blockwise") - attn.working_set_bytes(1, seq, n, k, d, 2, "cudnn")
+    extra = attn.working_set_bytes(1, seq, n, k, d, 2, "xla_blockwise") \
+        - attn.working_set_bytes(1, seq, n, k, d, 2, "cudnn")
     return block_working_set(shapes, seq) + extra
 
 

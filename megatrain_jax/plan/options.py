@@ -78,7 +78,8 @@ class EngineOptions:
         if int(self.grad_slabs) < 1:
             bad("train.grad_slabs", f"must be >= 1, got {self.grad_slabs}", "set a positive integer")
         if isinstance(self.seq_tile, bool) or not isinstance(self.seq_tile, int) or self.seq_tile < 0:
-            bad("model.seq_tile", f"must be an integer >= 0, got {self.seq_tile!r}", "set 0 (untiled) or tokens per tile")
+            bad("model.seq_tile", f"must be an integer >= 0, got {self.seq_tile!r}",
+                "set 0 (untiled) or tokens per tile")
         if int(self.keep_residuals) < 0:
             bad("train.keep_residuals", f"must be >= 0, got {self.keep_residuals}", "set 0 or more")
         if self.devices != "all":  # "all": the plan resolves the count and checks it (check_one_device)
