@@ -213,10 +213,11 @@ def test_planned_working_set_bounds_the_compiled_one_and_the_tiled_one_stops_gro
 
     untiled = [mlp_share(s, 0) for s in (2048, 8192)]
     tiled = [mlp_share(s, tile) for s in (2048, 8192)]
-    # measured (XLA:CPU): untiled 55 -> 220 MB, tiled 9.7 -> 13.8 MB
+    # measured (XLA:CPU): untiled 55 -> 220 MB; tiled about 30 MB at 8192 tokens, most of it the tile loop's
+    # fp32 copies of the (wider) weights and their gradient sums, which do not grow with the sequence
     assert untiled[1] > 3.5 * untiled[0], untiled  # linear in the sequence
     assert tiled[1] - tiled[0] < 0.05 * (untiled[1] - untiled[0]), (tiled, untiled)  # flat: set by the tile
-    assert tiled[1] < untiled[1] / 8
+    assert tiled[1] < untiled[1] / 5, (tiled, untiled)
 
 
 # ---------------------------------------------------------------------------------- plan

@@ -195,10 +195,14 @@ def over_tiles(fn, modules: Any, tile: int, *xs: jax.Array) -> Any:
     recomputes the rest per tile, so the working set is set by the tile, not the sequence. A
     sequence the tile does not divide ends with one shorter tile. ``fn`` must act per token."""
     graph, state = nnx.split(modules)
+    dtypes = jax.tree_util.tree_map(lambda a: a.dtype, state)
+    # half-precision weights enter the loop as fp32 (an exact copy): the loop then sums their per-tile
+    # gradients in fp32, rounding once as the untiled matmul does, not once per tile
+    state = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if a.dtype.itemsize < 4 else a, state)
 
     @jax.checkpoint
     def body(state, *ts):
-        return fn(nnx.merge(graph, state), *ts)
+        return fn(nnx.merge(graph, jax.tree_util.tree_map(lambda a, d: a.astype(d), state, dtypes)), *ts)
 
     s = xs[0].shape[1]
     n, rest = divmod(s, tile)

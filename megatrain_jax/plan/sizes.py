@@ -137,6 +137,8 @@ def block_working_set(shapes: Shapes, tokens_mb: int) -> float:
         heads = shapes.q_width // max(shapes.head_dim, 1)
         ws += tokens_mb * ((s["hidden"] * shapes.hidden + s["qkv"] * shapes.qkv_width + s["q"] * shapes.q_width)
                            * shapes.dtype_bytes / 2 + s["head"] * heads)
+        if shapes.dtype_bytes < 4:  # the tile loop's fp32 weights and gradient sums, and one tile's cast
+            ws += (4 + 4 + shapes.dtype_bytes) * shapes.block
     return ws
 
 
