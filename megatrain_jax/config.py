@@ -65,10 +65,20 @@ class ModelConfig:
     #                                   router_aux_loss_coef when its output_router_logits is true); 0: off
     mlp_only_layers: list | None = None  # qwen3_moe: indices of dense-MLP layers (intermediate_size) between the
     #                                     sparse ones (transformers' mlp_only_layers / decoder_sparse_step); None: none
+    seq_tile: int | str = "auto"  # tokens per sequence tile of a block's norms, projections and MLP (attention sees
+    #                              the whole sequence), so its working set stops growing with the sequence: 0 untiled;
+    #                              auto: the memory plan tiles where the untiled block would not fit the GPU
 
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
+
+    @property
+    def seq_tile_tokens(self) -> int:
+        """The blocks' sequence tile in tokens (0: untiled; ``auto`` is untiled until the memory plan
+        resolves it, ``plan.options.seq_tile``)."""
+        t = self.seq_tile
+        return t if isinstance(t, int) and not isinstance(t, bool) else 0
 
     @property
     def dim_per_head(self) -> int:
@@ -566,6 +576,13 @@ def validate_model(m: ModelConfig) -> None:
         if m.sliding_window is None and "sliding_attention" in types:
             raise UserError("model.layer_types", "names sliding_attention layers but model.sliding_window is null",
                             "set model.sliding_window")
+    t = m.seq_tile
+    if t != "auto" and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
+        raise UserError("model.seq_tile", f"must be auto or an integer >= 0, got {t!r}",
+                        "set model.seq_tile=auto (or 0 for untiled blocks, or tokens per tile, e.g. 8192)")
+    if isinstance(t, int) and t > 0 and not getattr(fam.block, "SEQ_TILING", False):
+        raise UserError("model.seq_tile", f"the {m.family} family's blocks do not run over sequence tiles",
+                        "set model.seq_tile=auto or 0 (tiling: llama, qwen3 and phi3 families)")
     _validate_moe(m, fam)
     if fam.validate is not None:
         fam.validate(m)

@@ -156,6 +156,16 @@ class Attention(nnx.Module):
             self.k_norm = qk_norm(d, cfg.rms_norm_eps)
 
     def __call__(self, x: jax.Array, aux: Aux) -> jax.Array:
+        q, k, v = self.project(x, *self.rope(aux))
+        return self.o_proj(self.attend(q, k, v, aux))
+
+    def rope(self, aux: Aux) -> tuple[jax.Array, jax.Array]:
+        """This layer's (cos, sin) tables."""
+        return (aux["cos_local"], aux["sin_local"]) if self.local_rope else (aux["cos"], aux["sin"])
+
+    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v (B, S, heads, D) of normed hidden states, q/k-normed and rotated: per token, so it
+        may run over sequence tiles (``over_tiles``)."""
         b, s, _ = x.shape
         n, kv, d = self.num_heads, self.kv_heads, self.head_dim
         if self.fused:
@@ -166,11 +176,49 @@ class Attention(nnx.Module):
         q, k, v = q.reshape(b, s, n, d), k.reshape(b, s, kv, d), v.reshape(b, s, kv, d)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = (aux["cos_local"], aux["sin_local"]) if self.local_rope else (aux["cos"], aux["sin"])
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux) -> jax.Array:
+        """Attention over the whole sequence (B, S, heads x D), before the output projection."""
+        b, s, n, d = q.shape
         out = dot_product_attention(q, k, v, aux.get("segment_ids"), window=self.window, softcap=self.softcap,
                                     scale=self.scale)
-        return self.o_proj(out.reshape(b, s, n * d))
+        return out.reshape(b, s, n * d)
+
+
+# ------------------------------------------------------------------------------ sequence tiles
+
+
+def over_tiles(fn, modules: Any, tile: int, *xs: jax.Array) -> Any:
+    """``fn(modules, *tiles)`` over the sequence axis (1) of ``xs`` in tiles of ``tile`` tokens, as a
+    ``lax.map`` of a ``jax.checkpoint``-ed tile function: a VJP keeps only each tile's inputs and
+    recomputes the rest per tile, so the working set is set by the tile, not the sequence. A
+    sequence the tile does not divide ends with one shorter tile. ``fn`` must act per token."""
+    graph, state = nnx.split(modules)
+    dtypes = jax.tree_util.tree_map(lambda a: a.dtype, state)
+    # half-precision weights enter the loop as fp32 (an exact copy): the loop then sums their per-tile
+    # gradients in fp32, rounding once as the untiled matmul does, not once per tile
+    state = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32) if a.dtype.itemsize < 4 else a, state)
+
+    @jax.checkpoint
+    def body(state, *ts):
+        return fn(nnx.merge(graph, jax.tree_util.tree_map(lambda a, d: a.astype(d), state, dtypes)), *ts)
+
+    s = xs[0].shape[1]
+    n, rest = divmod(s, tile)
+    out = None
+    if n:
+        def split(a):  # (B, n*tile, ...) -> (n, B, tile, ...)
+            return jnp.moveaxis(a[:, :n * tile].reshape(a.shape[0], n, tile, *a.shape[2:]), 1, 0)
+
+        stacked = jax.lax.map(lambda ts: body(state, *ts), tuple(split(a) for a in xs))
+        out = jax.tree_util.tree_map(
+            lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], n * tile, *a.shape[3:]), stacked)
+    if rest:
+        last = body(state, *(a[:, n * tile:] for a in xs))
+        out = last if out is None else jax.tree_util.tree_map(
+            lambda a, b: jnp.concatenate([a, b], axis=1), out, last)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- MLP

@@ -18,8 +18,8 @@ from megatrain_jax.models import hfconfig
 from megatrain_jax.models.hfnames import HFWarning, default_hf_name
 from megatrain_jax.models.common import (Attention, Aux, Decoder, Embed, Head, MLP, RMSNorm, abstract_model,  # noqa: F401
                                          apply_rope, dense_block_params, dot_product_attention, init_host_store,
-                                         init_model, init_part, llama3_scale_frequencies, make_aux, part_names,
-                                         rope_tables, streamed_parts)
+                                         init_model, init_part, llama3_scale_frequencies, make_aux, over_tiles,
+                                         part_names, rope_tables, streamed_parts)
 from megatrain_jax.models.registry import Family, register
 
 Llama = Decoder  # the whole model of any family (the name predates the other families)
@@ -33,6 +33,7 @@ class Block(nnx.Module):
 
     QK_NORM = None
     FUSED = False
+    SEQ_TILING = True  # honours model.seq_tile (the plan checks this before it tiles a family's blocks)
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -40,10 +41,27 @@ class Block(nnx.Module):
                                    qk_norm=self.QK_NORM, fused=self.FUSED, scale=cfg.attention_scale)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, rngs, fused=self.FUSED)
+        self.seq_tile = cfg.seq_tile_tokens  # static: part of the template, the same for every layer
 
     def __call__(self, x, aux: Aux):
+        if 0 < self.seq_tile < x.shape[1]:
+            return self._tiled(x, aux)
         x = x + self.self_attn(self.input_layernorm(x), aux)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _tiled(self, x, aux: Aux):
+        """The same block with norms, projections and the MLP over sequence tiles (``over_tiles``);
+        attention alone sees the whole sequence."""
+        attn = self.self_attn
+        q, k, v = over_tiles(lambda m, xt, c, s: m[1].project(m[0](xt), c, s), (self.input_layernorm, attn),
+                             self.seq_tile, x, *attn.rope(aux))
+        o = attn.attend(q, k, v, aux)
+
+        def post(m, ot, xt):
+            h = xt + m[0](ot)
+            return h + m[2](m[1](h))
+
+        return over_tiles(post, (attn.o_proj, self.post_attention_layernorm, self.mlp), self.seq_tile, o, x)
 
 
 # ------------------------------------------------------------------------------- Hugging Face

@@ -6,13 +6,13 @@ says why; ``build.py`` calls them in order and turns the result into ``EngineOpt
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatrain_jax.errors import UserError
-from megatrain_jax.plan.sizes import (GB, GPU_MARGIN, GRAD_SLABS, HOLD_BYTES, MICRO_TOKENS, PREALLOCATE_ABOVE,
-                                      RATES, XLA_FRACTION, AttentionExtra, Row, Shapes, gpu_phases,
-                                      residual_bytes_per_block, usable)
+from megatrain_jax.plan.sizes import (AUTO_SEQ_TILE, GB, GPU_MARGIN, GRAD_SLABS, HOLD_BYTES, MICRO_TOKENS,
+                                      PREALLOCATE_ABOVE, RATES, TILE_ABOVE, XLA_FRACTION, AttentionExtra, Row, Shapes,
+                                      block_working_set, gpu_phases, residual_bytes_per_block, usable)
 
 # the host-state modes, fullest first: (name, overrides)
 MODES = {"full": {"moments": "float32"},
@@ -56,6 +56,7 @@ class Placement:
     fits: bool
     host_extra: float = 0.0  # pinned host bytes it adds
     notes: list[str] = field(default_factory=list)
+    seq_tile: int = 0  # the blocks' sequence tile (0: untiled)
 
 
 def resolve_devices(train_devices: Any, gpu_count: int, processes: int, devices: int | None) -> int:
@@ -125,7 +126,29 @@ def choose_placement(shapes: Shapes, order: list[tuple[str, str]], micro_candida
                      stream_bytes: int, device_cast: bool, attn: AttentionExtra | None,
                      update_state_bytes: float | None) -> Placement:
     """The first placement in ``order`` (and within it the first micro-batch count) that fits the GPU
-    and whose pinned host bytes fit the host's room; the first one tried when none fits."""
+    and whose pinned host bytes fit the host's room; the first one tried when none fits. With
+    ``model.seq_tile=auto`` (``shapes.tile_auto``), where nothing untiled fits or one block's untiled
+    working set is over ``TILE_ABOVE`` of the GPU room, the same search with the blocks tiled
+    (``AUTO_SEQ_TILE`` tokens): XLA takes a block VJP's temporaries as one allocation, and at 131k
+    tokens that one allocation (23.31 GiB) is what ran out of memory (DESIGN.md section 6)."""
+    kw = dict(gpu_usable=gpu_usable, host_room=host_room, host_act_bytes=host_act_bytes, loss_chunk=loss_chunk,
+              stream_bytes=stream_bytes, device_cast=device_cast, attn=attn, update_state_bytes=update_state_bytes)
+    placed = _first_fit(shapes, order, micro_candidates, **kw)
+    if not shapes.tile_auto or shapes.seq <= AUTO_SEQ_TILE:
+        return placed
+    ws = block_working_set(shapes, shapes.tokens // placed.micro_batches)
+    if placed.fits and (gpu_usable is None or ws <= TILE_ABOVE * gpu_usable):
+        return placed
+    tiled = _first_fit(replace(shapes, seq_tile=AUTO_SEQ_TILE), order, micro_candidates, **kw)
+    tiled.notes.append(f"model.seq_tile=auto: blocks run over {AUTO_SEQ_TILE}-token sequence tiles (untiled, "
+                       f"one block's working set would be {ws / GB:.1f} GB)")
+    return tiled
+
+
+def _first_fit(shapes: Shapes, order: list[tuple[str, str]], micro_candidates: list[int], *,
+               gpu_usable: float | None, host_room: float, host_act_bytes: float, loss_chunk: int,
+               stream_bytes: int, device_cast: bool, attn: AttentionExtra | None,
+               update_state_bytes: float | None) -> Placement:
     first = None
     for act, hold in order:
         extra = (host_act_bytes if act == "pinned_host" else 0) + (4.0 * shapes.params if hold == "pinned_host" else 0)
@@ -135,7 +158,7 @@ def choose_placement(shapes: Shapes, order: list[tuple[str, str]], micro_candida
                                       deferred=True, attn=attn, update_state_bytes=update_state_bytes)
             need = max(phases.values())
             fits = (gpu_usable is None or need <= gpu_usable) and (extra == 0 or extra <= host_room)
-            candidate = Placement(micro, act, hold, phases, rows, need, fits, extra)
+            candidate = Placement(micro, act, hold, phases, rows, need, fits, extra, seq_tile=shapes.seq_tile)
             if fits:
                 return candidate
             first = first or candidate  # reported if nothing fits

@@ -54,6 +54,8 @@ class EngineOptions:
     device_update_chunk: int = DEVICE_UPDATE_CHUNK
     rng_seed: int = 0  # dropout keys (templates.block_rng)
     transfer_mode: str = "auto"  # transfer.Transfers: dma-mapped numpy or pinned_host arrays
+    seq_tile: int = 0  # tokens per sequence tile of each block (model.seq_tile resolved; 0: untiled). The model
+    #                    is built with it (the blocks read it from their ModelConfig), not the engine
 
     def __post_init__(self) -> None:
         def bad(field: str, problem: str, fix: str) -> None:
@@ -75,6 +77,9 @@ class EngineOptions:
             bad("train.update_on", f"{self.update_on!r}", "use host or device")
         if int(self.grad_slabs) < 1:
             bad("train.grad_slabs", f"must be >= 1, got {self.grad_slabs}", "set a positive integer")
+        if isinstance(self.seq_tile, bool) or not isinstance(self.seq_tile, int) or self.seq_tile < 0:
+            bad("model.seq_tile", f"must be an integer >= 0, got {self.seq_tile!r}",
+                "set 0 (untiled) or tokens per tile")
         if int(self.keep_residuals) < 0:
             bad("train.keep_residuals", f"must be >= 0, got {self.keep_residuals}", "set 0 or more")
         if self.devices != "all":  # "all": the plan resolves the count and checks it (check_one_device)

@@ -37,6 +37,14 @@ GRAD_SLABS = (6, 24)  # pinned slabs in the pool (fewest, most): a deeper pool k
 # against XLA's memory analysis of the block VJP on an H100; "moe_mlp" replaces "mlp" for a mixture of experts
 # in its dense formulation (OLMoE shape, RESULTS.md 2026-11-24)
 WS_PER_TOKEN = {"hidden": 26.0, "mlp": 8.0, "qkv": 4.0, "moe_mlp": 13.0}
+# a sequence-tiled block (model.seq_tile): the arrays that still span the whole sequence, bytes per token and
+# unit of width in bf16: both dx partials (hidden), q/k/v and their gradients (qkv), the attention output, its
+# gradient and cuDNN's fp32 dQ accumulator (q), and 8 bytes per head of softmax statistics; counted from the
+# arrays of the tiled VJP (models/common.py over_tiles), checked against XLA's memory analysis (tests)
+SEQ_WS_PER_TOKEN = {"hidden": 4.0, "qkv": 4.0, "q": 8.0, "head": 8.0}
+AUTO_SEQ_TILE = 8192  # tokens per tile where the plan tiles by itself: matmuls of 8192 rows keep the H100 busy
+TILE_ABOVE = 0.25  # model.seq_tile=auto tiles where one untiled block's working set is above this share of the GPU
+#                   room (or nothing untiled fits): Llama-2-7B at 65k tokens (16 GB) stays untiled on an H100
 LOSS_BYTES_PER_LOGIT = 10.0  # fp32 logits + fp32 softmax - onehot + bf16 copy of one chunk, fwd/bwd
 # floor rates for the predicted step (H100 measurements, DESIGN.md §1 and RESULTS.md); host_read is all
 # GPUs' host->GPU streams together (an assumption: DDR bandwidth is the cap beyond two links)
@@ -79,9 +87,13 @@ class Shapes:
     dtype_bytes: int  # compute dtype bytes
     mlp_ws: float = WS_PER_TOKEN["mlp"]  # working-set bytes per token and unit of mlp_width
     head_dim: int = 0
+    q_width: int = 0  # heads x head_dim
+    seq_tile: int = 0  # tokens per sequence tile of a block (model.seq_tile; 0: untiled)
+    tile_auto: bool = False  # model.seq_tile=auto on blocks that can tile: the plan may tile (choose_placement)
 
     @classmethod
-    def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str) -> "Shapes":
+    def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str, seq_tile: int | None = None) -> "Shapes":
+        """``seq_tile``: the block's sequence tile (None: the model's, ``auto`` counting as untiled)."""
         q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
         emb = m.vocab_size * m.hidden_size
         head = m.hidden_size + (0 if m.tie_embeddings else emb)
@@ -92,7 +104,9 @@ class Shapes:
         return cls(params=m.total_params(), block=m.block_params(), embed=emb, head=head, layers=m.num_layers,
                    hidden=m.hidden_size, mlp_width=mlp, vocab=m.vocab_size, qkv_width=q + 2 * kv, batch=batch,
                    seq=seq, tied=m.tie_embeddings, dtype_bytes=2 if compute_dtype == "bfloat16" else 4,
-                   mlp_ws=WS_PER_TOKEN["moe_mlp" if moe else "mlp"], head_dim=m.dim_per_head)
+                   mlp_ws=WS_PER_TOKEN["moe_mlp" if moe else "mlp"], head_dim=m.dim_per_head, q_width=q,
+                   seq_tile=seq_tile if seq_tile is not None else m.seq_tile_tokens,
+                   tile_auto=m.seq_tile == "auto" and getattr(m._family().block, "SEQ_TILING", False))
 
     @property
     def largest_group(self) -> int:
@@ -109,9 +123,23 @@ class Shapes:
 
 
 def block_working_set(shapes: Shapes, tokens_mb: int) -> float:
+    """One block's recompute + VJP working set for ``tokens_mb`` tokens. Sequence-tiled: one tile's
+    worth of the untiled coefficients, plus what spans the whole sequence (attention's inputs, output
+    and their gradients; ``SEQ_WS_PER_TOKEN``)."""
     w = WS_PER_TOKEN
-    return tokens_mb * (w["hidden"] * shapes.hidden + shapes.mlp_ws * shapes.mlp_width + w["qkv"] * shapes.qkv_width) \
+    tile = shapes.seq_tile
+    tiled = 0 < tile < shapes.seq
+    tokens = tokens_mb // shapes.seq * tile if tiled else tokens_mb
+    ws = tokens * (w["hidden"] * shapes.hidden + shapes.mlp_ws * shapes.mlp_width + w["qkv"] * shapes.qkv_width) \
         * shapes.dtype_bytes / 2 * (2 if shapes.dtype_bytes == 4 else 1)
+    if tiled:
+        s = SEQ_WS_PER_TOKEN
+        heads = shapes.q_width // max(shapes.head_dim, 1)
+        ws += tokens_mb * ((s["hidden"] * shapes.hidden + s["qkv"] * shapes.qkv_width + s["q"] * shapes.q_width)
+                           * shapes.dtype_bytes / 2 + s["head"] * heads)
+        if shapes.dtype_bytes < 4:  # the tile loop's fp32 weights and gradient sums, and one tile's cast
+            ws += (4 + 4 + shapes.dtype_bytes) * shapes.block
+    return ws
 
 
 def loss_working_set(shapes: Shapes, tokens_mb: int, loss_chunk: int) -> float:
@@ -143,7 +171,8 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
                     f"{shapes.layers} layers x {shapes.tokens} tokens" if act_on_gpu
                     else "in pinned host memory; 2 layers reloaded"))
     ws = block_working_set(shapes, tok_mb)
-    rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"))
+    rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"
+                    + (f", sequence tiles of {shapes.seq_tile}" if 0 < shapes.seq_tile < shapes.seq else "")))
     if attn is not None:  # what the chosen attention path needs beyond the calibrated (cuDNN) coefficients
         extra, impl = attn(max(shapes.batch // micro_batches, 1))
         rows.append(Row("gpu", "attention working set beyond cuDNN's", extra, impl))
