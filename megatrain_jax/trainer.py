@@ -155,6 +155,7 @@ class Trainer:
         from megatrain_jax.models.llama import init_host_store
 
         plan = _plan(cfg, plan)
+        cfg = with_plan_tile(cfg, plan)  # the blocks run the working set the plan counted
         bf16 = plan.options.host_bf16_copy
         if model is not None:
             from megatrain_jax.hoststore import HostStore
@@ -180,6 +181,7 @@ class Trainer:
         from megatrain_jax.templates import Layout
 
         plan = _plan(cfg, plan)
+        cfg = with_plan_tile(cfg, plan)  # the blocks run the working set the plan counted
         parts = streamed_parts(abstract_model(cfg.model))
         store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, plan.options.host_bf16_copy)
         host_opt = build_host_optimizer(cfg.optim, cfg.train.steps)
@@ -323,3 +325,13 @@ class Trainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def with_plan_tile(cfg: Config, plan) -> Config:
+    """``cfg`` with the blocks' sequence tile the plan decided (``model.seq_tile=auto`` resolved), so the
+    model built from it runs the working set the plan counted."""
+    import dataclasses
+
+    if plan is None or plan.options is None or cfg.model.seq_tile_tokens == plan.options.seq_tile:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_tile=plan.options.seq_tile))

@@ -57,7 +57,8 @@ class Plan:
                 "attention_summary": r.attention_summary, "moments": r.moments, "devices": r.devices,
                 "grad_slab_elems": o.grad_slab_elems, "grad_slabs": o.grad_slabs,
                 "pinned_pool_bytes": r.pinned_pool_bytes, "gpu_mem_fraction": r.gpu_mem_fraction,
-                "gpu_preallocate": r.gpu_preallocate, "keep_residuals": o.keep_residuals}
+                "gpu_preallocate": r.gpu_preallocate, "keep_residuals": o.keep_residuals,
+                "seq_tile": o.seq_tile}
 
     @property
     def tokens_short(self) -> bool:
@@ -177,6 +178,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         host_cfg = dataclasses.replace(cfg, train=dataclasses.replace(train, update_on="host"))
         return _make_plan(host_cfg, machine, devices, attention)
     phases, gpu_rows, gpu_need = placed.phases, placed.gpu_rows, placed.gpu_need
+    notes.extend(placed.notes)
     n_keep, per_block = choose.choose_keep_residuals(
         train.keep_residuals, shapes, on_gpu=on_gpu, devices=n_dev, act_on_gpu=placed.activations == "device",
         moments=optim.moments, need=gpu_need, budget=gpu_budget, gpu_usable=gpu_usable,
@@ -225,7 +227,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                             activations=placed.activations, grad_hold=placed.grad_hold, grad_slabs=slabs,
                             grad_slab_elems=GRAD_SLAB_ELEMS if chunked else None, stream_copy=stream_copy,
                             update_on=update_on, keep_residuals=n_keep, devices=train.devices,
-                            device_update_chunk=DEVICE_UPDATE_CHUNK)
+                            device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile)
     return Plan(rows=rows + gpu_rows + disk_rows, settings=settings, options=options, host_need=host_need,
                 host_limit=host_limit, host_available=host_avail, host_source=host_source,
                 gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget, gpu_phases=phases,

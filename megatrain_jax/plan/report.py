@@ -50,7 +50,7 @@ def plan_table(p: Plan) -> str:
         lines.append(r.attention_summary)
     lines.append(f"decisions: micro_batches={o.micro_batches}, activations={o.activations}, "
                  f"grad_hold={o.grad_hold}, stream_copy={o.stream_copy}, moments={r.moments}, "
-                 f"update_on={o.update_on}, devices={r.devices}")
+                 f"update_on={o.update_on}, devices={r.devices}, seq_tile={o.seq_tile}")
     st = p.step
     lines.append(f"predicted step ({p.step_basis}): {st['predicted_step_s']:.2f} s, bound by {st['binding'][:-2]} "
                  f"(compute {st['compute_s']:.2f} s, host->GPU {st['h2d_s']:.2f} s, GPU->host {st['d2h_s']:.2f} s, "
