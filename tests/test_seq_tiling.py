@@ -257,3 +257,17 @@ def test_seq_tile_settings_are_checked():
     with pytest.raises(UserError, match="model.seq_tile"):
         EngineOptions(seq_tile=-4)
     assert ModelConfig().seq_tile_tokens == 0 and ModelConfig(seq_tile=256).seq_tile_tokens == 256
+
+
+def test_the_plans_tile_reaches_the_model_the_trainer_builds():
+    """``model.seq_tile=auto``: where the plan tiles, the model Trainer builds runs that tile (the working set
+    the plan counted), and a short run stays untiled."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.plan import make_plan
+    from megatrain_jax.trainer import with_plan_tile
+
+    cfg = load_config("configs/tiny.yaml", ["data.seq_len=16384", "train.batch_size=1", "train.gpu_memory_gb=1.5"])
+    plan = make_plan(cfg)
+    assert plan.options.seq_tile == 8192 and with_plan_tile(cfg, plan).model.seq_tile_tokens == 8192
+    short = load_config("configs/tiny.yaml", [])
+    assert make_plan(short).options.seq_tile == 0 and with_plan_tile(short, make_plan(short)) is short
