@@ -12,6 +12,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# one persistent XLA compilation cache for the in-process tests too: the same kernels compiled by another
+# jit object (a resumed trainer, the next test's engine) load instead of compiling again
+_XLA_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla_inproc")
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 # a hung run can be asked where every thread is: `kill -USR2 <worker pid>` writes all stacks to
 # $TMPDIR/pytest_stacks_<pid>.txt (diagnosis only; nothing else changes)
 _STACKS = open(os.path.join(tempfile.gettempdir(), f"pytest_stacks_{os.getpid()}.txt"), "w")
@@ -35,9 +42,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def cli_env(request) -> dict:
+def cli_env(request, tmp_path_factory) -> dict:
     """The environment of every CLI subprocess (``tests/cli_runner.py``): CPU, and one persistent
     XLA compilation cache kept between sessions in .pytest_cache, so a run compiles a shape once."""
     from cli_runner import cli_env as make_env
 
-    return make_env(str(request.config.cache.mkdir("megatrain_xla_cache")))
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    return make_env(str(cache.mkdir("megatrain_xla_cache") if cache else tmp_path_factory.mktemp("xla_cache")))

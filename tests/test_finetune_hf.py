@@ -55,7 +55,7 @@ def test_import_train_export(tiny, tmp_path):
     hf_dir, export = str(tiny / "hf"), str(tmp_path / "export")
     r = finetune_hf.main(["--hf", hf_dir, "--data", str(tiny / "data" / "sft"), "--out", export,
                           "--run-dir", str(tmp_path / "run"), "--steps", "3", "--seq-len", "32", "--batch", "4",
-                          "--micro", "2", "--lr", "1e-3", "--json", str(tmp_path / "r.json")])
+                          "--micro", "2", "--lr", "1e-3", "--warmup", "1", "--json", str(tmp_path / "r.json")])
     assert [s["step"] for s in r["steps"]] == [1, 2, 3]
     assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in r["steps"])
     assert r["skipped_steps"] == 0 and r["model"]["layers"] == 2 and r["model"]["hidden_size"] == 64
