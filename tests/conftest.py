@@ -32,7 +32,20 @@ def has_gpu() -> bool:
         return False
 
 
+# modules whose tests compile and run the streamed engine, a transformers reference or real processes:
+# `pytest -m "not slow"` is the quick loop (config, CLI errors, plan, data, optimizer kernels); CI runs all
+SLOW_MODULES = {"test_engine", "test_stream", "test_named_optimizers", "test_families", "test_moe", "test_hf",
+                "test_train", "test_data_parallel", "test_seq_tiling", "test_device_update", "test_compact_adamw",
+                "test_checkpoint", "test_finetune_hf", "test_trainer", "test_templates", "test_chat",
+                "test_attention", "test_constraints"}
+SLOW_TESTS = {"test_happy_path_trains_and_logs", "test_relative_out_dir_saves_resumes_and_exports",
+              "test_module_entry_point_gives_one_line_errors", "test_console_script_help"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ in SLOW_MODULES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a GPU")

@@ -143,10 +143,15 @@ def _cli(*args, env=None):
     return r, time.time() - t0
 
 
-def test_train_7b_is_refused_on_this_machine_within_seconds(tmp_path):
+def test_train_7b_is_refused_on_this_machine_before_anything_is_allocated(tmp_path):
+    """Refused from the plan, not by the OOM killer: the process never holds the 7B store (about 100 GB;
+    the largest child of this test process stays under 8 GB). No wall-clock assertion."""
+    import resource
+
     out = tmp_path / "run"
-    r, secs = _cli("train", "configs/7b.yaml", "--set", f"train.out_dir={out}", "--set", "train.host_memory_gb=24")
-    assert r.returncode == 2 and secs < 10, (r.returncode, secs, r.stderr)
+    r, _ = _cli("train", "configs/7b.yaml", "--set", f"train.out_dir={out}", "--set", "train.host_memory_gb=24")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 8e9
     assert r.stderr.startswith("error: host memory:") and r.stderr.strip().count("\n") == 0
     assert not out.exists()
 
