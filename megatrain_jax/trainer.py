@@ -283,8 +283,10 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------- memory
 
-    def plan(self, batch_size: int, seq_len: int, *, num_heads: int | None = None, **train_overrides: Any) -> PlanView:
-        """The CLI's memory plan (``memory.make_plan``) for this model at ``batch_size`` x ``seq_len``.
+    def plan(self, batch_size: int, seq_len: int, *, num_heads: int | None = None, attention: bool = True,
+             **train_overrides: Any) -> PlanView:
+        """The CLI's memory plan (``plan.make_plan``) for this model at ``batch_size`` x ``seq_len``
+        (``attention=False``: a model without attention: no attention term, row or line).
 
         The plan reads Llama-shaped sizes (``ModelConfig``); this model is described by one with the
         same vocabulary, width, depth, tying and per-block parameter count (the MLP width is solved
@@ -315,7 +317,7 @@ class Trainer:
                 raise UserError(f"train.{k}", "unknown train setting", "see config.TrainConfig")
             setattr(t, k, v)
         cfg = Config(model=m, optim=opt, data=DataConfig(seq_len=seq_len), train=t)
-        return PlanView(make_plan(cfg), cfg)
+        return PlanView(make_plan(cfg, attention=attention), cfg)
 
     def close(self) -> None:
         self.engine.close()

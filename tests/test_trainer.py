@@ -76,6 +76,9 @@ def test_lm1b_linen_example_equals_plain_optax_and_resumes(tmp_path):
     plan = tr.plan(batch_size=8, seq_len=16)
     assert plan.plan.params == sum(g.size for g in tr.engine.store) or plan.plan.params > 0
     assert "verdict" in plan.table and plan.verdict() is None
+    assert "attention:" in plan.table
+    no_attention = tr.plan(batch_size=8, seq_len=16, attention=False)  # issue 26 item 8: no attention line
+    assert "attention:" not in no_attention.table and no_attention.plan.decisions["attention"] in (None, "none")
     tr.close()
 
 
