@@ -41,7 +41,7 @@ def _plan(args: argparse.Namespace) -> int:
     target = {k: getattr(args, k) for k in ("gpu_memory_gb", "host_memory_gb", "pcie_gbps", "gpu_tflops")}
     machine = None
     if any(v is not None for v in target.values()):  # a machine described, not this one
-        machine = target_machine(**target, gpu_count=args.devices or 1, paths=(cfg.train.out_dir,))
+        machine = target_machine(**target, gpu_count=args.devices or 1)  # its disk is not this one's
     p = make_plan(cfg, machine, devices=args.devices)
     if args.json:
         out = p.to_dict()
