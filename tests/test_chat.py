@@ -2,7 +2,6 @@
 ``apply_chat_template(..., return_assistant_tokens_mask=True)``, line-numbered errors, and the whole
 path prepare -> train on a chat data set."""
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -55,17 +54,10 @@ def _ours(d, msgs):
 
 @pytest.mark.parametrize("style", ["llama3", "chatml"])
 def test_ids_and_masks_equal_transformers(tok_dirs, style, tmp_path):
-    from tests.test_hf import TORCH_VENV  # the reference environment the HF parity tests use
+    from torch_reference import child_env, torch_python
 
-    torch_py = TORCH_VENV / "bin" / "python"
-    if not (TORCH_VENV / ".ready").exists():
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "setup_torch_ref.sh")], capture_output=True, text=True,
-                           timeout=1200, stdin=subprocess.DEVNULL)
-        if r.returncode in (3, 4):
-            pytest.skip(f"no transformers reference environment: {r.stderr.strip()}")
-        assert r.returncode == 0, r.stderr
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JAX", "XLA", "VIRTUAL_ENV"))}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    torch_py = torch_python()
+    env = child_env()
     out = tmp_path / "ref.json"
     r = subprocess.run([str(torch_py), str(ROOT / "tests" / "chat_reference.py"), str(tok_dirs[style]),
                         str(FIX / "conversations.jsonl"), str(out)], capture_output=True, text=True, env=env, timeout=300)

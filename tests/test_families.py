@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import jax
@@ -31,9 +29,9 @@ from megatrain_jax.hf import HFWarning, export_hf, hf_name, load_hf_into_store, 
 from megatrain_jax.models import abstract_model, init_host_store, init_model, streamed_parts
 from megatrain_jax.optim import build_host_optimizer, build_reference_tx
 from megatrain_jax.reference import ReferenceTrainer
+from torch_reference import make_references, rel, run_reference, torch_python
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_VENV = ROOT / ".venv-torch"
 TOL = 1e-4
 VARIANTS = ["qwen3_untied_gqa_headdim32", "qwen3_tied_mqa_window7_mixed", "phi3_untied_gqa", "phi3_tied_window7",
             "gemma2_tied_gqa_softcaps_window7", "gemma2_untied_mqa_nocaps", "gemma3_tied_gqa_window7",
@@ -62,35 +60,12 @@ EXPECT = {
 
 @pytest.fixture(scope="session")
 def torch_py() -> str:
-    py = TORCH_VENV / "bin" / "python"
-    if not (TORCH_VENV / ".ready").exists():
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "setup_torch_ref.sh")], capture_output=True, text=True,
-                           timeout=1200, stdin=subprocess.DEVNULL)
-        if r.returncode in (3, 4):
-            pytest.skip(f"no transformers reference environment: {r.stderr.strip()}")
-        assert r.returncode == 0, f"scripts/setup_torch_ref.sh failed:\n{r.stdout}\n{r.stderr}"
-    return str(py)
-
-
-def _reference(torch_py: str, *args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JAX", "XLA", "VIRTUAL_ENV"))}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run([torch_py, str(ROOT / "tests" / "hf_reference.py"), *args], capture_output=True, text=True,
-                       env=env, timeout=600, stdin=subprocess.DEVNULL)
-    assert r.returncode == 0, f"hf_reference.py {args[0]} failed:\n{r.stdout}\n{r.stderr[-4000:]}"
+    return torch_python()
 
 
 @pytest.fixture(scope="session")
 def refs(torch_py, tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("fam_ref")
-    _reference(torch_py, "make-families", str(d))
-    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == sorted(VARIANTS)
-    return d
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    return make_references(torch_py, tmp_path_factory.mktemp("fam_ref"), "make-families", VARIANTS)
 
 
 def _import(d: Path, bf16_stream: bool = False):
@@ -128,7 +103,7 @@ def test_parity_with_transformers(refs, variant):
     for name, want in EXPECT[variant].items():
         assert getattr(cfg, name) == want, (name, getattr(cfg, name), want)
     loss, logits, grads = _loss_logits_grads(cfg, store, ref["tokens"])
-    assert _rel(logits, ref["logits"]) < TOL
+    assert rel(logits, ref["logits"]) < TOL
     assert abs(loss - float(ref["loss"])) < TOL * abs(float(ref["loss"]))
     want = {k[5:]: ref[k] for k in ref.files if k.startswith("grad:")}
     assert sorted(grads) == sorted(want)  # same parameters (tied: no lm_head on either side)
@@ -203,7 +178,7 @@ def test_exports_load_in_transformers(refs, torch_py, tmp_path):
         dirs.append(str(tmp_path / name))
         expect.append((name, "float32", logits))
     np.save(tmp_path / "tokens.npy", tokens)
-    _reference(torch_py, "logits", str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), *dirs)
+    run_reference(torch_py, "logits", str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), *dirs)
     got = np.load(tmp_path / "out.npz")
     info = json.loads(str(got["info"]))
     for i, (variant, dtype, mine) in enumerate(expect):
@@ -211,7 +186,7 @@ def test_exports_load_in_transformers(refs, torch_py, tmp_path):
         assert info[i]["class"] == ARCH[family], variant
         assert info[i]["dtype"] == f"torch.{dtype}"
         want = mine if mine is not None else np.load(refs / variant / "ref.npz")["logits"]
-        err = _rel(got[f"logits:{i}"], want)
+        err = rel(got[f"logits:{i}"], want)
         assert err < (1e-5 if dtype == "float32" else 3e-2), f"{variant} {dtype}: logits differ by {err:.2e}"
 
 

@@ -32,9 +32,10 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.hf import (HFWarning, convert_main, export_hf, hf_name, index_checkpoint, load_hf_into_store,
                               load_mt, model_from_store, save_mt)
 from megatrain_jax.models.llama import init_host_store
+from torch_reference import make_references, rel, run_reference
+from torch_reference import torch_python as reference_python
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_VENV = ROOT / ".venv-torch"
 VARIANTS = ["llama_untied_gqa_llama3rope", "llama_tied_mqa_headdim32", "qwen2_tied_bias", "mistral_untied_window",
             "mistral_untied_mqa_window7"]
 WINDOWS = {"mistral_untied_window": 4096, "mistral_untied_mqa_window7": 7}  # sliding_window; the 24-token sequences
@@ -48,35 +49,12 @@ TOL = 1e-4
 
 @pytest.fixture(scope="session")
 def torch_python() -> str:
-    py = TORCH_VENV / "bin" / "python"
-    if not (TORCH_VENV / ".ready").exists():  # written by the set-up script once everything is installed
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "setup_torch_ref.sh")], capture_output=True, text=True,
-                           timeout=1200, stdin=subprocess.DEVNULL)
-        if r.returncode in (3, 4):  # no Python 3.11, or no CPU torch wheel, on this machine
-            pytest.skip(f"no transformers reference environment: {r.stderr.strip()}")
-        assert r.returncode == 0, f"scripts/setup_torch_ref.sh failed:\n{r.stdout}\n{r.stderr}"
-    return str(py)
-
-
-def _reference(torch_py: str, *args: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JAX", "XLA", "VIRTUAL_ENV"))}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run([torch_py, str(ROOT / "tests" / "hf_reference.py"), *args], capture_output=True, text=True,
-                       env=env, timeout=600, stdin=subprocess.DEVNULL)
-    assert r.returncode == 0, f"hf_reference.py {args[0]} failed:\n{r.stdout}\n{r.stderr[-4000:]}"
+    return reference_python()
 
 
 @pytest.fixture(scope="session")
 def hf_refs(torch_python, tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("hf_ref")
-    _reference(torch_python, "make", str(d))
-    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == sorted(VARIANTS)
-    return d
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    return make_references(torch_python, tmp_path_factory.mktemp("hf_ref"), "make", VARIANTS)
 
 
 def _import(d: Path, bf16_stream: bool = False):
@@ -113,7 +91,7 @@ def test_parity_with_transformers(hf_refs, variant):
     assert cfg.tie_embeddings == ("_tied" in variant) and cfg.qkv_bias == variant.startswith("qwen2")
     assert cfg.sliding_window == WINDOWS.get(variant)
     loss, logits, grads = _loss_logits_grads(cfg, store, ref["tokens"])
-    assert _rel(logits, ref["logits"]) < TOL
+    assert rel(logits, ref["logits"]) < TOL
     assert abs(loss - float(ref["loss"])) < TOL * abs(float(ref["loss"]))
     want = {k[5:]: ref[k] for k in ref.files if k.startswith("grad:")}
     assert sorted(grads) == sorted(want)  # same parameters (tied: no lm_head on either side)
@@ -131,10 +109,7 @@ PAD = {"llama_untied_linear_rope_pad3": 3, "qwen2_tied_linear_rope_pad5": 5, "ph
 
 @pytest.fixture(scope="session")
 def extra_refs(torch_python, tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("hf_ref_extra")
-    _reference(torch_python, "make-extra", str(d))
-    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == sorted(EXTRA)
-    return d
+    return make_references(torch_python, tmp_path_factory.mktemp("hf_ref_extra"), "make-extra", EXTRA)
 
 
 @pytest.mark.parametrize("variant", EXTRA)
@@ -149,7 +124,7 @@ def test_parity_linear_rope_and_pad_token(extra_refs, variant):
     if variant in PAD:
         assert cfg.pad_token_id == PAD[variant] and (ref["tokens"] == PAD[variant]).sum() >= 8
     loss, logits, grads = _loss_logits_grads(cfg, store, ref["tokens"])
-    assert _rel(logits, ref["logits"]) < TOL
+    assert rel(logits, ref["logits"]) < TOL
     assert abs(loss - float(ref["loss"])) < TOL * abs(float(ref["loss"]))
     want = {k[5:]: ref[k] for k in ref.files if k.startswith("grad:")}
     assert sorted(grads) == sorted(want)
@@ -187,18 +162,18 @@ def test_exports_load_in_transformers(hf_refs, torch_python, tmp_path):
         dirs.append(str(tmp_path / name))
         expect.append((name, "float32"))
     np.save(tmp_path / "tokens.npy", tokens)
-    _reference(torch_python, "logits", str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), *dirs)
+    run_reference(torch_python, "logits", str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), *dirs)
     got = np.load(tmp_path / "out.npz")
     info = json.loads(str(got["info"]))
     for i, (variant, dtype) in enumerate(expect):
         if variant in fresh:
             assert info[i]["class"] == ("Qwen2ForCausalLM" if fresh[variant].qkv_bias else "LlamaForCausalLM")
-            assert _rel(got[f"logits:{i}"], fresh_logits[variant]) < 1e-5, variant
+            assert rel(got[f"logits:{i}"], fresh_logits[variant]) < 1e-5, variant
             continue
         ref = np.load(hf_refs / variant / "ref.npz")
         assert info[i]["class"] == ARCH[variant.split("_")[0]]
         assert info[i]["dtype"] == f"torch.{dtype}"  # config.json's dtype is honoured
-        err = _rel(got[f"logits:{i}"], ref["logits"])
+        err = rel(got[f"logits:{i}"], ref["logits"])
         assert err < (1e-5 if dtype == "float32" else 3e-2), f"{variant} {dtype}: logits differ by {err:.2e}"
     assert os.path.isfile(os.path.join(dirs[0], "model.safetensors.index.json"))  # the small shard limit split it
 
@@ -594,7 +569,7 @@ def test_export_of_a_training_checkpoint_loads_in_transformers(torch_python, tmp
     assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
     tokens = np.random.default_rng(0).integers(0, 128, (2, 16)).astype(np.int32)
     np.save(tmp_path / "tokens.npy", tokens)
-    _reference(torch_python, "logits", str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), str(tmp_path / "hf"))
+    run_reference(torch_python, "logits", str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), str(tmp_path / "hf"))
     got = np.load(tmp_path / "out.npz")
     assert json.loads(str(got["info"]))[0]["class"] == "Qwen2ForCausalLM"
-    assert _rel(got["logits:0"], np.asarray(model_from_store(store, cfg)(jnp.asarray(tokens)))) < 1e-5
+    assert rel(got["logits:0"], np.asarray(model_from_store(store, cfg)(jnp.asarray(tokens)))) < 1e-5

@@ -41,7 +41,8 @@ from megatrain_jax.models.moe import experts_dense, experts_sorted, route
 from megatrain_jax.optim import build_host_optimizer, build_reference_tx
 from megatrain_jax.reference import ReferenceTrainer
 from megatrain_jax.templates import Layout
-from tests.test_families import ROOT, TORCH_VENV, _rel
+from tests.torch_reference import ROOT, TORCH_VENV
+from tests.torch_reference import rel as _rel
 
 TOL = 1e-4
 VARIANTS = ["mixtral_untied_gqa_top2of4_window7", "qwen3moe_untied_gqa_headdim32_top3of6_norm",
