@@ -69,6 +69,13 @@ class _Updates:
         fut = self.pending.get(name)
         return fut is None or fut.done()
 
+    def _settle(self, names) -> None:
+        """``finish``: wait for these groups' pending updates, in this order."""
+        for name in list(names):
+            fut = self.pending.pop(name, None)
+            if fut is not None:
+                fut.result()
+
     def wait(self, name: str) -> None:
         """Before a group's host buffers are read again: its pending update has written them."""
         fut = self.pending.pop(name, None)
@@ -341,11 +348,8 @@ class HostUpdates(_Updates):
         last = len(self.groups.order) - 1
         for j, name in enumerate(self.groups.order):
             self.issue_through(min(j + self.LOOKAHEAD, last))
-            fut = self.pending.pop(name, None)
-            if fut is not None:
-                fut.result()
-        for name in list(self.pending):
-            self.pending.pop(name).result()
+            self._settle([name])
+        self._settle(self.pending)
 
     def close(self) -> None:
         self.finish()
@@ -472,12 +476,8 @@ class DeviceUpdates(_Updates):
             if name in self._queued:
                 self.wait(name)
                 self.dispatch(self.load(name))
-        for name in self.groups.order:
-            fut = self.pending.pop(name, None)
-            if fut is not None:
-                fut.result()
-        for name in list(self.pending):
-            self.pending.pop(name).result()
+        self._settle(self.groups.order)
+        self._settle(self.pending)
 
     def close(self) -> None:
         self.finish()
