@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+GRAD_HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep")  # train.grad_hold
+
 @dataclass
 class ModelConfig:
     """A decoder of one of the registered families (``megatrain_jax/models/registry.py``): llama
@@ -210,6 +212,10 @@ class TrainConfig:
     #                            where the plan predicts the doubled transfer hides behind compute (or the copy
     #                            does not fit), else host
     grad_hold: str = "auto"  # where gradients wait for the clipping norm: auto | gpu_fp32 | gpu_bf16 | pinned_host
+    #                          | host_fp32 | host_bf16 (ordinary host memory) | resweep (no hold: a second backward)
+    stream_io: bool | str = "auto"  # true: the embedding and head are not resident on the GPU (rows gathered, head
+    #                                 streamed in vocabulary chunks) | false | auto (the plan decides)
+    boundary_every: int | str = "auto"  # keep every k-th block input for the backward (recompute between) | auto
     activations: str = "auto"  # boundary activations: auto | device | pinned_host
     grad_slabs: int | str = "auto"  # pinned 128 MiB gradient slabs: auto (24 where the host has room, down to 6)
     #                                 | N. More slabs keep the host optimizer fed (speed), fewer save host memory

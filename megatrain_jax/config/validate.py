@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from megatrain_jax.config.schema import OPTIMIZER_FIELDS, Config, ModelConfig, OptimConfig
+from megatrain_jax.config.schema import GRAD_HOLDS, OPTIMIZER_FIELDS, Config, ModelConfig, OptimConfig
 from megatrain_jax.errors import UserError
 
 
@@ -53,13 +53,18 @@ def validate(cfg: Config) -> None:
                                        or t.keep_residuals < 0):
         raise UserError("train.keep_residuals", f"must be auto or an integer >= 0, got {t.keep_residuals!r}",
                         "set train.keep_residuals=auto (or a number of blocks, 0 to recompute every block)")
+    if t.boundary_every != "auto" and (isinstance(t.boundary_every, bool) or not isinstance(t.boundary_every, int)
+                                       or t.boundary_every < 1):
+        raise UserError("train.boundary_every", f"must be auto or an integer >= 1, got {t.boundary_every!r}",
+                        "set train.boundary_every=auto (or 1 to keep every block's input)")
     if t.devices != "all" and (isinstance(t.devices, bool) or not isinstance(t.devices, int) or t.devices <= 0):
         raise UserError("train.devices", f"must be a positive integer or all, got {t.devices!r}",
                         "set train.devices=all or a number of GPUs")
     for name, value, allowed in [("optim.moments", o.moments, ("float32", "bfloat16", "int8")),
                                  ("model.init", m.init, ("normal", "fast")),
                                  ("train.stream_copy", t.stream_copy, ("auto", "host", "device")),
-                                 ("train.grad_hold", t.grad_hold, ("auto", "gpu_fp32", "gpu_bf16", "pinned_host")),
+                                 ("train.grad_hold", t.grad_hold, ("auto",) + GRAD_HOLDS),
+                                 ("train.stream_io", t.stream_io, ("auto", True, False)),
                                  ("train.activations", t.activations, ("auto", "device", "pinned_host")),
                                  ("train.update_on", t.update_on, ("auto", "host", "device"))]:
         if value not in allowed:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from megatrain_jax.config.schema import GRAD_HOLDS
 from megatrain_jax.errors import UserError
 
 GRAD_SLAB_ELEMS = 32 << 20  # a pinned gradient slab: 32M fp32 values (128 MiB)
@@ -17,7 +18,9 @@ GRAD_SLABS = 8  # pinned gradient slabs in flight at once
 DEVICE_UPDATE_CHUNK = 8192 * 2048  # values per slice of a device-side update (bounded temporaries)
 
 Activations = Literal["device", "pinned_host"]
-GradHold = Literal["gpu_fp32", "gpu_bf16", "pinned_host"]
+GradHold = Literal["gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep"]
+# gpu_*: on the GPU; pinned_host: pinned host arrays; host_*: ordinary (pageable) host memory, fed to the
+# updater through the pinned slabs; resweep: no hold, a second backward sweep once the norm is known
 StreamCopy = Literal["host", "device"]
 UpdateOn = Literal["host", "device"]
 
@@ -54,6 +57,13 @@ class EngineOptions:
     device_update_chunk: int = DEVICE_UPDATE_CHUNK
     rng_seed: int = 0  # dropout keys (templates.block_rng)
     transfer_mode: str = "auto"  # transfer.Transfers: dma-mapped numpy or pinned_host arrays
+    grad_hold_gpu_groups: int = 0  # with a host hold (host_*, pinned_host): this many groups, those the next
+    #                                forward needs first (embedding, block 0, 1, ...), wait on the GPU in bf16
+    #                                instead: a hold split between the GPU's free room and the host
+    stream_io: bool = False  # the embedding gathers only the rows a batch uses and the head streams through the
+    #                          loss in vocabulary chunks: neither is resident on the GPU for the step
+    boundary_every: int = 1  # keep every k-th block's input; the backward recomputes the blocks between from
+    #                          the nearest kept one (1: keep every input)
     seq_tile: int = 0  # tokens per sequence tile of each block (model.seq_tile resolved; 0: untiled). The model
     #                    is built with it (the blocks read it from their ModelConfig), not the engine
 
@@ -69,8 +79,12 @@ class EngineOptions:
             bad("train.loss_chunk", f"must be >= 1, got {self.loss_chunk}", "set a positive integer")
         if self.activations not in ("device", "pinned_host"):
             bad("train.activations", f"{self.activations!r}", "use device or pinned_host")
-        if self.grad_hold not in ("gpu_fp32", "gpu_bf16", "pinned_host"):
-            bad("train.grad_hold", f"{self.grad_hold!r}", "use gpu_fp32, gpu_bf16 or pinned_host")
+        if self.grad_hold not in GRAD_HOLDS:
+            bad("train.grad_hold", f"{self.grad_hold!r}", f"use one of {', '.join(GRAD_HOLDS)}")
+        if int(self.grad_hold_gpu_groups) < 0:
+            bad("train.grad_hold_gpu_groups", f"must be >= 0, got {self.grad_hold_gpu_groups}", "set 0 or more")
+        if int(self.boundary_every) < 1:
+            bad("train.boundary_every", f"must be >= 1, got {self.boundary_every}", "set 1 (keep every input) or more")
         if self.stream_copy not in ("host", "device"):
             bad("train.stream_copy", f"{self.stream_copy!r}", "use host or device")
         if self.update_on not in ("host", "device"):
