@@ -63,10 +63,11 @@ class Transfers:
 
     # ------------------------------------------------------------------ host buffers -> device
 
-    def register(self, name: str, buf: np.ndarray) -> None:
+    def register(self, name: str, buf: np.ndarray, pin_fallback: bool = True) -> None:
         """Make a host buffer a fast transfer source (DMA registration, or a pinned copy).
 
         A buffer that cannot be registered falls back alone; the others keep their direct DMA.
+        Without ``pin_fallback`` it then stays a plain (staged) source: no pinned copy of it is made.
         """
         if self.mode == "dma_map":
             try:
@@ -77,6 +78,8 @@ class Transfers:
                 self.fallback_reason = f"{name}: dma_map failed ({type(e).__name__}: {str(e)[:120]})"
                 if self.host_sharding is None:
                     return
+        if not pin_fallback:
+            return
         if self.mode in ("dma_map", "pinned"):
             self._fallback.add(name)
             self.host_written(name, buf)

@@ -11,7 +11,8 @@ already in flight.
   (``loss.py``), so the (tokens x vocab) logits never exist at once, forward or backward.
 - **Backward**: blocks in reverse; each recomputes its forward from the saved input inside a
   per-layer VJP (or applies its kept residuals), accumulates its weight gradient over micro-batches
-  in fp32, and hands it to the updater (``updaters.py``).
+  in fp32, and hands it to the updater (``updaters.py``). With ``grad_hold=resweep`` and clipping
+  the first sweep keeps only the norms, and a second one (``_resweep``) hands the gradients over.
 - **Auxiliary loss** (a stack with ``aux_loss``, e.g. MoE load balancing): the emitting blocks add
   their statistics to a per-device accumulator during the forward; ``fn(total)`` joins the loss and
   its gradient w.r.t. the total is the extra cotangent each emitting block's VJP receives.
@@ -22,6 +23,7 @@ updater (``updaters.py``) and the jitted kernels with one variant per layer (``k
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from megatrain_jax.engine.kernels import F32, Kernels, local_shard
+from megatrain_jax.engine.kernels import F32, Kernels, KeepResiduals, Recompute, local_shard
 from megatrain_jax.engine.updaters import EMBED, HEAD, Groups, make_updates
 from megatrain_jax.engine.weights import Boundaries, WeightStream
 from megatrain_jax.hoststore import HostStore
@@ -146,31 +148,11 @@ class StreamedTrainer:
         head_w = weights.take(HEAD)  # (head size,)
         aux_val = k.aux_total()  # () or None: the auxiliary loss of the whole step
 
-        # ---- loss and head backward; the last block and its inputs go in flight first, to overlap it
-        weights.prefetch(L - 1)
-        acts.bring(L - 1)
-        g_head, g_emb = k.zeros(self.store["head"].size), k.zeros(self.store["embed"].size)  # fp32 per device
-        losses, dhs = [], []  # M x (), M x (B/M, S, H)
-        for h, mb in zip(hs, mbs):
-            loss, dh, g_head, g_emb = k.head_loss(head_w, emb_w, h, mb.labels, mb.mask, inv, g_head, g_emb)
-            losses.append(loss)
-            dhs.append(dh)
-        self._trace("compute", "loss", losses[-1])
+        # ---- loss, head backward and backward sweep: each group's gradient, once complete, gives its
+        # squared norm and is held for the norm, sent to be applied, or (resweep) dropped
+        losses, sq, w = self._backward_sweep(head_w, emb_w, hs, mbs, inv)  # sq: fp32 (), one per group
         if aux_val is not None:
             losses.append(aux_val)
-        sq = [self._gradient(HEAD, g_head)]  # squared norms, fp32 (), one per group
-
-        # ---- backward sweep: recompute each block from its saved input, VJP, gradient out
-        for i in reversed(range(L)):
-            w = weights.take(i)
-            weights.prefetch(i - 1)  # before block i's backward: the transfer overlaps it
-            acts.bring(i - 1)
-            g = self._backward_block(i, w, acts.take(i), mbs, dhs)  # (devices x block size,) fp32
-            sq.append(self._gradient(i, g))
-            self._trace("compute", f"bwd {i}", sq[-1])  # (g itself may be donated later)
-        for m, mb in enumerate(mbs):
-            g_emb = k.embed_bwd(emb_w, mb.inputs, dhs[m], g_emb)
-        sq.append(self._gradient(EMBED, g_emb))
 
         # ---- norm, clipping and the updates (deferred ones queued in the order the forward needs them)
         loss, sq_total = (float(np.asarray(local_shard(x))) for x in k.totals(losses, sq))
@@ -179,6 +161,8 @@ class StreamedTrainer:
         self.last_step_info = {"offload_activations": acts.offload, "transfer_mode": self.xfer.mode}
         skipped = self.updates.deferred and not (np.isfinite(loss) and np.isfinite(grad_norm))
         scale = None if skipped else global_norm_scale(grad_norm ** 2, self.options.clip_norm)
+        if self.updates.resweep and scale is not None:
+            self._resweep(head_w, emb_w, hs, mbs, inv, scale)
         self.updates.apply(scale, resident={"embed": emb_w, "head": head_w, "block_0": w})
         return StepResult(loss, grad_norm, n_tokens, skipped=skipped, aux_loss=aux)
 
@@ -193,21 +177,66 @@ class StreamedTrainer:
             out.append(layer.forward(w, h, mb.aux, m))
         return out
 
-    def _backward_block(self, i: int, w: jax.Array, acts: list, mbs: list[MicroBatch], dhs: list) -> jax.Array:
-        """Block ``i``'s VJP for every micro-batch: ``dhs`` becomes the inputs' cotangents, and the
-        weight gradient accumulates over the micro-batches in fp32."""
-        layer, g = self.kernels.layers[i], self.kernels.zeros(self.store[f"block_{i}"].size)
+    def _backward_sweep(self, head_w: jax.Array, emb_w: jax.Array, hs: list, mbs: list[MicroBatch], inv: jax.Array,
+                        scale: float | None = None) -> tuple[list, list, jax.Array]:
+        """Loss and head backward, every block's VJP from its saved input (blocks in reverse), then the
+        embedding's backward; each group's gradient goes to ``_gradient`` once complete (``scale``: the
+        resweep's second sweep). Returns the micro-batches' losses, the groups' squared norms and block
+        0's weights."""
+        L, k, weights, acts = self.num_layers, self.kernels, self.weights, self.boundaries
+        forget = scale is not None or not self.updates.resweep  # resweep: the inputs serve the second sweep too
+        weights.prefetch(L - 1)  # the last block and its inputs go in flight first, to overlap the loss
+        acts.bring(L - 1)
+        g_head, g_emb = k.zeros(self.store["head"].size), k.zeros(self.store["embed"].size)  # fp32 per device
+        losses, dhs = [], []  # M x (), M x (B/M, S, H)
+        for h, mb in zip(hs, mbs):
+            loss, dh, g_head, g_emb = k.head_loss(head_w, emb_w, h, mb.labels, mb.mask, inv, g_head, g_emb)
+            losses.append(loss)
+            dhs.append(dh)
+        self._trace("compute", "loss", losses[-1])
+        sq = [self._gradient(HEAD, g_head, scale)]
+        for i in reversed(range(L)):  # recompute each block from its saved input, VJP, gradient out
+            w = weights.take(i)
+            weights.prefetch(i - 1)  # before block i's backward: the transfer overlaps it
+            acts.bring(i - 1)
+            g = self._backward_block(i, w, acts.take(i, forget), mbs, dhs, again=scale is not None)
+            sq.append(self._gradient(i, g, scale))  # g: (devices x block size,) fp32
+            self._trace("compute", f"bwd {i}", sq[-1])  # (g itself may be donated later)
         for m, mb in enumerate(mbs):
-            dhs[m], g = layer.backward(w, acts[m], mb.aux, m, dhs[m], g)
+            g_emb = k.embed_bwd(emb_w, mb.inputs, dhs[m], g_emb)
+        sq.append(self._gradient(EMBED, g_emb, scale))
+        return losses, sq, w
+
+    def _resweep(self, head_w: jax.Array, emb_w: jax.Array, hs: list, mbs: list[MicroBatch], inv: jax.Array,
+                 scale: float) -> None:
+        """``grad_hold=resweep``: the first sweep kept only each gradient's norm. Now that the clip scale
+        is known, the whole backward runs again from the same saved inputs (the same gradients, bit for
+        bit) and each gradient is sent with it as it completes, as an unclipped step sends it: no hold."""
+        self._backward_sweep(head_w, emb_w, hs, mbs, inv, scale)
+
+    def _backward_block(self, i: int, w: jax.Array, acts: list, mbs: list[MicroBatch], dhs: list,
+                        again: bool = False) -> jax.Array:
+        """Block ``i``'s VJP for every micro-batch: ``dhs`` becomes the inputs' cotangents, and the
+        weight gradient accumulates over the micro-batches in fp32. ``again`` (the resweep's second
+        sweep): kept residuals were spent by the first, so such a block recomputes."""
+        layer, g = self.kernels.layers[i], self.kernels.zeros(self.store[f"block_{i}"].size)
+        backward = partial(Recompute.backward, layer) if again and isinstance(layer, KeepResiduals) else layer.backward
+        for m, mb in enumerate(mbs):
+            dhs[m], g = backward(w, acts[m], mb.aux, m, dhs[m], g)
         return g
 
-    def _gradient(self, key: Any, g: jax.Array) -> jax.Array:
+    def _gradient(self, key: Any, g: jax.Array, scale: float | None = None) -> jax.Array:
         """A group's gradient is complete on the devices: summed over them (one collective per
-        group), its squared norm taken in fp32, then held for the norm or sent to be applied."""
+        group), its squared norm taken in fp32, then held for the norm or sent to be applied (with
+        ``scale``: the resweep's second sweep)."""
         if self.kernels.reduce is not None:
             g = self.kernels.reduce(g)
         sq = self.kernels.sqnorm(g)
-        self.updates.gradient(self.weights.groups.names[key], g)
+        name = self.weights.groups.names[key]
+        if scale is None:
+            self.updates.gradient(name, g)
+        else:
+            self.updates.send(name, g, scale)
         return sq
 
     def _trace(self, lane: str, label: str, arr: Any) -> None:

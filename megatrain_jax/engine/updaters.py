@@ -7,9 +7,11 @@
   state straight into the host store (``update_on=device``).
 
 Without clipping (or the NaN check) a host update starts as soon as its group's gradient lands. With
-them every update waits for the step's norm: the gradients are *held* (fp32 or bf16 on the device, or
-in pinned host memory: ``grad_hold``) and queued in forward order after the step, so the next step's
-forward waits for each group's update only when it needs that group.
+them every update waits for the step's norm: the gradients are *held* (fp32 or bf16 on the device, in
+pinned or pageable host memory: ``holds.py``; ``grad_hold``) and queued in forward order after the step,
+so the next step's forward waits for each group's update only when it needs that group. With
+``grad_hold=resweep`` nothing is held: the step runs a second backward sweep once the norm is known and
+hands each gradient over with its clip scale (``send``), as an unclipped step does.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from megatrain_jax.engine.holds import PageableHold, PageableHeld, PinnedHeld
 from megatrain_jax.engine.kernels import F32, Kernels, local_shard
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
@@ -61,6 +64,15 @@ class _Updates:
         # writes group ``name`` in place (a background checkpoint holds back writes it has not saved)
         self.before_update: Callable[[str, int], None] | None = None
         self._held: dict[str, Any] = {}  # deferred gradients waiting for the norm
+        # the pinned gradient slabs: a fixed pool shared by every copy of a gradient to host memory
+        self.slabs = threading.Semaphore(options.grad_slabs)
+        hold = options.grad_hold
+        # no hold: a second backward sweep once the norm is known (``send``); only where it is needed
+        self.resweep = hold == "resweep" and (options.clip_norm is not None or options.skip_nonfinite)
+        self._host_hold = hold in ("pinned_host", "host_fp32", "host_bf16")
+        self.pageable = PageableHold(xfer, self.slabs, options.grad_slab_elems, hold == "host_bf16",
+                                     register=self.on_device, trace=self._trace) \
+            if self.deferred and hold in ("host_fp32", "host_bf16") else None
 
     def register(self, g: Any) -> None:
         """Group ``g``'s host buffers that cross PCIe besides its streaming copy (none here)."""
@@ -96,13 +108,24 @@ class _Updates:
         """Issue queued gradient copies up to forward position ``pos`` (none here)."""
 
     def hold(self, name: str, grad: jax.Array) -> None:
-        """A deferred gradient waits for the norm where ``grad_hold`` says."""
-        if self.o.grad_hold == "gpu_bf16":
+        """A deferred gradient waits for the norm where ``grad_hold`` says (the first
+        ``grad_hold_gpu_groups`` groups of the forward stay on the GPU in bf16 with a host hold).
+        Host copies are issued here, before the next block's backward, which they then overlap."""
+        o = self.o
+        if self.resweep:
+            return  # dropped: the second sweep recomputes it once the norm is known
+        if o.grad_hold == "gpu_bf16" or self._host_hold and self.groups.pos[name] < o.grad_hold_gpu_groups:
             grad = self.k.to_bf16(grad)  # the norm was taken in fp32
-        elif self.o.grad_hold == "pinned_host":
-            grad = self.xfer.to_host(local_shard(grad))  # issued before the next block's backward: they overlap
-            self._trace("d2h", name, grad)
+        elif o.grad_hold == "pinned_host":
+            grad = PinnedHeld(self.xfer.to_host(local_shard(grad)), self.xfer)
+            self._trace("d2h", name, grad.arr)
+        elif self.pageable is not None:  # its buffer's last reader (a device-side update) goes first
+            grad = self.pageable.put(name, grad, self.store[name].size, after=self.pending.get(name))
         self._held[name] = grad
+
+    def _close_hold(self) -> None:
+        if self.pageable is not None:
+            self.pageable.close()
 
     def _trace(self, lane: str, label: str, arr: Any) -> None:
         if self.tracer is not None:
@@ -136,7 +159,7 @@ class GradOut:
     """
 
     def __init__(self, grad: Any, chunks: list[tuple[int, int]], on_host: bool = False):
-        self.grad = grad  # device array (fp32/bf16), or a pinned-host fp32 array when on_host
+        self.grad = grad  # device array (fp32/bf16), or a gradient held in host memory when on_host (holds.py)
         self.chunks = chunks
         self.on_host = on_host
         self.host: list[Any] = [None] * len(chunks)
@@ -183,8 +206,7 @@ class GradOut:
         while not self._events[j].wait(timeout=up.issue_wait_s):
             up.issue_for(self, j)
         if self.on_host:
-            lo, hi = self.chunks[j]
-            return up.xfer.host_view(self.grad)[lo:hi]
+            return self.grad.read(*self.chunks[j])
         return up.xfer.host_view(self.host[j])
 
     def release(self, j: int, up: "HostUpdates") -> None:
@@ -218,7 +240,6 @@ class HostUpdates(_Updates):
         # gradient slabs: chunk size (aligned as the optimizer's state needs) and the pool's size
         align, n = getattr(self.opt, "chunk_align", None), self.o.grad_slab_elems
         self.slab = None if (n is None or align is None) else max(align, n // align * align)
-        self.slabs = threading.Semaphore(self.o.grad_slabs)
         self._queue: list[tuple[str, GradOut]] = []  # gradients not yet sent to the host
         self._copy_lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")
@@ -236,19 +257,24 @@ class HostUpdates(_Updates):
         """Group ``name``'s gradient is complete (summed over the devices): held, or sent now."""
         if self.deferred:
             return self.hold(name, grad)
+        self.send(name, grad)
+
+    def send(self, name: str, grad: jax.Array, scale: float = 1.0) -> None:
+        """A gradient whose clip scale is known (unclipped, or the resweep's second sweep) goes to the
+        host now, and its update starts as soon as it lands."""
         if name == HEAD:  # first gradient of the step: the step counts from here
             self.count += 1
         out = self.grad_out(name, grad)
         with self._copy_lock:
             self._queue.append((name, out))
-        self._submit(name, out, 1.0)  # first: its progress frees the slabs the copies below wait for
+        self._submit(name, out, scale)  # first: its progress frees the slabs the copies below wait for
         self.issue_through(self.groups.pos[name], wait=False)  # before the next block's backward: they overlap
 
     def apply(self, scale: float | None, resident: dict[str, jax.Array]) -> None:
         """After the norm: the held updates queued in forward order (their copies are issued during
-        the next forward); ``scale`` None drops them (a skipped step)."""
+        the next forward); ``scale`` None drops them (a skipped step). Nothing held: nothing to do."""
         held, self._held = self._held, {}
-        if scale is None or not self.deferred:
+        if scale is None or not held:
             return
         self.count += 1
         for name in self.groups.order:
@@ -262,7 +288,7 @@ class HostUpdates(_Updates):
         n = self.store[name].size
         step = self.slab or n
         chunks = [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
-        return GradOut(grad, chunks, on_host=self.deferred and self.o.grad_hold == "pinned_host")
+        return GradOut(grad, chunks, on_host=isinstance(grad, (PinnedHeld, PageableHeld)))
 
     # ---- gradient copies
 
@@ -353,6 +379,7 @@ class HostUpdates(_Updates):
 
     def close(self) -> None:
         self.finish()
+        self._close_hold()
         self._pool.shutdown()
 
 
@@ -397,14 +424,25 @@ class DeviceUpdates(_Updates):
             self.xfer.register(f"{g.name}/{k}", a)
 
     def gradient(self, name: str, grad: jax.Array) -> None:
+        if self.o.grad_hold == "resweep" and not self.resweep:
+            return self.send(name, grad)  # no norm to wait for: updated now, nothing held
         self.hold(name, grad)
+
+    def send(self, name: str, grad: jax.Array, scale: float = 1.0) -> None:
+        """The resweep's second sweep: the update runs now, on the device, with the clip scale known
+        (the next forward then fetches the updated weights from the host store)."""
+        if name == HEAD:
+            self.count += 1
+        self._queued[name] = (grad, scale, self.count)
+        self._done[name] = Future()
+        self.dispatch(self.load(name))
 
     def apply(self, scale: float | None, resident: dict[str, jax.Array]) -> None:
         """Queue each group's update, applied when the next forward fetches the group. The current
         weights of the groups needed first and last are on the device already: their updates start
         from these instead of crossing PCIe again (the step's first transfers are exposed)."""
         held, self._held = self._held, {}
-        if scale is None:
+        if scale is None or not held:
             return
         self.count += 1
         for name in self.groups.order:
@@ -427,8 +465,8 @@ class DeviceUpdates(_Updates):
             p = self.xfer.to_device(name, g.master)
             self._trace("h2d", name, p)
         state = {k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
-        if self.o.grad_hold == "pinned_host":
-            grad = jax.device_put(grad, self.xfer.device_sharding)
+        if isinstance(grad, (PinnedHeld, PageableHeld)):
+            grad = grad.to_device()
         return DeviceUpdate(name, p, grad, state, host_state, self.opt.device_scalars(count, scale), count)
 
     def dispatch(self, u: DeviceUpdate) -> jax.Array:
@@ -481,6 +519,7 @@ class DeviceUpdates(_Updates):
 
     def close(self) -> None:
         self.finish()
+        self._close_hold()
         self._writer.shutdown()
 
 

@@ -81,7 +81,9 @@ class Boundaries:
             saved = self._saved[i]
             self._back[i] = [self.xfer.reload(h) for h in saved] if self.offload else saved
 
-    def take(self, i: int) -> list[jax.Array]:
-        """Block ``i``'s inputs, forgotten here (freed once the caller is done with them)."""
-        self._saved[i] = None
+    def take(self, i: int, forget: bool = True) -> list[jax.Array]:
+        """Block ``i``'s inputs, forgotten here (freed once the caller is done with them) unless not
+        ``forget`` (``grad_hold=resweep``: a second backward sweep brings them back again)."""
+        if forget:
+            self._saved[i] = None
         return self._back.pop(i)

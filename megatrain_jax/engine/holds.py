@@ -1,0 +1,203 @@
+"""Where a deferred gradient waits for the step's clipping norm when it does not stay on the GPU.
+
+- ``PinnedHeld`` (``grad_hold=pinned_host``): the whole group in one pinned host array.
+- ``PageableHold`` (``grad_hold=host_fp32`` / ``host_bf16``): ordinary (pageable) host memory, one
+  buffer per group allocated once and reused every step. The gradient leaves the GPU through the
+  pinned gradient slabs (the fixed pool the host updates use: ``grad_slabs`` buffers of at most
+  ``grad_slab_elems`` values); a copier thread moves each landed slab into the group's buffer and
+  releases the slab at once, so pinned memory never grows with the model. ``host_bf16`` casts on the
+  GPU first (the norm was taken in fp32): half the PCIe bytes and half the host bytes.
+
+Both give the updater the same two calls: ``read`` (fp32 values, for a host update) and
+``to_device`` (for a device-side update).
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from megatrain_jax.engine.kernels import local_shard
+from megatrain_jax.optim.host import alloc_aligned
+from megatrain_jax.transfer import Transfers
+
+
+class PinnedHeld:
+    """A group's gradient held in one pinned host array (``grad_hold=pinned_host``)."""
+
+    def __init__(self, arr: jax.Array, xfer: Transfers):
+        self.arr, self.xfer = arr, xfer
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        return self.xfer.host_view(self.arr)[lo:hi]
+
+    def to_device(self) -> jax.Array:
+        return jax.device_put(self.arr, self.xfer.device_sharding)
+
+
+class PageableHeld:
+    """A group's gradient on its way into (and then waiting in) its pageable buffer."""
+
+    def __init__(self, hold: "PageableHold", name: str, buf: np.ndarray, chunks: int):
+        self.hold, self.name, self.buf = hold, name, buf
+        self._left = chunks
+        self._lock = threading.Lock()
+        self._landed = threading.Event()
+        if chunks == 0:
+            self._landed.set()
+
+    def landed_one(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self._landed.set()
+
+    def wait(self) -> None:
+        """Until every chunk is in the buffer (pumping the queue meanwhile: nothing is left stranded)."""
+        while not self._landed.wait(timeout=0.05):
+            self.hold.pump(block=True)
+        if self.hold.error is not None:
+            raise self.hold.error
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        """Values ``lo:hi`` as fp32 (a bf16 buffer is widened into a scratch buffer, reused by the
+        next read: one reader, the host optimizer thread)."""
+        self.wait()
+        part = self.buf[lo:hi]
+        if part.dtype == np.float32:
+            return part
+        out = self.hold.scratch(hi - lo)
+        np.left_shift(part.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)  # bf16 -> fp32, exact
+        return out
+
+    def to_device(self) -> jax.Array:
+        """The held gradient back on the device (a device-side update), fp32 or bf16 as held: a direct
+        DMA where the buffer is registered, else staged by the runtime."""
+        self.wait()
+        return self.hold.xfer.to_device(self.hold.buffer_name(self.name), self.buf)
+
+
+class _Chunk:
+    """One slab's copy: its pinned array until the copier has moved it into the buffer."""
+
+    __slots__ = ("held", "lo", "hi", "arr", "after")
+
+    def __init__(self, held: PageableHeld, lo: int, hi: int, arr: Any, after: Future | None):
+        self.held, self.lo, self.hi, self.arr, self.after = held, lo, hi, arr, after
+
+
+class PageableHold:
+    """Deferred gradients in pageable host memory, fed through the pinned slab pool ``slabs``.
+
+    ``put`` (the dispatching thread, right after a group's backward is dispatched and before the next
+    block's) issues as many slab copies as there are free slabs and queues the rest: it never waits,
+    so the GPU's queue never runs dry. The copier thread issues queued copies as it frees slabs.
+    """
+
+    def __init__(self, xfer: Transfers, slabs: threading.Semaphore, slab_elems: int | None, bf16: bool,
+                 register: bool = False, trace: Callable[[str, str, Any], None] | None = None):
+        self.xfer, self.slabs, self.slab_elems, self.bf16 = xfer, slabs, slab_elems, bf16
+        self.register = register  # device-side updates read the buffers back: make them fast DMA sources
+        self.trace = trace
+        self.error: BaseException | None = None
+        self._bufs: dict[str, np.ndarray] = {}
+        self._queue: deque = deque()  # [held, device gradient, chunks, next chunk, after]
+        self._lock = threading.Lock()
+        self._scratch: np.ndarray | None = None
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-hold")
+        self._slice = jax.jit(lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n), static_argnums=2)
+        self._to_bf16 = jax.jit(lambda g: g.astype(jnp.bfloat16))
+
+    @staticmethod
+    def buffer_name(name: str) -> str:
+        return f"{name}/held_grad"
+
+    def buffer(self, name: str, n: int) -> np.ndarray:
+        """Group ``name``'s buffer: allocated on first use, then reused every step."""
+        buf = self._bufs.get(name)
+        if buf is None:
+            buf = alloc_aligned(n, np.uint16).view(jnp.bfloat16) if self.bf16 else alloc_aligned(n, np.float32)
+            self._bufs[name] = buf
+            if self.register:
+                self.xfer.register(self.buffer_name(name), buf, pin_fallback=False)
+        return buf
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs.values())
+
+    def put(self, name: str, grad: jax.Array, n: int, after: Future | None = None) -> PageableHeld:
+        """Start moving group ``name``'s fp32 gradient (``n`` values, replicated over the devices)
+        into its buffer. ``after``: the buffer's last reader, waited for before it is overwritten."""
+        if self.error is not None:
+            raise self.error
+        if self.bf16:
+            grad = self._to_bf16(grad)
+        step = self.slab_elems or n
+        chunks = [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+        held = PageableHeld(self, name, self.buffer(name, n), len(chunks))
+        with self._lock:
+            self._queue.append([held, grad, chunks, 0, after])
+        self.pump()
+        return held
+
+    def pump(self, block: bool = False) -> None:
+        """Issue queued copies, in order, while a slab is free. Without ``block`` (the dispatching
+        thread) it returns at once if another thread is issuing."""
+        if not self._lock.acquire(blocking=block):
+            return
+        try:
+            while self._queue:
+                job = self._queue[0]
+                held, grad, chunks, j, after = job
+                if not self.slabs.acquire(blocking=False):
+                    return
+                lo, hi = chunks[j]
+                g = local_shard(grad, j)  # one device's copy of the (replicated) gradient
+                piece = g if len(chunks) == 1 else self._slice(g, lo, hi - lo)
+                arr = self.xfer.to_host(piece)
+                if self.trace is not None:
+                    self.trace("d2h", held.name, arr)
+                job[3] = j + 1
+                if job[3] == len(chunks):
+                    self._queue.popleft()  # the device gradient is freed once its copies are done
+                self._copier.submit(self._land, _Chunk(held, lo, hi, arr, after if j == 0 else None))
+        finally:
+            self._lock.release()
+
+    def _land(self, c: _Chunk) -> None:
+        """On the copier thread: the landed slab into the buffer, the slab back to the pool."""
+        try:
+            if c.after is not None:
+                c.after.result()  # a device-side update's transfer of this buffer has completed
+            np.copyto(c.held.buf[c.lo:c.hi], self.xfer.host_view(c.arr))
+        except BaseException as e:  # noqa: BLE001 - surfaced where the held gradient is read
+            self.error = self.error or e
+        finally:
+            c.arr = None
+            self.slabs.release()
+            c.held.landed_one()
+            self.pump(block=True)
+
+    def scratch(self, n: int) -> np.ndarray:
+        if self._scratch is None or self._scratch.size < n:
+            self._scratch = np.empty(n, np.float32)
+        return self._scratch[:n]
+
+    def drain(self) -> None:
+        """Wait until every queued copy has landed."""
+        while True:
+            with self._lock:
+                last = self._queue[-1][0] if self._queue else None
+            if last is None:
+                break
+            last.wait()
+        self._copier.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.drain()
+        self._copier.shutdown()
