@@ -159,13 +159,15 @@ class PageableHold:
                 lo, hi = chunks[j]
                 g = local_shard(grad, j)  # one device's copy of the (replicated) gradient
                 piece = g if len(chunks) == 1 else self._slice(g, lo, hi - lo)
-                arr = self.xfer.to_host(piece)
+                # (no local name keeps the pinned array: the copier drops it before releasing its slab)
+                c = _Chunk(held, lo, hi, self.xfer.to_host(piece), after if j == 0 else None)
                 if self.trace is not None:
-                    self.trace("d2h", held.name, arr)
+                    self.trace("d2h", held.name, c.arr)
                 job[3] = j + 1
                 if job[3] == len(chunks):
                     self._queue.popleft()  # the device gradient is freed once its copies are done
-                self._copier.submit(self._land, _Chunk(held, lo, hi, arr, after if j == 0 else None))
+                self._copier.submit(self._land, c)
+                del c, job, grad, g, piece
         finally:
             self._lock.release()
 
