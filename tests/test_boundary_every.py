@@ -112,3 +112,37 @@ def test_recompute_runs_each_block_at_most_once_and_keeps_few_inputs():
     assert max(alive) <= len(kept) + 3
     assert not acts._saved and not acts._back  # everything freed by the end of the step
     st.close()
+
+
+class _Recorder:
+    """A stand-in step: block b's forward maps its input [b, 10b] (two micro-batches) to [b+1, 10(b+1)]."""
+
+    def __init__(self):
+        self.runs = []
+
+    def __call__(self, b, hs):
+        self.runs.append(b)
+        return [hs[0] + 1, hs[1] + 10]
+
+
+@pytest.mark.parametrize("every,layers", [(1, 5), (2, 5), (3, 5), (3, 7), (4, 4), (5, 3)])
+def test_boundaries_give_every_input_once_per_sweep_and_again_for_a_second_sweep(every, layers):
+    """Boundaries alone (no accelerator): the backward's calls in its order give block i the input i, for
+    one sweep and, with ``forget=False`` on the first, for a second sweep over the same kept inputs
+    (``grad_hold=resweep``), each sweep recomputing each dropped input once."""
+    from megatrain_jax.engine.weights import Boundaries
+
+    acts, fwd = Boundaries(None, offload=False, every=every), _Recorder()
+    acts.start(fwd)
+    for i in range(layers):
+        acts.keep([i, 10 * i])
+    assert sorted(acts._saved) == [i for i in range(layers) if i % every == 0]
+    for forget in (False, True):
+        fwd.runs.clear()
+        acts.bring(layers - 1)
+        for i in reversed(range(layers)):
+            assert acts.take(i, forget) == [i, 10 * i]
+            assert acts.first(i - 1) <= i - 1
+            acts.bring(i - 1)
+        assert sorted(fwd.runs) == [b for b in range(layers - 1) if (b + 1) % every]  # each dropped input once
+    assert not acts._saved and not acts._back

@@ -108,12 +108,15 @@ class Boundaries:
         if j not in self._back:
             self._back[j] = self._unpark(self._saved[j])
 
-    def take(self, i: int) -> list[jax.Array]:
+    def take(self, i: int, forget: bool = True) -> list[jax.Array]:
         """Block ``i``'s inputs, forgotten here (freed once the caller is done with them); recomputed
-        first, with those of the blocks between, when the forward did not keep them."""
+        first, with those of the blocks between, when the forward did not keep them. Not ``forget``
+        (a second backward sweep will bring them back): a kept input stays kept, a recomputed one is
+        let go all the same (that sweep recomputes it again)."""
         if i not in self._saved and i not in self._back:
             self._recompute(self._base(i), i)
-        saved, back = self._saved.pop(i, None), self._back.pop(i, None)
+        back = self._back.pop(i, None)
+        saved = self._saved.pop(i, None) if (forget or not self.kept(i)) else self._saved[i]
         return back if back is not None else self._unpark(saved)
 
     def _recompute(self, j: int, i: int) -> None:
