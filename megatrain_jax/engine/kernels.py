@@ -311,6 +311,11 @@ class Recompute:
     def backward(self, w, h, aux, m: int, dh, g):
         return self.k.block_bwd(self.i, w, h, aux, self.k.rng(self.i, m), dh, g)
 
+    def again(self, w, h, aux, m: int):
+        """The forward once more, in the backward (an input recomputed: boundary_every): the same
+        executable and key as the forward's, so the same output; nothing kept, nothing accumulated."""
+        return self.k.block_fwd(self.i, w, h, aux, self.k.rng(self.i, m))
+
 
 class EmitsStats(Recompute):
     """A layer whose forward adds auxiliary-loss statistics to the step's accumulator, and whose
@@ -325,6 +330,10 @@ class EmitsStats(Recompute):
 
     def backward(self, w, h, aux, m: int, dh, g):
         return self.k.block_bwd(self.i, w, h, aux, self.k.rng(self.i, m), dh, g, self.k.stats.ct)
+
+    def again(self, w, h, aux, m: int):
+        k, rng = self.k, self.k.rng(self.i, m)  # statistics into a fresh accumulator, dropped: counted once
+        return k.block_fwd(self.i, w, h, aux, rng, k.stats_zeros(self.i, w, h, aux, rng))[0]
 
 
 class KeepResiduals(Recompute):

@@ -6,7 +6,8 @@ model's state lives in the host store; the accelerator sees, at any moment, the 
 already in flight.
 
 - **Forward**: layer by layer; every micro-batch passes a block while its weights are resident
-  (layer-major), and each block's input activation is kept (the boundary checkpoints).
+  (layer-major), and each block's input activation is kept (the boundary checkpoints; with
+  ``boundary_every=k`` every k-th one, and the backward runs each segment's forward once more).
 - **Loss**: final norm + LM head + cross-entropy in chunks of ``loss_chunk`` tokens
   (``loss.py``), so the (tokens x vocab) logits never exist at once, forward or backward.
 - **Backward**: blocks in reverse; each recomputes its forward from the saved input inside a
@@ -112,7 +113,8 @@ class StreamedTrainer:
             self.updates.register(g)
         self.weights = WeightStream(self.store, self.xfer, self.updates, groups, tracer)
         self.boundaries = Boundaries(self.xfer, options.activations == "pinned_host"
-                                     and self.xfer.host_sharding is not None)
+                                     and self.xfer.host_sharding is not None, options.boundary_every,
+                                     keep_from=self.num_layers - self.kernels.keep_residuals)
         # the head goes in flight during the last two blocks; with device-side updates during the
         # last only, so that block L-1's update does not wait for its transfer
         self._head_from = self.num_layers - (1 if self.updates.on_device else 2)
@@ -126,7 +128,7 @@ class StreamedTrainer:
         n_tokens = int(sum(mb.mask_sum for mb in mbs))
         inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)  # () the loss is a mean over the step's tokens
         k.begin(self.count)
-        acts.start()
+        acts.start(lambda b, hs: self._forward_again(b, hs, mbs))  # recomputes the inputs it did not keep
 
         # ---- forward sweep. Issue order decides overlap: block i+1's transfer is issued before block
         # i is dispatched, and a device-side update is dispatched (``take``) before the next transfer
@@ -139,7 +141,7 @@ class StreamedTrainer:
             weights.prefetch(i + 1, wait=False)  # not while its host update runs: block i goes first
             if i >= self._head_from:
                 weights.prefetch(HEAD, wait=False)  # the head: in flight while the last blocks compute
-            acts.keep(hs)  # block i's input: the boundary checkpoint
+            acts.keep(hs)  # block i's input: the boundary checkpoint (every k-th: boundary_every)
             hs = self._forward_block(i, w, hs, mbs)  # M x (B/M, S, H)
             self._trace("compute", f"fwd {i}", hs[-1])
             weights.prefetch(i + 1)  # (when its update was still running: fetched now, after block i)
@@ -185,7 +187,7 @@ class StreamedTrainer:
         0's weights."""
         L, k, weights, acts = self.num_layers, self.kernels, self.weights, self.boundaries
         forget = scale is not None or not self.updates.resweep  # resweep: the inputs serve the second sweep too
-        weights.prefetch(L - 1)  # the last block and its inputs go in flight first, to overlap the loss
+        weights.prefetch(acts.first(L - 1))  # the last block and its inputs go in flight first, to overlap the loss
         acts.bring(L - 1)
         g_head, g_emb = k.zeros(self.store["head"].size), k.zeros(self.store["embed"].size)  # fp32 per device
         losses, dhs = [], []  # M x (), M x (B/M, S, H)
@@ -196,16 +198,26 @@ class StreamedTrainer:
         self._trace("compute", "loss", losses[-1])
         sq = [self._gradient(HEAD, g_head, scale)]
         for i in reversed(range(L)):  # recompute each block from its saved input, VJP, gradient out
+            h = acts.take(i, forget)  # M x (B/M, S, H); a dropped input: its segment's forward runs again first
             w = weights.take(i)
-            weights.prefetch(i - 1)  # before block i's backward: the transfer overlaps it
+            weights.prefetch(acts.first(i - 1))  # before block i's backward: the transfer overlaps it
             acts.bring(i - 1)
-            g = self._backward_block(i, w, acts.take(i, forget), mbs, dhs, again=scale is not None)
+            g = self._backward_block(i, w, h, mbs, dhs, again=scale is not None)
             sq.append(self._gradient(i, g, scale))  # g: (devices x block size,) fp32
             self._trace("compute", f"bwd {i}", sq[-1])  # (g itself may be donated later)
         for m, mb in enumerate(mbs):
             g_emb = k.embed_bwd(emb_w, mb.inputs, dhs[m], g_emb)
         sq.append(self._gradient(EMBED, g_emb, scale))
         return losses, sq, w
+
+    def _forward_again(self, b: int, hs: list, mbs: list[MicroBatch]) -> list:
+        """Block ``b``'s forward again in the backward (``Boundaries`` recomputing an input the
+        forward let go): its weights streamed again, the next block's put in flight first."""
+        w, layer = self.weights.take(b), self.kernels.layers[b]
+        self.weights.prefetch(b + 1)
+        out = [layer.again(w, h, mb.aux, m) for m, (h, mb) in enumerate(zip(hs, mbs))]
+        self._trace("compute", f"fwd again {b}", out[-1])
+        return out
 
     def _resweep(self, head_w: jax.Array, emb_w: jax.Array, hs: list, mbs: list[MicroBatch], inv: jax.Array,
                  scale: float) -> None:

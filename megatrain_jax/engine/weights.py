@@ -6,7 +6,7 @@ behind runs concurrently with it; issued after, it waits. The step therefore ask
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -62,28 +62,80 @@ class WeightStream:
 
 class Boundaries:
     """Each block's input activations (the boundary checkpoints the backward recomputes from), on
-    the device or parked in pinned host memory (``activations=pinned_host``)."""
+    the device or parked in pinned host memory (``activations=pinned_host``).
 
-    def __init__(self, xfer: Transfers, offload: bool):
-        self.xfer, self.offload = xfer, offload
-        self._saved: list[list[jax.Array] | None] = []
-        self._back: dict[int, list[jax.Array]] = {}
+    ``every`` > 1 keeps only the inputs of blocks 0, k, 2k, ... (and of blocks ``keep_from`` on):
+    boundary memory ~L/k + k inputs instead of L. The backward asks for the inputs of a segment's
+    top block first; ``take`` then re-runs the forward of the blocks between the kept input and it
+    once (``forward(b, hs)``, given by the step at ``start``: block b's weights streamed again), keeping their
+    inputs as the forward would have for the segment's backward.
+    """
 
-    def start(self) -> None:
-        self._saved, self._back = [], {}
+    def __init__(self, xfer: Transfers, offload: bool, every: int = 1, keep_from: int | None = None):
+        self.xfer, self.offload, self.every = xfer, offload, int(every)
+        self.keep_from = keep_from  # blocks from here on always keep their input (their kept residuals
+        #                             need no recompute, so none of theirs is ever run again)
+        self.forward: Callable[[int, list], list] | None = None
+        self._saved: dict[int, list[jax.Array]] = {}  # block -> its inputs (device, or pinned host)
+        self._back: dict[int, list[jax.Array]] = {}  # block -> its inputs back on the device
+        self._count = 0
+
+    def start(self, forward: Callable[[int, list], list] | None = None) -> None:
+        """A new step; ``forward(b, hs)``: block b's forward of this step's micro-batches, again."""
+        self._saved, self._back, self._count, self.forward = {}, {}, 0, forward
+
+    def kept(self, i: int) -> bool:
+        """Whether the forward keeps block ``i``'s input."""
+        return i % self.every == 0 or (self.keep_from is not None and i >= self.keep_from)
 
     def keep(self, hs: list[jax.Array]) -> None:
-        self._saved.append([self.xfer.offload(h) for h in hs] if self.offload else hs)
+        """The next block's inputs (called once per block, in forward order): kept or let go."""
+        i, self._count = self._count, self._count + 1
+        if self.kept(i):
+            self._saved[i] = self._park(hs)
+
+    def first(self, i: int) -> int:
+        """The first block whose weights block ``i``'s backward needs: ``i``, or the block of the kept
+        input its recompute starts from (the weight stream prefetches that one first)."""
+        return i if (i < 0 or i in self._saved or i in self._back) else self._base(i)
 
     def bring(self, i: int) -> None:
-        """Block ``i``'s inputs back to the device ahead of its backward (nothing for ``i < 0``)."""
-        if i >= 0:
-            saved = self._saved[i]
-            self._back[i] = [self.xfer.reload(h) for h in saved] if self.offload else saved
+        """Block ``i``'s inputs back to the device ahead of its backward (nothing for ``i < 0``); for
+        an input to recompute, the kept input it is recomputed from."""
+        if i < 0:
+            return
+        j = i if (i in self._saved or i in self._back) else self._base(i)
+        if j not in self._back:
+            self._back[j] = self._unpark(self._saved[j])
 
     def take(self, i: int, forget: bool = True) -> list[jax.Array]:
-        """Block ``i``'s inputs, forgotten here (freed once the caller is done with them) unless not
-        ``forget`` (``grad_hold=resweep``: a second backward sweep brings them back again)."""
-        if forget:
-            self._saved[i] = None
-        return self._back.pop(i)
+        """Block ``i``'s inputs, forgotten here (freed once the caller is done with them); recomputed
+        first, with those of the blocks between, when the forward did not keep them. Not ``forget``
+        (a second backward sweep will bring them back): a kept input stays kept, a recomputed one is
+        let go all the same (that sweep recomputes it again)."""
+        if i not in self._saved and i not in self._back:
+            self._recompute(self._base(i), i)
+        back = self._back.pop(i, None)
+        saved = self._saved.pop(i, None) if (forget or not self.kept(i)) else self._saved[i]
+        return back if back is not None else self._unpark(saved)
+
+    def _recompute(self, j: int, i: int) -> None:
+        """Inputs of blocks j+1..i from block j's: the forward of blocks j..i-1 once more. Block
+        i's stay on the device (its backward is next); the others are kept as the forward keeps.
+        Block j's own stay kept (parked: brought back again for its backward)."""
+        hs = self._back.pop(j, None)
+        hs = self._unpark(self._saved[j]) if hs is None else hs
+        for b in range(j, i):
+            hs = self.forward(b, hs)
+            if b + 1 < i:
+                self._saved[b + 1] = self._park(hs)
+        self._back[i] = hs
+
+    def _base(self, i: int) -> int:
+        return max(b for b in self._saved if b <= i)
+
+    def _park(self, hs: list[jax.Array]) -> list[jax.Array]:
+        return [self.xfer.offload(h) for h in hs] if self.offload else hs
+
+    def _unpark(self, hs: list[jax.Array]) -> list[jax.Array]:
+        return [self.xfer.reload(h) for h in hs] if self.offload else hs
