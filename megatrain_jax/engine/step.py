@@ -2,7 +2,8 @@
 
 Read ``StreamedTrainer.step`` top to bottom: forward sweep, loss, backward sweep, updates. The
 model's state lives in the host store; the accelerator sees, at any moment, the embedding and head
-(resident for the step: small, needed at both ends), the block being computed and the next block
+(resident for the step: needed at both ends; with ``stream_io`` only the batch's embedding rows and
+a few vocabulary chunks of the head: ``io.py``), the block being computed and the next block
 already in flight.
 
 - **Forward**: layer by layer; every micro-batch passes a block while its weights are resident
@@ -30,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from megatrain_jax.engine.io import make_io
 from megatrain_jax.engine.kernels import F32, Kernels, local_shard
-from megatrain_jax.engine.updaters import EMBED, HEAD, Groups, make_updates
+from megatrain_jax.engine.updaters import Groups, make_updates
 from megatrain_jax.engine.weights import Boundaries, WeightStream
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
@@ -114,12 +116,13 @@ class StreamedTrainer:
         # the head goes in flight during the last two blocks; with device-side updates during the
         # last only, so that block L-1's update does not wait for its transfer
         self._head_from = self.num_layers - (1 if self.updates.on_device else 2)
+        self.io = make_io(self)  # the embedding and head: resident, or streamed (``stream_io``: io.py)
         self.last_step_info: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------ the step
 
     def step(self, batch: Batch) -> StepResult:
-        L, k, weights, acts = self.num_layers, self.kernels, self.weights, self.boundaries
+        L, k, weights, acts, io = self.num_layers, self.kernels, self.weights, self.boundaries, self.io
         mbs = self._micro_batches(batch)  # M micro-batches of (B/M, S)
         n_tokens = int(sum(mb.mask_sum for mb in mbs))
         inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)  # () the loss is a mean over the step's tokens
@@ -129,36 +132,30 @@ class StreamedTrainer:
         # ---- forward sweep. Issue order decides overlap: block i+1's transfer is issued before block
         # i is dispatched, and a device-side update is dispatched (``take``) before the next transfer
         # (dispatched after it, it would wait for that transfer too: experiments/RESULTS.md)
-        emb_w = weights.take(EMBED)  # (embed size,) resident for the step
+        emb = io.take_embed(batch, mbs)  # the embedding (size,), or with stream_io the rows the batch uses
         weights.prefetch(0)
-        hs = [k.embed_fwd(emb_w, mb.inputs) for mb in mbs]  # M x (B/M, S, H)
+        hs = io.embed(emb, mbs)  # M x (B/M, S, H)
         for i in range(L):
             w = weights.take(i)  # (block size,)
             weights.prefetch(i + 1, wait=False)  # not while its host update runs: block i goes first
             if i >= self._head_from:
-                weights.prefetch(HEAD, wait=False)  # the head: in flight while the last blocks compute
+                io.prefetch_head()  # the head (or its first vocabulary chunk): in flight while the last blocks compute
             acts.keep(hs)  # block i's input: the boundary checkpoint
             hs = self._forward_block(i, w, hs, mbs)  # M x (B/M, S, H)
             self._trace("compute", f"fwd {i}", hs[-1])
             weights.prefetch(i + 1)  # (when its update was still running: fetched now, after block i)
         weights.hold(L - 1, w)  # device-side updates: block L-1's just-updated weights serve the backward
         del w
-        head_w = weights.take(HEAD)  # (head size,)
+        head = io.take_head()  # (head size,), or with stream_io its small weights (the final norm)
         aux_val = k.aux_total()  # () or None: the auxiliary loss of the whole step
 
         # ---- loss and head backward; the last block and its inputs go in flight first, to overlap it
         weights.prefetch(L - 1)
         acts.bring(L - 1)
-        g_head, g_emb = k.zeros(self.store["head"].size), k.zeros(self.store["embed"].size)  # fp32 per device
-        losses, dhs = [], []  # M x (), M x (B/M, S, H)
-        for h, mb in zip(hs, mbs):
-            loss, dh, g_head, g_emb = k.head_loss(head_w, emb_w, h, mb.labels, mb.mask, inv, g_head, g_emb)
-            losses.append(loss)
-            dhs.append(dh)
+        losses, dhs, sq = io.loss(head, emb, hs, mbs, inv)  # M x (), M x (B/M, S, H), the head's squared norm
         self._trace("compute", "loss", losses[-1])
         if aux_val is not None:
             losses.append(aux_val)
-        sq = [self._gradient(HEAD, g_head)]  # squared norms, fp32 (), one per group
 
         # ---- backward sweep: recompute each block from its saved input, VJP, gradient out
         for i in reversed(range(L)):
@@ -168,9 +165,7 @@ class StreamedTrainer:
             g = self._backward_block(i, w, acts.take(i), mbs, dhs)  # (devices x block size,) fp32
             sq.append(self._gradient(i, g))
             self._trace("compute", f"bwd {i}", sq[-1])  # (g itself may be donated later)
-        for m, mb in enumerate(mbs):
-            g_emb = k.embed_bwd(emb_w, mb.inputs, dhs[m], g_emb)
-        sq.append(self._gradient(EMBED, g_emb))
+        sq.append(io.embed_backward(emb, mbs, dhs))
 
         # ---- norm, clipping and the updates (deferred ones queued in the order the forward needs them)
         loss, sq_total = (float(np.asarray(local_shard(x))) for x in k.totals(losses, sq))
@@ -179,7 +174,7 @@ class StreamedTrainer:
         self.last_step_info = {"offload_activations": acts.offload, "transfer_mode": self.xfer.mode}
         skipped = self.updates.deferred and not (np.isfinite(loss) and np.isfinite(grad_norm))
         scale = None if skipped else global_norm_scale(grad_norm ** 2, self.options.clip_norm)
-        self.updates.apply(scale, resident={"embed": emb_w, "head": head_w, "block_0": w})
+        self.updates.apply(scale, resident={**io.resident(emb, head), "block_0": w})
         return StepResult(loss, grad_norm, n_tokens, skipped=skipped, aux_loss=aux)
 
     # ------------------------------------------------------------------------------ step helpers

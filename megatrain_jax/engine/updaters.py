@@ -96,8 +96,11 @@ class _Updates:
         """Issue queued gradient copies up to forward position ``pos`` (none here)."""
 
     def hold(self, name: str, grad: jax.Array) -> None:
-        """A deferred gradient waits for the norm where ``grad_hold`` says."""
-        if self.o.grad_hold == "gpu_bf16":
+        """A deferred gradient waits for the norm where ``grad_hold`` says (a gradient already in
+        host memory, a numpy array (``stream_io``'s embedding and head), waits where it is)."""
+        if isinstance(grad, np.ndarray):
+            pass
+        elif self.o.grad_hold == "gpu_bf16":
             grad = self.k.to_bf16(grad)  # the norm was taken in fp32
         elif self.o.grad_hold == "pinned_host":
             grad = self.xfer.to_host(local_shard(grad))  # issued before the next block's backward: they overlap
@@ -136,7 +139,7 @@ class GradOut:
     """
 
     def __init__(self, grad: Any, chunks: list[tuple[int, int]], on_host: bool = False):
-        self.grad = grad  # device array (fp32/bf16), or a pinned-host fp32 array when on_host
+        self.grad = grad  # device array (fp32/bf16), or when on_host a pinned-host fp32 array or a numpy one
         self.chunks = chunks
         self.on_host = on_host
         self.host: list[Any] = [None] * len(chunks)
@@ -262,7 +265,8 @@ class HostUpdates(_Updates):
         n = self.store[name].size
         step = self.slab or n
         chunks = [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
-        return GradOut(grad, chunks, on_host=self.deferred and self.o.grad_hold == "pinned_host")
+        on_host = isinstance(grad, np.ndarray) or (self.deferred and self.o.grad_hold == "pinned_host")
+        return GradOut(grad, chunks, on_host=on_host)
 
     # ---- gradient copies
 
