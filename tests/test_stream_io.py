@@ -14,11 +14,14 @@ from megatrain_jax.reference import ReferenceTrainer
 STEPS = 5
 
 
-def _batches(rng, n, b, s, vocab, used=None):
-    """Masked batches; ``used``: tokens drawn from only this many ids (the rows a batch needs)."""
+def _batches(rng, n, b, s, vocab, used=None, pad=None):
+    """Masked batches; ``used``: tokens drawn from only the last this many ids (the rows a batch needs:
+    remapped ids then differ from the token ids); ``pad``: every fifth token is this id."""
     out = []
     for _ in range(n):
-        toks = rng.integers(0, used or vocab, (b, s + 1))
+        toks = rng.integers(vocab - (used or vocab), vocab, (b, s + 1))
+        if pad is not None:
+            toks[:, ::5] = pad
         mask = (rng.random((b, s)) > 0.2).astype(np.float32)
         out.append(Batch(toks[:, :-1], toks[:, 1:], mask))
     return out
@@ -41,7 +44,9 @@ CASES = {
     "two_micro_batches": (dict(vocab_size=256), 2, 0.5, 100, {}, None),
     "no_clip_few_rows": (dict(vocab_size=256), 1, None, 96, {}, 40),
     "softcap_gemma2": (dict(vocab_size=200, family="gemma2", final_softcap=5.0, num_kv_heads=2), 1, 0.5, 64, {}, None),
+    # the padding id (no gradient through the embedding) inside the gathered rows, and beyond them
     "pad_token": (dict(vocab_size=256, pad_token_id=3), 2, 0.5, 128, {}, 8),
+    "pad_token_beyond_rows": (dict(vocab_size=1100, pad_token_id=1050), 1, 0.5, 512, {}, 30),
     "pinned_slabs": (dict(vocab_size=256), 1, 0.5, 64, dict(grad_hold="pinned_host", grad_slab_elems=3000), None),
 }
 
@@ -62,7 +67,7 @@ def test_stream_io_equals_reference(case):
     st, plain = runs[True], runs[False]
     assert st.io.head.n == -(-cfg.vocab_size // chunk)
     clipped = False
-    for batch in _batches(np.random.default_rng(1), STEPS, 4, 16, cfg.vocab_size, used):
+    for batch in _batches(np.random.default_rng(1), STEPS, 4, 16, cfg.vocab_size, used, cfg.pad_token_id):
         r, s, p = ref.step(batch), st.step(batch), plain.step(batch)
         assert abs(r.loss - s.loss) <= 1e-5 * abs(r.loss), (r.loss, s.loss)
         assert abs(p.loss - s.loss) <= 1e-5 * abs(p.loss), (p.loss, s.loss)
