@@ -235,6 +235,7 @@ class StreamedModel:
     tied: bool
     logit_softcap: float | None = None  # logits = cap * tanh(logits / cap), inside the chunked loss (Gemma 2)
     embed_takes_positions: bool = False  # embed_fn(weights, (tokens, positions)): learned position embeddings
+    pad_id: int | None = None  # a token id embed_fn gives no gradient (padding_idx): stream_io's remapped ids keep it
 
     def host_trees(self) -> dict[str, Any]:
         """The group name -> host pytree mapping that the host store is built from."""

@@ -40,6 +40,20 @@ class PinnedHeld:
         return jax.device_put(self.arr, self.xfer.device_sharding)
 
 
+class HostArray:
+    """A gradient that is complete in host memory already (``stream_io``'s embedding and head,
+    scattered or gathered there): it waits, and is read, where it is."""
+
+    def __init__(self, arr: np.ndarray, xfer: Transfers):
+        self.arr, self.xfer = arr, xfer
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        return self.arr[lo:hi]
+
+    def to_device(self) -> jax.Array:
+        return jax.device_put(self.arr, self.xfer.device_sharding)
+
+
 class PageableHeld:
     """A group's gradient on its way into (and then waiting in) its pageable buffer."""
 

@@ -30,7 +30,8 @@ def chunked_cross_entropy(normed: jax.Array, out_matrix: jax.Array, labels: jax.
     return _ce_sum(x.reshape(-1, c, h), out_matrix, y.reshape(-1, c), m.reshape(-1, c), softcap)
 
 
-def _capped(logits: jax.Array, softcap: float | None) -> jax.Array:
+def capped(logits: jax.Array, softcap: float | None) -> jax.Array:
+    """Final-logit soft-capping (Gemma 2): ``softcap * tanh(logits / softcap)``; None: unchanged."""
     return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
@@ -39,7 +40,7 @@ def _ce_sum(xs, w, ys, ms, softcap):
     """Forward only (no gradient asked for): one matmul per chunk."""
     def body(total, inp):
         xc, yc, mc = inp
-        logits = _capped(jnp.dot(xc, w, preferred_element_type=F32), softcap)  # (c, V)
+        logits = capped(jnp.dot(xc, w, preferred_element_type=F32), softcap)  # (c, V)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
         return total + jnp.sum((lse - picked) * mc), None
@@ -57,7 +58,7 @@ def _ce_forward(xs, w, ys, ms, softcap):
     def body(carry, inp):
         total, dw = carry
         xc, yc, mc = inp
-        logits = _capped(jnp.dot(xc, w, preferred_element_type=F32), softcap)  # (c, V)
+        logits = capped(jnp.dot(xc, w, preferred_element_type=F32), softcap)  # (c, V)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
         p = jnp.exp(logits - lse[:, None]) - jax.nn.one_hot(yc, vocab, dtype=F32)

@@ -2,7 +2,8 @@
 
 Read ``StreamedTrainer.step`` top to bottom: forward sweep, loss, backward sweep, updates. The
 model's state lives in the host store; the accelerator sees, at any moment, the embedding and head
-(resident for the step: small, needed at both ends), the block being computed and the next block
+(resident for the step: needed at both ends; with ``stream_io`` only the batch's embedding rows and
+a few vocabulary chunks of the head: ``io.py``), the block being computed and the next block
 already in flight.
 
 - **Forward**: layer by layer; every micro-batch passes a block while its weights are resident
@@ -33,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from megatrain_jax.engine.io import make_io
 from megatrain_jax.engine.kernels import F32, Kernels, KeepResiduals, Recompute, local_shard
-from megatrain_jax.engine.updaters import EMBED, HEAD, Groups, make_updates
+from megatrain_jax.engine.updaters import Groups, make_updates
 from megatrain_jax.engine.weights import Boundaries, WeightStream
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
@@ -115,6 +117,7 @@ class StreamedTrainer:
         self.boundaries = Boundaries(self.xfer, options.activations == "pinned_host"
                                      and self.xfer.host_sharding is not None, options.boundary_every,
                                      keep_from=self.num_layers - self.kernels.keep_residuals)
+        self.io = make_io(self)  # the embedding and head: resident, or streamed (``stream_io``: io.py)
         # the head goes in flight during the last two blocks; with device-side updates during the
         # last only, so that block L-1's update does not wait for its transfer
         self._head_from = self.num_layers - (1 if self.updates.on_device else 2)
@@ -123,7 +126,7 @@ class StreamedTrainer:
     # ------------------------------------------------------------------------------ the step
 
     def step(self, batch: Batch) -> StepResult:
-        L, k, weights, acts = self.num_layers, self.kernels, self.weights, self.boundaries
+        L, k, weights, acts, io = self.num_layers, self.kernels, self.weights, self.boundaries, self.io
         mbs = self._micro_batches(batch)  # M micro-batches of (B/M, S)
         n_tokens = int(sum(mb.mask_sum for mb in mbs))
         inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)  # () the loss is a mean over the step's tokens
@@ -133,26 +136,26 @@ class StreamedTrainer:
         # ---- forward sweep. Issue order decides overlap: block i+1's transfer is issued before block
         # i is dispatched, and a device-side update is dispatched (``take``) before the next transfer
         # (dispatched after it, it would wait for that transfer too: experiments/RESULTS.md)
-        emb_w = weights.take(EMBED)  # (embed size,) resident for the step
+        emb = io.take_embed(batch, mbs)  # the embedding (size,), or with stream_io the rows the batch uses
         weights.prefetch(0)
-        hs = [k.embed_fwd(emb_w, mb.inputs) for mb in mbs]  # M x (B/M, S, H)
+        hs = io.embed(emb, mbs)  # M x (B/M, S, H)
         for i in range(L):
             w = weights.take(i)  # (block size,)
             weights.prefetch(i + 1, wait=False)  # not while its host update runs: block i goes first
             if i >= self._head_from:
-                weights.prefetch(HEAD, wait=False)  # the head: in flight while the last blocks compute
+                io.prefetch_head()  # the head (or its first vocabulary chunk): in flight while the last blocks compute
             acts.keep(hs)  # block i's input: the boundary checkpoint (every k-th: boundary_every)
             hs = self._forward_block(i, w, hs, mbs)  # M x (B/M, S, H)
             self._trace("compute", f"fwd {i}", hs[-1])
             weights.prefetch(i + 1)  # (when its update was still running: fetched now, after block i)
         weights.hold(L - 1, w)  # device-side updates: block L-1's just-updated weights serve the backward
         del w
-        head_w = weights.take(HEAD)  # (head size,)
+        head = io.take_head()  # (head size,), or with stream_io its small weights (the final norm)
         aux_val = k.aux_total()  # () or None: the auxiliary loss of the whole step
 
         # ---- loss, head backward and backward sweep: each group's gradient, once complete, gives its
         # squared norm and is held for the norm, sent to be applied, or (resweep) dropped
-        losses, sq, w = self._backward_sweep(head_w, emb_w, hs, mbs, inv)  # sq: fp32 (), one per group
+        losses, sq, w = self._backward_sweep(head, emb, hs, mbs, inv)  # sq: fp32 (), one per group
         if aux_val is not None:
             losses.append(aux_val)
 
@@ -164,8 +167,8 @@ class StreamedTrainer:
         skipped = self.updates.deferred and not (np.isfinite(loss) and np.isfinite(grad_norm))
         scale = None if skipped else global_norm_scale(grad_norm ** 2, self.options.clip_norm)
         if self.updates.resweep and scale is not None:
-            self._resweep(head_w, emb_w, hs, mbs, inv, scale)
-        self.updates.apply(scale, resident={"embed": emb_w, "head": head_w, "block_0": w})
+            self._resweep(head, emb, hs, mbs, inv, scale)
+        self.updates.apply(scale, resident={**io.resident(emb, head), "block_0": w})
         return StepResult(loss, grad_norm, n_tokens, skipped=skipped, aux_loss=aux)
 
     # ------------------------------------------------------------------------------ step helpers
@@ -179,24 +182,18 @@ class StreamedTrainer:
             out.append(layer.forward(w, h, mb.aux, m))
         return out
 
-    def _backward_sweep(self, head_w: jax.Array, emb_w: jax.Array, hs: list, mbs: list[MicroBatch], inv: jax.Array,
+    def _backward_sweep(self, head: jax.Array, emb: Any, hs: list, mbs: list[MicroBatch], inv: jax.Array,
                         scale: float | None = None) -> tuple[list, list, jax.Array]:
         """Loss and head backward, every block's VJP from its saved input (blocks in reverse), then the
         embedding's backward; each group's gradient goes to ``_gradient`` once complete (``scale``: the
         resweep's second sweep). Returns the micro-batches' losses, the groups' squared norms and block
         0's weights."""
-        L, k, weights, acts = self.num_layers, self.kernels, self.weights, self.boundaries
+        L, weights, acts = self.num_layers, self.weights, self.boundaries
         forget = scale is not None or not self.updates.resweep  # resweep: the inputs serve the second sweep too
         weights.prefetch(acts.first(L - 1))  # the last block and its inputs go in flight first, to overlap the loss
         acts.bring(L - 1)
-        g_head, g_emb = k.zeros(self.store["head"].size), k.zeros(self.store["embed"].size)  # fp32 per device
-        losses, dhs = [], []  # M x (), M x (B/M, S, H)
-        for h, mb in zip(hs, mbs):
-            loss, dh, g_head, g_emb = k.head_loss(head_w, emb_w, h, mb.labels, mb.mask, inv, g_head, g_emb)
-            losses.append(loss)
-            dhs.append(dh)
+        losses, dhs, sq = self.io.loss(head, emb, hs, mbs, inv, scale)  # M x (), M x (B/M, S, H), [head's sq]
         self._trace("compute", "loss", losses[-1])
-        sq = [self._gradient(HEAD, g_head, scale)]
         for i in reversed(range(L)):  # recompute each block from its saved input, VJP, gradient out
             h = acts.take(i, forget)  # M x (B/M, S, H); a dropped input: its segment's forward runs again first
             w = weights.take(i)
@@ -205,9 +202,7 @@ class StreamedTrainer:
             g = self._backward_block(i, w, h, mbs, dhs, again=scale is not None)
             sq.append(self._gradient(i, g, scale))  # g: (devices x block size,) fp32
             self._trace("compute", f"bwd {i}", sq[-1])  # (g itself may be donated later)
-        for m, mb in enumerate(mbs):
-            g_emb = k.embed_bwd(emb_w, mb.inputs, dhs[m], g_emb)
-        sq.append(self._gradient(EMBED, g_emb, scale))
+        sq.append(self.io.embed_backward(emb, mbs, dhs, scale))
         return losses, sq, w
 
     def _forward_again(self, b: int, hs: list, mbs: list[MicroBatch]) -> list:
@@ -219,12 +214,12 @@ class StreamedTrainer:
         self._trace("compute", f"fwd again {b}", out[-1])
         return out
 
-    def _resweep(self, head_w: jax.Array, emb_w: jax.Array, hs: list, mbs: list[MicroBatch], inv: jax.Array,
+    def _resweep(self, head: jax.Array, emb: Any, hs: list, mbs: list[MicroBatch], inv: jax.Array,
                  scale: float) -> None:
         """``grad_hold=resweep``: the first sweep kept only each gradient's norm. Now that the clip scale
         is known, the whole backward runs again from the same saved inputs (the same gradients, bit for
         bit) and each gradient is sent with it as it completes, as an unclipped step sends it: no hold."""
-        self._backward_sweep(head_w, emb_w, hs, mbs, inv, scale)
+        self._backward_sweep(head, emb, hs, mbs, inv, scale)
 
     def _backward_block(self, i: int, w: jax.Array, acts: list, mbs: list[MicroBatch], dhs: list,
                         again: bool = False) -> jax.Array:

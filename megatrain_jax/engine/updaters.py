@@ -24,7 +24,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from megatrain_jax.engine.holds import PageableHold, PageableHeld, PinnedHeld
+from megatrain_jax.engine.holds import HostArray, PageableHold, PageableHeld, PinnedHeld
+HELD_ON_HOST = (PinnedHeld, PageableHeld, HostArray)
 from megatrain_jax.engine.kernels import F32, Kernels, local_shard
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
@@ -110,11 +111,14 @@ class _Updates:
     def hold(self, name: str, grad: jax.Array) -> None:
         """A deferred gradient waits for the norm where ``grad_hold`` says (the first
         ``grad_hold_gpu_groups`` groups of the forward stay on the GPU in bf16 with a host hold).
-        Host copies are issued here, before the next block's backward, which they then overlap."""
+        Host copies are issued here, before the next block's backward, which they then overlap. A
+        numpy gradient (``stream_io``'s embedding and head) waits where it is."""
         o = self.o
         if self.resweep:
             return  # dropped: the second sweep recomputes it once the norm is known
-        if o.grad_hold == "gpu_bf16" or self._host_hold and self.groups.pos[name] < o.grad_hold_gpu_groups:
+        if isinstance(grad, np.ndarray):  # complete in host memory already (stream_io): it waits there
+            grad = HostArray(grad, self.xfer)
+        elif o.grad_hold == "gpu_bf16" or self._host_hold and self.groups.pos[name] < o.grad_hold_gpu_groups:
             grad = self.k.to_bf16(grad)  # the norm was taken in fp32
         elif o.grad_hold == "pinned_host":
             grad = PinnedHeld(self.xfer.to_host(local_shard(grad)), self.xfer)
@@ -288,7 +292,9 @@ class HostUpdates(_Updates):
         n = self.store[name].size
         step = self.slab or n
         chunks = [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
-        return GradOut(grad, chunks, on_host=isinstance(grad, (PinnedHeld, PageableHeld)))
+        if isinstance(grad, np.ndarray):
+            grad = HostArray(grad, self.xfer)
+        return GradOut(grad, chunks, on_host=isinstance(grad, HELD_ON_HOST))
 
     # ---- gradient copies
 
@@ -465,7 +471,7 @@ class DeviceUpdates(_Updates):
             p = self.xfer.to_device(name, g.master)
             self._trace("h2d", name, p)
         state = {k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
-        if isinstance(grad, (PinnedHeld, PageableHeld)):
+        if isinstance(grad, HELD_ON_HOST):
             grad = grad.to_device()
         return DeviceUpdate(name, p, grad, state, host_state, self.opt.device_scalars(count, scale), count)
 

@@ -416,7 +416,7 @@ def streamed_parts(model: Decoder) -> "StreamedModel":
                          head_fn=head_fn,
                          aux_fn=aux_fn, embed_weights=nnx.to_pure_dict(embed_state),
                          head_weights=nnx.to_pure_dict(head_state), tied=cfg.tie_embeddings,
-                         logit_softcap=cfg.final_softcap)
+                         logit_softcap=cfg.final_softcap, pad_id=model.embed.pad_id)
 
 
 def init_host_store(cfg: ModelConfig, seed: int, bf16_stream: bool):

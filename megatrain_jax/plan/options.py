@@ -62,6 +62,7 @@ class EngineOptions:
     #                                instead: a hold split between the GPU's free room and the host
     stream_io: bool = False  # the embedding gathers only the rows a batch uses and the head streams through the
     #                          loss in vocabulary chunks: neither is resident on the GPU for the step
+    vocab_chunk: int = 8192  # with stream_io: vocabulary entries per chunk of the streamed head (H x chunk fp32 in flight)
     boundary_every: int = 1  # keep every k-th block's input; the backward recomputes the blocks between from
     #                          the nearest kept one (1: keep every input)
     seq_tile: int = 0  # tokens per sequence tile of each block (model.seq_tile resolved; 0: untiled). The model
@@ -83,6 +84,13 @@ class EngineOptions:
             bad("train.grad_hold", f"{self.grad_hold!r}", f"use one of {', '.join(GRAD_HOLDS)}")
         if int(self.grad_hold_gpu_groups) < 0:
             bad("train.grad_hold_gpu_groups", f"must be >= 0, got {self.grad_hold_gpu_groups}", "set 0 or more")
+        if int(self.vocab_chunk) < 1:
+            bad("train.vocab_chunk", f"must be >= 1, got {self.vocab_chunk}", "set a positive integer")
+        if self.stream_io and self.grad_hold == "resweep" and (self.clip_norm is not None or self.skip_nonfinite):
+            bad("train.stream_io", "is not combined with grad_hold=resweep yet",
+                "set train.grad_hold to a host hold (host_bf16, host_fp32) or train.stream_io=false")
+        if self.stream_io and self.update_on == "device":
+            bad("train.stream_io", "runs with host-side updates only", "set train.update_on=host (or train.stream_io=false)")
         if int(self.boundary_every) < 1:
             bad("train.boundary_every", f"must be >= 1, got {self.boundary_every}", "set 1 (keep every input) or more")
         if self.stream_copy not in ("host", "device"):

@@ -1,0 +1,521 @@
+"""The embedding and the LM head at both ends of the step: resident, or streamed (``stream_io``).
+
+``ResidentIO`` (the default) takes both groups whole for the step: the fp32 master crosses PCIe
+once, is cast on the device, and fp32 gradient accumulators of both sizes live there.
+
+``StreamIO`` (``EngineOptions.stream_io``) keeps neither on the GPU, for a vocabulary too large for
+a small card:
+
+- ``EmbedRows``: the host gathers only the rows the step's tokens use (plus the group's other, small
+  leaves) into one (U, H) block; the embedding runs on ids remapped into it. Its (U, H) gradient goes
+  to the host and is scattered into the group's dense gradient there (AdamW decays every row).
+- ``HeadStream``: the output matrix streams from the host store in vocabulary chunks, twice. Pass 1
+  keeps, per token, a running max, sum of exponentials and the label's logit (online log-sum-exp);
+  pass 2 (chunks in reverse: the last one is still on the device) forms softmax - onehot per (token
+  chunk x vocab chunk) tile, accumulates d normed in fp32, and sends each vocabulary chunk's weight
+  gradient to the host at once. The final norm's small weights stay resident; its VJP runs last.
+
+The head's (H, V) matrix is read in place from the store (a chunk is H strided runs of the chunk's
+width, gathered by a few host threads into a registered staging buffer): the store's layout, the
+checkpoints and the export stay as they are.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from megatrain_jax.engine.kernels import F32, local_shard
+from megatrain_jax.engine.loss import capped
+from megatrain_jax.engine.updaters import EMBED, HEAD
+from megatrain_jax.errors import UserError
+from megatrain_jax.templates import Layout
+
+ROWS_BUCKET = 1024  # the gathered embedding rows are padded to a multiple of this: few shapes, few compiles
+STAGES = 3  # head chunk staging buffers: chunk c+1 is gathered while c computes and c-1 may still run
+COPY_THREADS = 4  # host threads of a strided gather / scatter (numpy copies release the GIL)
+
+
+class ResidentIO:
+    """Today's path: the embedding and head resident for the step, whole."""
+
+    def __init__(self, trainer: Any):
+        self.k, self.weights, self.store, self.deliver = trainer.kernels, trainer.weights, trainer.store, trainer._gradient
+        self._g_emb = None
+
+    def take_embed(self, batch: Any, mbs: list) -> jax.Array:
+        return self.weights.take(EMBED)  # (embed size,)
+
+    def embed(self, emb: jax.Array, mbs: list) -> list:
+        return [self.k.embed_fwd(emb, mb.inputs) for mb in mbs]
+
+    def prefetch_head(self) -> None:
+        self.weights.prefetch(HEAD, wait=False)
+
+    def take_head(self) -> jax.Array:
+        return self.weights.take(HEAD)  # (head size,)
+
+    def loss(self, head: jax.Array, emb: jax.Array, hs: list, mbs: list, inv: jax.Array,
+             scale: float | None = None) -> tuple:
+        """(M losses, M d hidden, [the head's squared gradient norm]); the head's gradient is out
+        (``scale``: a resweep's second sweep sends it clipped)."""
+        k = self.k
+        g_head, g_emb = k.zeros(self.store["head"].size), k.zeros(self.store["embed"].size)  # fp32 per device
+        losses, dhs = [], []
+        for h, mb in zip(hs, mbs):
+            loss, dh, g_head, g_emb = k.head_loss(head, emb, h, mb.labels, mb.mask, inv, g_head, g_emb)
+            losses.append(loss)
+            dhs.append(dh)
+        self._g_emb = g_emb
+        return losses, dhs, [self.deliver(HEAD, g_head, scale)]
+
+    def embed_backward(self, emb: jax.Array, mbs: list, dhs: list, scale: float | None = None) -> jax.Array:
+        g, self._g_emb = self._g_emb, None
+        for m, mb in enumerate(mbs):
+            g = self.k.embed_bwd(emb, mb.inputs, dhs[m], g)
+        return self.deliver(EMBED, g, scale)
+
+    def resident(self, emb: jax.Array, head: jax.Array) -> dict:
+        return {"embed": emb, "head": head}
+
+
+class StreamIO:
+    """``stream_io``: the embedding's rows and the head's vocabulary chunks, neither resident."""
+
+    def __init__(self, trainer: Any):
+        parts, o = trainer.parts, trainer.options
+        if parts.tied:
+            raise UserError("train.stream_io", "a tied embedding (head = embedding^T) is not streamed yet",
+                            "set train.stream_io=false (or auto) for this model")
+        if o.update_on == "device":
+            raise UserError("train.stream_io", "runs with host-side updates only",
+                            "set train.update_on=host (or train.stream_io=false)")
+        hs = jax.eval_shape(parts.embed_fn, parts.embed_weights, _probe_inputs(parts))
+        H = int(hs.shape[-1])
+        out = jax.eval_shape(lambda hw, h: parts.head_fn(hw, h, None)[1], parts.head_weights, hs)
+        if tuple(out.shape) != (H, out.shape[-1]):
+            raise UserError("train.stream_io", f"the head's output matrix is {tuple(out.shape)}, not (hidden, vocab)",
+                            "set train.stream_io=false (a folded output bias is not streamed)")
+        V = int(out.shape[-1])
+        self.rows = EmbedRows(trainer, H, V)
+        self.head = HeadStream(trainer, H, V, min(int(o.vocab_chunk), V))
+        self.deliver = trainer._gradient
+
+    def take_embed(self, batch: Any, mbs: list) -> Any:
+        return self.rows.take(batch, mbs)
+
+    def embed(self, emb: Any, mbs: list) -> list:
+        return self.rows.forward(emb, mbs)
+
+    def prefetch_head(self) -> None:
+        self.head.start(wait=False)
+
+    def take_head(self) -> jax.Array:
+        return self.head.start(wait=True)
+
+    def loss(self, head: jax.Array, emb: Any, hs: list, mbs: list, inv: jax.Array,
+             scale: float | None = None) -> tuple:
+        assert scale is None, "stream_io with grad_hold=resweep is refused (EngineOptions)"
+        return self.head.loss(head, hs, mbs, inv)
+
+    def embed_backward(self, emb: Any, mbs: list, dhs: list, scale: float | None = None) -> jax.Array:
+        return self.rows.backward(emb, dhs)
+
+    def resident(self, emb: Any, head: jax.Array) -> dict:
+        return {}
+
+
+def make_io(trainer: Any) -> ResidentIO | StreamIO:
+    return StreamIO(trainer) if trainer.options.stream_io else ResidentIO(trainer)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _probe_inputs(parts: Any) -> Any:
+    tok = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return (tok, tok) if parts.embed_takes_positions else tok
+
+
+def _leaf(layout: Layout, shape: tuple, group: str, what: str) -> int:
+    hits = [j for j, s in enumerate(layout.leaves) if s.shape == shape]
+    if len(hits) != 1:
+        raise UserError("train.stream_io", f"the {group} group has {len(hits)} weights shaped {shape} ({what}), "
+                        "not exactly one", "set train.stream_io=false")
+    return hits[0]
+
+
+def _with_shape(layout: Layout, j: int, shape: tuple) -> Layout:
+    """``layout`` with leaf ``j`` reshaped: the device-side group of gathered rows, or of the small weights."""
+    leaves = [jax.ShapeDtypeStruct(shape if i == j else s.shape, np.float32) for i, s in enumerate(layout.leaves)]
+    return Layout(jax.tree_util.tree_unflatten(layout.treedef, leaves))
+
+
+class _Copier:
+    """Strided host copies split by rows over a few threads (the dispatching thread must not stall)."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="io-copy")
+
+    def run(self, fn, n: int) -> None:
+        step = -(-n // COPY_THREADS)
+        for f in [self.pool.submit(fn, lo, min(lo + step, n)) for lo in range(0, n, step)]:
+            f.result()
+
+
+# ------------------------------------------------------------------------------------ embedding rows
+
+
+class EmbedRows:
+    """The embedding's rows that the step's tokens use, gathered on the host; the rest stays there."""
+
+    def __init__(self, tr: Any, H: int, V: int):
+        self.tr, self.k, self.xfer, self.upd = tr, tr.kernels, tr.xfer, tr.updates
+        g = tr.store["embed"]
+        self.group, self.H, self.V = g, H, V
+        self.layout = g.layout
+        self.ti = _leaf(self.layout, (V, H), "embed", "the token table")
+        leaf = self.layout.leaves[self.ti]
+        self.table = g.master[leaf.offset:leaf.offset + leaf.size].reshape(V, H)
+        self.pad_id = getattr(tr.parts, "pad_id", None)
+        self.dense = np.zeros(g.size, np.float32)  # the group's gradient, on the host (pageable)
+        self.dense_table = self.dense[leaf.offset:leaf.offset + leaf.size].reshape(V, H)
+        self._dirty: np.ndarray | None = None  # rows of ``dense_table`` written last step
+        self._bufs: list[np.ndarray] = []  # staging buffers (registered; kept alive until close)
+        self._fns: dict[int, tuple] = {}  # per padded row count: (layout, forward, backward)
+        self._zero_slot = jax.jit(lambda g, lo, n: jax.lax.dynamic_update_slice(g, jnp.zeros((n,), F32), (lo,)),
+                                  static_argnums=2, donate_argnums=0)
+        self.copy = _Copier()
+
+    def _kernels(self, U: int) -> tuple:
+        fns = self._fns.get(U)
+        if fns is None:
+            lay, dt, p, smap = _with_shape(self.layout, self.ti, (U, self.H)), self.k.dtype, self.tr.parts, self.k._smap
+            rep, dat = P(), P("data")
+
+            def fwd(w, inputs):
+                return p.embed_fn(lay.unflatten(w.astype(dt)), inputs).astype(dt)
+
+            def bwd(w, inputs, dh, g):
+                _, vjp = jax.vjp(lambda w_: fwd(w_, inputs), w)
+                return g + vjp(dh)[0].astype(F32)
+
+            fns = (lay, jax.jit(smap(fwd, (rep, dat), dat)),
+                   jax.jit(smap(bwd, (rep, dat, dat, dat), dat), donate_argnums=(3,)))
+            self._fns[U] = fns
+        return fns
+
+    def _slots(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """(ids per slot, -1 for filler; each token's slot; padded slot count; a slot whose gradient
+        must be zeroed, or -1). The padding id keeps its own id as its slot when that slot exists,
+        so that an ``embed_fn`` comparing ids with it (no gradient for padding) still sees it."""
+        uniq, inv = np.unique(tokens, return_inverse=True)
+        U = min(-(-(len(uniq) + 1) // ROWS_BUCKET) * ROWS_BUCKET, self.V)
+        ids = np.full(U, -1, np.int64)
+        pad, zero = self.pad_id, -1
+        if pad is not None and pad < U:
+            rest = uniq[uniq != pad]
+            where = np.arange(U)
+            where = where[where != pad][:len(rest)]
+            ids[where], ids[pad] = rest, pad
+            slot_of = np.empty(len(uniq), np.int64)
+            slot_of[uniq != pad] = where
+            slot_of[uniq == pad] = pad
+        else:
+            ids[:len(uniq)] = uniq
+            slot_of = np.arange(len(uniq))
+            hit = np.nonzero(uniq == pad)[0] if pad is not None else []
+            zero = int(hit[0]) if len(hit) else -1  # the padding token sits elsewhere: its gradient is dropped
+        return ids, slot_of[inv].reshape(tokens.shape).astype(np.int32), U, zero
+
+    def take(self, batch: Any, mbs: list) -> Any:
+        """The step's rows on the device, and each micro-batch's remapped embedding input."""
+        ids, remapped, U, zero = self._slots(np.asarray(batch.tokens))
+        lay, fwd, bwd = self._kernels(U)
+        self.upd.wait("embed")  # its update has written the master
+        buf = self._staging(lay.size)
+        real = ids >= 0
+        src = np.where(real, ids, 0)
+        for j, (s, d) in enumerate(zip(self.layout.leaves, lay.leaves)):
+            if j == self.ti:
+                rows = buf[d.offset:d.offset + d.size].reshape(U, self.H)
+                self.copy.run(lambda lo, hi: np.take(self.table, src[lo:hi], axis=0, out=rows[lo:hi]), U)
+            else:
+                buf[d.offset:d.offset + d.size] = self.group.master[s.offset:s.offset + s.size]
+        name = f"embed/rows{len(self._bufs) - 1}"
+        self.xfer.host_written(name, buf)
+        w = self.xfer.to_device(name, buf)
+        m, b = len(mbs), remapped.shape[0]
+        sharding = self.k.batch_sharding
+        inputs = []
+        for part, mb in enumerate(mbs):
+            x = np.ascontiguousarray(remapped[part * b // m:(part + 1) * b // m])
+            tok = jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx])
+            inputs.append((tok, mb.inputs[1]) if self.tr.parts.embed_takes_positions else tok)
+        return _Rows(w, inputs, ids, U, zero, lay)
+
+    def _staging(self, n: int) -> np.ndarray:
+        """A registered host buffer of at least ``n`` values (grown rarely: its size follows the
+        batch's distinct tokens, bucketed). A view of exactly ``n`` values."""
+        if not self._bufs or self._bufs[-1].size < n:
+            from megatrain_jax.optim.host import alloc_aligned
+            buf = alloc_aligned(n, np.float32)
+            self._bufs.append(buf)
+            self.xfer.register(f"embed/rows{len(self._bufs) - 1}", buf)
+        return self._bufs[-1][:n]
+
+    def forward(self, rows: "_Rows", mbs: list) -> list:
+        fwd = self._kernels(rows.U)[1]
+        return [fwd(rows.w, x) for x in rows.inputs]
+
+    def backward(self, rows: "_Rows", dhs: list) -> jax.Array:
+        """The rows' gradient, summed over the devices, to the host and scattered into the dense
+        gradient there; returns its squared norm (the dense one's: every other row is zero)."""
+        lay, _, bwd = self._kernels(rows.U)
+        k = self.k
+        g = k.zeros(lay.size)
+        for x, dh in zip(rows.inputs, dhs):
+            g = bwd(rows.w, x, dh, g)
+        if k.reduce is not None:
+            g = k.reduce(g)
+        if rows.zero >= 0:
+            off = lay.leaves[self.ti].offset
+            g = self._zero_slot(g, off + rows.zero * self.H, self.H)
+        sq = k.sqnorm(g)
+        host = self.xfer.to_host(local_shard(g))
+        self.upd.wait("embed")  # the last update read ``dense``: its rows are rewritten now
+        flat = np.asarray(self.xfer.host_view(host))
+        if self._dirty is not None:
+            self.dense_table[self._dirty] = 0.0
+        real = rows.ids >= 0
+        for j, (s, d) in enumerate(zip(self.layout.leaves, lay.leaves)):
+            src = flat[d.offset:d.offset + d.size]
+            if j == self.ti:
+                self.dense_table[rows.ids[real]] = src.reshape(rows.U, self.H)[real]
+            else:
+                self.dense[s.offset:s.offset + s.size] = src
+        self._dirty = rows.ids[real]
+        self.upd.gradient("embed", self.dense)
+        return sq
+
+
+class _Rows:
+    """One step's gathered embedding: the device block, each micro-batch's input, the slots' ids."""
+
+    def __init__(self, w, inputs, ids, U, zero, layout):
+        self.w, self.inputs, self.ids, self.U, self.zero, self.layout = w, inputs, ids, U, zero, layout
+
+
+# ------------------------------------------------------------------------------------ head stream
+
+
+class HeadStream:
+    """The LM head's output matrix in vocabulary chunks from the host; the loss in two passes."""
+
+    def __init__(self, tr: Any, H: int, V: int, Vc: int):
+        self.tr, self.k, self.xfer, self.upd = tr, tr.kernels, tr.xfer, tr.updates
+        g = tr.store["head"]
+        self.group, self.H, self.V, self.Vc = g, H, V, Vc
+        self.n = -(-V // Vc)
+        self.oi = _leaf(g.layout, (H, V), "head", "the output matrix")
+        leaf = g.layout.leaves[self.oi]
+        self.out = g.master[leaf.offset:leaf.offset + leaf.size].reshape(H, V)
+        self.small = _with_shape(g.layout, self.oi, (H, 0))  # the final norm's weights (and any other small ones)
+        self._small_pairs = [(s, d) for j, (s, d) in enumerate(zip(g.layout.leaves, self.small.leaves)) if j != self.oi]
+        self.dense = np.zeros(g.size, np.float32)  # the group's gradient, on the host (pageable)
+        self.dense_out = self.dense[leaf.offset:leaf.offset + leaf.size].reshape(H, V)
+        self._small_buf = np.zeros(max(self.small.size, 1), np.float32)
+        self._stages = [np.zeros(H * Vc, np.float32) for _ in range(STAGES)]
+        for j, b in enumerate(self._stages):
+            self.xfer.register(f"head/chunk{j}", b)
+        self._users: list[list] = [[] for _ in range(STAGES)]  # what read each stage last (waited for before reuse)
+        self._small_w: jax.Array | None = None
+        self._inflight: dict[int, jax.Array] = {}
+        self.copy = _Copier()
+        self._build()
+
+    # ---- the jitted pieces (one executable each: the last, narrower chunk is padded)
+
+    def _build(self) -> None:
+        k, p, dt, H, Vc = self.k, self.tr.parts, self.k.dtype, self.H, self.Vc
+        lay, cap, chunk, multi = self.small, p.logit_softcap, self.tr.options.loss_chunk, k.num_devices > 1
+        rep, dat = P(), P("data")
+
+        def normed_of(ws, h):
+            return p.head_fn(lay.unflatten(ws.astype(dt)), h, None)[0]
+
+        def tiles(h, *per_token):
+            """(tiles, tile, ...) views of the normed tokens and per-token arrays, padded."""
+            n = h.shape[0] * h.shape[1]
+            c = min(chunk, n)
+            pad = (-n) % c
+            out = [jnp.pad(a.reshape((n,) + a.shape[2:]), ((0, pad),) + ((0, 0),) * (a.ndim - 2))
+                   .reshape((-1, c) + a.shape[2:]) for a in (h,) + per_token]
+            return out, n
+
+        def logits_of(xc, w, valid):
+            lg = capped(jnp.dot(xc, w, preferred_element_type=F32), cap)  # (tile, Vc)
+            return jnp.where(jnp.arange(Vc) < valid, lg, -jnp.inf)
+
+        def stats(ws, wc, h, labels, v0, valid, mx, se, pk):
+            w = wc.reshape(H, Vc).astype(dt)
+            (xs, ys, ms, ss, ps), n = tiles(normed_of(ws, h), labels - v0, mx, se, pk)
+
+            def body(_, inp):
+                xc, yc, mc, sc, pc = inp
+                lg = logits_of(xc, w, valid)
+                mn = jnp.maximum(mc, jnp.max(lg, axis=-1))
+                sc = sc * jnp.exp(mc - mn) + jnp.sum(jnp.exp(lg - mn[:, None]), axis=-1)
+                hit = (yc >= 0) & (yc < valid)
+                got = jnp.take_along_axis(lg, jnp.clip(yc, 0, Vc - 1)[:, None], axis=-1)[:, 0]
+                return None, (mn, sc, pc + jnp.where(hit, got, 0.0))
+
+            _, outs = jax.lax.scan(body, None, (xs, ys, ms, ss, ps))
+            return tuple(o.reshape(-1)[:n].reshape(labels.shape) for o in outs)
+
+        def grads(ws, wc, h, labels, mask, inv, lse, v0, valid, dx, gw):
+            w = wc.reshape(H, Vc).astype(dt)
+            (xs, ys, ms, ls), n = tiles(normed_of(ws, h), labels - v0, mask.astype(F32) * inv, lse)
+
+            def body(gw, inp):
+                xc, yc, mc, lc = inp
+                lg = logits_of(xc, w, valid)
+                pr = jnp.exp(lg - lc[:, None]) - jax.nn.one_hot(yc, Vc, dtype=F32)  # out of the chunk: no one
+                if cap is not None:  # through cap * tanh(raw / cap): times 1 - tanh^2
+                    pr = pr * (1.0 - jnp.square(jnp.where(jnp.isfinite(lg), lg, 0.0) / cap))
+                pr = (jnp.where(jnp.isfinite(lg), pr, 0.0) * mc[:, None]).astype(xc.dtype)  # d loss / d logits
+                return gw + jnp.dot(xc.T, pr, preferred_element_type=F32).reshape(-1), \
+                    jnp.dot(pr, w.T, preferred_element_type=F32)
+
+            gw, dxs = jax.lax.scan(body, gw, (xs, ys, ms, ls))
+            return dx + dxs.reshape(-1, H)[:n].reshape(dx.shape), gw
+
+        def finish(ws, h, dx, gs):
+            normed, vjp = jax.vjp(normed_of, ws, h)
+            dws, dh = vjp(dx.astype(normed.dtype))
+            return dh, gs + dws.astype(F32)
+
+        def loss_of(mx, se, pk, mask, inv):
+            lse = mx + jnp.log(se)
+            loss = jnp.sum((lse - pk) * mask.astype(F32)) * inv
+            return (jax.lax.psum(loss, "data") if multi else loss), lse
+
+        smap = k._smap
+        # not donated: a chunk's statistics are what its staging buffer waits for before reuse
+        self._stats = jax.jit(smap(stats, (rep, rep, dat, dat, rep, rep, dat, dat, dat), (dat, dat, dat)))
+        self._grads = jax.jit(smap(grads, (rep, rep, dat, dat, dat, rep, dat, rep, rep, dat, dat), (dat, dat)),
+                              donate_argnums=(9, 10))
+        self._finish = jax.jit(smap(finish, (rep, dat, dat, dat), (dat, dat)), donate_argnums=(2, 3))
+        self._loss = jax.jit(smap(loss_of, (dat, dat, dat, dat, rep), (rep, dat)))
+        sh = NamedSharding(k.mesh, dat)
+        self._fill = jax.jit(lambda x, v: jnp.full(x.shape, v, F32), static_argnums=1, out_shardings=sh)
+        self._fill_h = jax.jit(lambda x: jnp.zeros(x.shape, F32), out_shardings=sh)
+
+    # ---- the step
+
+    def start(self, wait: bool) -> jax.Array | None:
+        """The small weights and the first chunk in flight (once per step); without ``wait``, not
+        while the head's update still runs (the caller dispatches compute first)."""
+        if self._small_w is None:
+            if not wait and not self.upd.done("head"):
+                return None
+            self.upd.wait("head")
+            for s, d in self._small_pairs:
+                self._small_buf[d.offset:d.offset + d.size] = self.group.master[s.offset:s.offset + s.size]
+            self._small_w = jax.device_put(self._small_buf[:self.small.size].copy(), self.xfer.replicated
+                                           if self.xfer.mesh is not None else self.xfer.device_sharding)
+            self._inflight[0] = self._put(0)
+        return self._small_w
+
+    def _put(self, c: int) -> jax.Array:
+        """Chunk ``c`` of the output matrix to the device through staging buffer ``c mod STAGES``;
+        that buffer is rewritten only once everything that read it before has run."""
+        j = c % STAGES
+        for a in self._users[j]:
+            a.block_until_ready()
+        buf, v0 = self._stages[j].reshape(self.H, self.Vc), c * self.Vc
+        n = min(self.Vc, self.V - v0)
+
+        def gather(lo, hi):
+            buf[lo:hi, :n] = self.out[lo:hi, v0:v0 + n]
+            buf[lo:hi, n:] = 0.0
+
+        self.copy.run(gather, self.H)
+        name = f"head/chunk{j}"
+        self.xfer.host_written(name, self._stages[j])
+        return self.xfer.to_device(name, self._stages[j])
+
+    def _take(self, c: int, nxt: int | None) -> jax.Array:
+        w = self._inflight.pop(c, None)
+        if w is None:
+            w = self._put(c)
+        if nxt is not None and nxt not in self._inflight:
+            self._inflight[nxt] = self._put(nxt)  # issued before chunk c's compute: it overlaps it
+        return w
+
+    def loss(self, ws: jax.Array, hs: list, mbs: list, inv: jax.Array) -> tuple:
+        """(M losses, M d hidden, [the head's squared gradient norm]); its gradient is on its way out."""
+        k, n, Vc = self.k, self.n, self.Vc
+        st = [(self._fill(mb.labels, -np.inf), self._fill(mb.labels, 0.0), self._fill(mb.labels, 0.0)) for mb in mbs]
+        for c in range(n):  # pass 1: online log-sum-exp and the labels' logits
+            w = self._take(c, c + 1 if c + 1 < n else None)
+            v0, valid = c * Vc, min(Vc, self.V - c * Vc)
+            st = [self._stats(ws, w, h, mb.labels, v0, valid, *s) for h, mb, s in zip(hs, mbs, st)]
+            self._users[c % STAGES] = [x for s in st for x in s]
+            if c == n - 1:
+                self._inflight[c] = w  # pass 2 starts with it
+        losses, lses = zip(*[self._loss(*s, mb.mask, inv) for s, mb in zip(st, mbs)])
+        dxs = [self._fill_h(h) for h in hs]
+        sq, outs = [], []
+        for c in reversed(range(n)):  # pass 2: softmax - onehot, d normed, and each chunk's weight gradient
+            w = self._take(c, c - 1 if c > 0 else None)
+            v0, valid = c * Vc, min(Vc, self.V - c * Vc)
+            gw = k.zeros(self.H * Vc)
+            for m, (h, mb) in enumerate(zip(hs, mbs)):
+                dxs[m], gw = self._grads(ws, w, h, mb.labels, mb.mask, inv, lses[m], v0, valid, dxs[m], gw)
+            self._users[c % STAGES] = [gw]
+            sq.append(self._out(c, gw, outs))
+        gs, dhs = k.zeros(self.small.size), []
+        for h, dx in zip(hs, dxs):
+            dh, gs = self._finish(ws, h, dx, gs)
+            dhs.append(dh)
+        sq.append(self._out(None, gs, outs))
+        self._scatter(outs, 0)
+        self._small_w = None
+        self.upd.gradient("head", self.dense)
+        return list(losses), dhs, sq
+
+    def _out(self, c: int | None, g: jax.Array, outs: list) -> jax.Array:
+        """Chunk ``c``'s gradient (None: the small weights') summed over the devices, its squared
+        norm taken, and its copy to the host issued; the chunk before it is scattered meanwhile."""
+        k = self.k
+        if k.reduce is not None:
+            g = k.reduce(g)
+        sq = k.sqnorm(g)
+        if not outs:
+            self.upd.wait("head")  # its last update read ``dense``, rewritten from here
+        outs.append((c, self.xfer.to_host(local_shard(g, 0 if c is None else c))))
+        self._scatter(outs, 1)
+        return sq
+
+    def _scatter(self, outs: list, keep: int) -> None:
+        """Host copies that have been issued, into the dense gradient, oldest first, leaving ``keep``."""
+        while len(outs) > keep:
+            c, arr = outs.pop(0)
+            flat = np.asarray(self.xfer.host_view(arr))
+            if c is None:
+                for s, d in self._small_pairs:
+                    self.dense[s.offset:s.offset + s.size] = flat[d.offset:d.offset + d.size]
+                continue
+            v0 = c * self.Vc
+            n = min(self.Vc, self.V - v0)
+            src = flat.reshape(self.H, self.Vc)
+
+            def scatter(lo, hi):
+                self.dense_out[lo:hi, v0:v0 + n] = src[lo:hi, :n]
+
+            self.copy.run(scatter, self.H)

@@ -1,0 +1,111 @@
+"""``stream_io``: the embedding's rows gathered per batch and the head streamed in vocabulary chunks
+equal the reference trainer (fp32), and the resident engine's loss."""
+import numpy as np
+import pytest
+
+from megatrain_jax.config import ModelConfig, OptimConfig, ScheduleConfig
+from megatrain_jax.engine import Batch, StreamedTrainer
+from megatrain_jax.errors import UserError
+from megatrain_jax.models import init_model
+from megatrain_jax.models.llama import init_host_store
+from megatrain_jax.optim import build_host_optimizer, build_reference_tx
+from megatrain_jax.reference import ReferenceTrainer
+
+STEPS = 5
+
+
+def _batches(rng, n, b, s, vocab, used=None, pad=None):
+    """Masked batches; ``used``: tokens drawn from only the last this many ids (the rows a batch needs:
+    remapped ids then differ from the token ids); ``pad``: every fifth token is this id."""
+    out = []
+    for _ in range(n):
+        toks = rng.integers(vocab - (used or vocab), vocab, (b, s + 1))
+        if pad is not None:
+            toks[:, ::5] = pad
+        mask = (rng.random((b, s)) > 0.2).astype(np.float32)
+        out.append(Batch(toks[:, :-1], toks[:, 1:], mask))
+    return out
+
+
+def _group_errors(ref_tree, st):
+    groups = {"embed": ref_tree["embed"], "head": ref_tree["head"]}
+    groups.update({f"block_{i}": t for i, t in ref_tree["layers"].items()})
+    import jax
+    errs = {}
+    for name, tree in groups.items():
+        a = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
+        errs[name] = float(np.linalg.norm(a - st.store[name].master) / np.linalg.norm(a))
+    return errs
+
+
+CASES = {
+    # name: (model overrides, micro-batches, clip, vocab chunk, extra options, ids the batches use)
+    "clip_ragged_chunks": (dict(vocab_size=250), 1, 0.5, 64, {}, None),
+    "two_micro_batches": (dict(vocab_size=256), 2, 0.5, 100, {}, None),
+    "no_clip_few_rows": (dict(vocab_size=256), 1, None, 96, {}, 40),
+    "softcap_gemma2": (dict(vocab_size=200, family="gemma2", final_softcap=5.0, num_kv_heads=2), 1, 0.5, 64, {}, None),
+    # the padding id (no gradient through the embedding) inside the gathered rows, and beyond them
+    "pad_token": (dict(vocab_size=256, pad_token_id=3), 2, 0.5, 128, {}, 8),
+    "pad_token_beyond_rows": (dict(vocab_size=1100, pad_token_id=1050), 1, 0.5, 512, {}, 30),
+    "pinned_slabs": (dict(vocab_size=256), 1, 0.5, 64, dict(grad_hold="pinned_host", grad_slab_elems=3000), None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stream_io_equals_reference(case):
+    over, micro, clip, chunk, extra, used = CASES[case]
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, **over)
+    ocfg = OptimConfig(lr=1e-2, b2=0.95, weight_decay=0.1, clip_norm=clip,
+                       schedule=ScheduleConfig(kind="warmup_cosine", warmup_steps=2))
+    ref = ReferenceTrainer(init_model(cfg, 0), build_reference_tx(ocfg, STEPS))
+    runs = {}
+    for stream in (True, False):
+        parts, store = init_host_store(cfg, 0, bf16_stream=False)
+        runs[stream] = StreamedTrainer(parts, build_host_optimizer(ocfg, STEPS), compute_dtype="float32",
+                                       micro_batches=micro, clip_norm=clip, loss_chunk=24, store=store,
+                                       stream_io=stream, vocab_chunk=chunk, **extra)
+    st, plain = runs[True], runs[False]
+    assert st.io.head.n == -(-cfg.vocab_size // chunk)
+    clipped = False
+    for batch in _batches(np.random.default_rng(1), STEPS, 4, 16, cfg.vocab_size, used, cfg.pad_token_id):
+        r, s, p = ref.step(batch), st.step(batch), plain.step(batch)
+        assert abs(r.loss - s.loss) <= 1e-5 * abs(r.loss), (r.loss, s.loss)
+        assert abs(p.loss - s.loss) <= 1e-5 * abs(p.loss), (p.loss, s.loss)
+        assert abs(r.grad_norm - s.grad_norm) <= 1e-4 * r.grad_norm, (r.grad_norm, s.grad_norm)
+        clipped |= clip is not None and r.grad_norm > clip
+    assert clip is None or clipped
+    st.close()
+    plain.close()
+    errs = _group_errors(ref.params_tree(), st)
+    assert max(errs.values()) < 1e-5, errs
+    init = init_host_store(cfg, 0, bf16_stream=False)[1]
+    for name in ("embed", "head"):  # the streamed groups really moved
+        assert np.linalg.norm(st.store[name].master - init[name].master) > 1e-3
+
+
+def test_only_the_batch_rows_and_a_chunk_reach_the_device():
+    cfg = ModelConfig(vocab_size=4096, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48)
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(clip_norm=1.0), 2), compute_dtype="float32",
+                         clip_norm=1.0, store=store, stream_io=True, vocab_chunk=512)
+    batch = _batches(np.random.default_rng(0), 1, 2, 16, cfg.vocab_size, used=50)[0]
+    rows = st.io.rows.take(batch, st._micro_batches(batch))
+    assert rows.U == 1024 < cfg.vocab_size and rows.w.size == 1024 * 32  # one bucket of rows, not the table
+    assert st.io.head._stages[0].size == 32 * 512
+    st.step(batch)
+    st.close()
+
+
+def test_tied_embeddings_are_refused_with_stream_io():
+    cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48,
+                      tie_embeddings=True)
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    with pytest.raises(UserError, match="train.stream_io"):
+        StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 1), compute_dtype="float32", store=store,
+                        stream_io=True)
+
+
+def test_device_updates_are_refused_with_stream_io():
+    from megatrain_jax.plan.options import EngineOptions
+    with pytest.raises(UserError, match="train.stream_io"):
+        EngineOptions(stream_io=True, update_on="device")
