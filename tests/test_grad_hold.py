@@ -97,7 +97,8 @@ def test_host_bf16_hold_equals_the_gpu_bf16_hold_and_tracks_the_reference(update
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=5e-3)
     init = init_host_store(MODEL, 0, bf16_stream=False)[1]
     ref_tree = ref.params_tree()
-    ref_w = {"embed": ref_tree["embed"], "head": ref_tree["head"], **{f"block_{i}": t for i, t in ref_tree["layers"].items()}}
+    ref_w = {"embed": ref_tree["embed"], "head": ref_tree["head"],
+             **{f"block_{i}": t for i, t in ref_tree["layers"].items()}}
     for name, tree in ref_w.items():
         flat = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
         dr, dh = flat - init[name].master, weights[name] - init[name].master

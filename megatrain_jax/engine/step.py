@@ -25,8 +25,8 @@ updater (``updaters.py``) and the jitted kernels with one variant per layer (``k
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
