@@ -104,6 +104,7 @@ class StreamIO:
         self.deliver = trainer._gradient
 
     def take_embed(self, batch: Any, mbs: list) -> Any:
+        self.head.reset()  # a step that raised may have left its head chunks behind
         return self.rows.take(batch, mbs)
 
     def embed(self, emb: Any, mbs: list) -> list:
@@ -413,6 +414,9 @@ class HeadStream:
 
     # ---- the step
 
+    def reset(self) -> None:
+        self._small_w, self._inflight = None, {}
+
     def start(self, wait: bool) -> jax.Array | None:
         """The small weights and the first chunk in flight (once per step); without ``wait``, not
         while the head's update still runs (the caller dispatches compute first)."""
@@ -473,8 +477,8 @@ class HeadStream:
             gw = k.zeros(self.H * Vc)
             for m, (h, mb) in enumerate(zip(hs, mbs)):
                 dxs[m], gw = self._grads(ws, w, h, mb.labels, mb.mask, inv, lses[m], v0, valid, dxs[m], gw)
-            self._users[c % STAGES] = [gw]
             sq.append(self._out(c, gw, outs))
+            self._users[c % STAGES] = [sq[-1]]  # ready once every micro-batch's use of the chunk has run
         gs, dhs = k.zeros(self.small.size), []
         for h, dx in zip(hs, dxs):
             dh, gs = self._finish(ws, h, dx, gs)
