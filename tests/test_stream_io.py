@@ -109,3 +109,53 @@ def test_device_updates_are_refused_with_stream_io():
     from megatrain_jax.plan.options import EngineOptions
     with pytest.raises(UserError, match="train.stream_io"):
         EngineOptions(stream_io=True, update_on="device")
+
+
+def test_bf16_stream_io_tracks_the_resident_head():
+    """bf16 compute: the streamed loss follows the resident one to well within bf16 rounding."""
+    cfg = ModelConfig(vocab_size=250, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96)
+    ocfg = OptimConfig(lr=3e-3, clip_norm=1.0)
+    batches = [Batch(t[:, :-1], t[:, 1:], None) for t in np.random.default_rng(0).integers(0, 64, (4, 4, 33))]
+    runs = {}
+    for stream in (True, False):
+        parts, store = init_host_store(cfg, 0, bf16_stream=True)
+        st = StreamedTrainer(parts, build_host_optimizer(ocfg, 4), compute_dtype="bfloat16", clip_norm=1.0,
+                             store=store, stream_io=stream, vocab_chunk=64, loss_chunk=48)
+        runs[stream] = [st.step(b).loss for b in batches]
+        st.close()
+    np.testing.assert_allclose(runs[True], runs[False], rtol=1e-3)
+
+
+DP_SCRIPT = """
+import jax, numpy as np
+from megatrain_jax.config import ModelConfig, OptimConfig
+from megatrain_jax.engine import Batch, StreamedTrainer
+from megatrain_jax.models.llama import init_host_store
+from megatrain_jax.optim import build_host_optimizer
+cfg = ModelConfig(vocab_size=250, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48)
+ocfg = OptimConfig(lr=1e-2, clip_norm=0.5)
+rng = np.random.default_rng(0)
+toks = rng.integers(0, 250, (3, 4, 17))
+batches = [Batch(t[:, :-1], t[:, 1:], (rng.random((4, 16)) > .2).astype(np.float32)) for t in toks]
+out = {}
+for stream in (True, False):
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(ocfg, 3), compute_dtype="float32", clip_norm=0.5, store=store,
+                         devices=jax.devices()[:2], micro_batches=2, stream_io=stream, vocab_chunk=64, loss_chunk=8)
+    losses = [st.step(b).loss for b in batches]
+    st.close()
+    out[stream] = (np.array(losses), np.concatenate([g.master for g in st.store]))
+np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
+assert np.linalg.norm(out[True][1] - out[False][1]) < 1e-5 * np.linalg.norm(out[False][1])
+print("ok")
+"""
+
+
+def test_stream_io_over_two_devices_equals_the_resident_engine():
+    """Data parallel (2 CPU devices, in a child process: the device count is fixed at start)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    r = subprocess.run([sys.executable, "-c", DP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
