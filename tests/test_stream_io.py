@@ -159,3 +159,26 @@ def test_stream_io_over_two_devices_equals_the_resident_engine():
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     r = subprocess.run([sys.executable, "-c", DP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_a_non_finite_step_changes_nothing_with_stream_io():
+    """``nan_forward`` (train.py's NaN drill) poisons the streamed embedding too; with
+    ``skip_nonfinite`` the step changes no weight (nor the host gradients' next use)."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48)
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 3), compute_dtype="float32", store=store,
+                         skip_nonfinite=True, stream_io=True, vocab_chunk=100)
+    batch = _batches(np.random.default_rng(0), 1, 2, 16, 256)[0]
+    before = {g.name: g.master.copy() for g in st.store}
+    with st.nan_forward():
+        bad = st.step(batch)
+    st.finish()
+    assert bad.skipped and not np.isfinite(bad.loss) and st.count == 0
+    for g in st.store:
+        np.testing.assert_array_equal(g.master, before[g.name], err_msg=g.name)
+    good = st.step(batch)
+    st.finish()
+    assert not good.skipped and np.isfinite(good.loss) and st.count == 1
+    assert all(np.isfinite(g.master).all() for g in st.store)
+    assert not np.array_equal(st.store["embed"].master, before["embed"])
+    st.close()
