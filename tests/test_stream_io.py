@@ -47,6 +47,10 @@ CASES = {
     # the padding id (no gradient through the embedding) inside the gathered rows, and beyond them
     "pad_token": (dict(vocab_size=256, pad_token_id=3), 2, 0.5, 128, {}, 8),
     "pad_token_beyond_rows": (dict(vocab_size=1100, pad_token_id=1050), 1, 0.5, 512, {}, 30),
+    # tied (head = embedding^T): the head's chunks are rows of the table and its gradient the embedding's
+    "tied_two_micro_batches": (dict(vocab_size=250, tie_embeddings=True), 2, 0.5, 64, {}, None),
+    "tied_softcap_pad_few_rows": (dict(vocab_size=200, family="gemma2", final_softcap=5.0, num_kv_heads=2,
+                                       tie_embeddings=True, pad_token_id=7), 1, 0.5, 64, {}, 20),
     "pinned_slabs": (dict(vocab_size=256), 1, 0.5, 64, dict(grad_hold="pinned_host", grad_slab_elems=3000), None),
 }
 
@@ -94,15 +98,6 @@ def test_only_the_batch_rows_and_a_chunk_reach_the_device():
     assert st.io.head._stages[0].size == 32 * 512
     st.step(batch)
     st.close()
-
-
-def test_tied_embeddings_are_refused_with_stream_io():
-    cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48,
-                      tie_embeddings=True)
-    parts, store = init_host_store(cfg, 0, bf16_stream=False)
-    with pytest.raises(UserError, match="train.stream_io"):
-        StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 1), compute_dtype="float32", store=store,
-                        stream_io=True)
 
 
 def test_device_updates_are_refused_with_stream_io():
