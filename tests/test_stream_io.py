@@ -47,6 +47,10 @@ CASES = {
     # the padding id (no gradient through the embedding) inside the gathered rows, and beyond them
     "pad_token": (dict(vocab_size=256, pad_token_id=3), 2, 0.5, 128, {}, 8),
     "pad_token_beyond_rows": (dict(vocab_size=1100, pad_token_id=1050), 1, 0.5, 512, {}, 30),
+    # tied (head = embedding^T): the head's chunks are rows of the table and its gradient the embedding's
+    "tied_two_micro_batches": (dict(vocab_size=250, tie_embeddings=True), 2, 0.5, 64, {}, None),
+    "tied_softcap_pad_few_rows": (dict(vocab_size=200, family="gemma2", final_softcap=5.0, num_kv_heads=2,
+                                       tie_embeddings=True, pad_token_id=7), 1, 0.5, 64, {}, 20),
     "pinned_slabs": (dict(vocab_size=256), 1, 0.5, 64, dict(grad_hold="pinned_host", grad_slab_elems=3000), None),
 }
 
@@ -96,16 +100,80 @@ def test_only_the_batch_rows_and_a_chunk_reach_the_device():
     st.close()
 
 
-def test_tied_embeddings_are_refused_with_stream_io():
-    cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48,
-                      tie_embeddings=True)
-    parts, store = init_host_store(cfg, 0, bf16_stream=False)
-    with pytest.raises(UserError, match="train.stream_io"):
-        StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 1), compute_dtype="float32", store=store,
-                        stream_io=True)
-
-
 def test_device_updates_are_refused_with_stream_io():
     from megatrain_jax.plan.options import EngineOptions
     with pytest.raises(UserError, match="train.stream_io"):
         EngineOptions(stream_io=True, update_on="device")
+
+
+def test_bf16_stream_io_tracks_the_resident_head():
+    """bf16 compute: the streamed loss follows the resident one to well within bf16 rounding."""
+    cfg = ModelConfig(vocab_size=250, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96)
+    ocfg = OptimConfig(lr=3e-3, clip_norm=1.0)
+    batches = [Batch(t[:, :-1], t[:, 1:], None) for t in np.random.default_rng(0).integers(0, 64, (4, 4, 33))]
+    runs = {}
+    for stream in (True, False):
+        parts, store = init_host_store(cfg, 0, bf16_stream=True)
+        st = StreamedTrainer(parts, build_host_optimizer(ocfg, 4), compute_dtype="bfloat16", clip_norm=1.0,
+                             store=store, stream_io=stream, vocab_chunk=64, loss_chunk=48)
+        runs[stream] = [st.step(b).loss for b in batches]
+        st.close()
+    np.testing.assert_allclose(runs[True], runs[False], rtol=1e-3)
+
+
+DP_SCRIPT = """
+import jax, numpy as np
+from megatrain_jax.config import ModelConfig, OptimConfig
+from megatrain_jax.engine import Batch, StreamedTrainer
+from megatrain_jax.models.llama import init_host_store
+from megatrain_jax.optim import build_host_optimizer
+cfg = ModelConfig(vocab_size=250, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48)
+ocfg = OptimConfig(lr=1e-2, clip_norm=0.5)
+rng = np.random.default_rng(0)
+toks = rng.integers(0, 250, (3, 4, 17))
+batches = [Batch(t[:, :-1], t[:, 1:], (rng.random((4, 16)) > .2).astype(np.float32)) for t in toks]
+out = {}
+for stream in (True, False):
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(ocfg, 3), compute_dtype="float32", clip_norm=0.5, store=store,
+                         devices=jax.devices()[:2], micro_batches=2, stream_io=stream, vocab_chunk=64, loss_chunk=8)
+    losses = [st.step(b).loss for b in batches]
+    st.close()
+    out[stream] = (np.array(losses), np.concatenate([g.master for g in st.store]))
+np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
+assert np.linalg.norm(out[True][1] - out[False][1]) < 1e-5 * np.linalg.norm(out[False][1])
+print("ok")
+"""
+
+
+def test_stream_io_over_two_devices_equals_the_resident_engine():
+    """Data parallel (2 CPU devices, in a child process: the device count is fixed at start)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    r = subprocess.run([sys.executable, "-c", DP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_a_non_finite_step_changes_nothing_with_stream_io():
+    """``nan_forward`` (train.py's NaN drill) poisons the streamed embedding too; with
+    ``skip_nonfinite`` the step changes no weight (nor the host gradients' next use)."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48)
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(), 3), compute_dtype="float32", store=store,
+                         skip_nonfinite=True, stream_io=True, vocab_chunk=100)
+    batch = _batches(np.random.default_rng(0), 1, 2, 16, 256)[0]
+    before = {g.name: g.master.copy() for g in st.store}
+    with st.nan_forward():
+        bad = st.step(batch)
+    st.finish()
+    assert bad.skipped and not np.isfinite(bad.loss) and st.count == 0
+    for g in st.store:
+        np.testing.assert_array_equal(g.master, before[g.name], err_msg=g.name)
+    good = st.step(batch)
+    st.finish()
+    assert not good.skipped and np.isfinite(good.loss) and st.count == 1
+    assert all(np.isfinite(g.master).all() for g in st.store)
+    assert not np.array_equal(st.store["embed"].master, before["embed"])
+    st.close()

@@ -14,6 +14,9 @@ a small card:
   pass 2 (chunks in reverse: the last one is still on the device) forms softmax - onehot per (token
   chunk x vocab chunk) tile, accumulates d normed in fp32, and sends each vocabulary chunk's weight
   gradient to the host at once. The final norm's small weights stay resident; its VJP runs last.
+- Tied embeddings (head = embedding^T): the chunks are rows of the embedding's table (contiguous),
+  their gradient fills every row of the embedding's dense gradient, and the rows' gradient is added
+  to it (the group's squared norm gains the cross term).
 
 The head's (H, V) matrix is read in place from the store (a chunk is H strided runs of the chunk's
 width, gathered by a few host threads into a registered staging buffer): the store's layout, the
@@ -88,24 +91,23 @@ class StreamIO:
 
     def __init__(self, trainer: Any):
         parts, o = trainer.parts, trainer.options
-        if parts.tied:
-            raise UserError("train.stream_io", "a tied embedding (head = embedding^T) is not streamed yet",
-                            "set train.stream_io=false (or auto) for this model")
         if o.update_on == "device":
             raise UserError("train.stream_io", "runs with host-side updates only",
                             "set train.update_on=host (or train.stream_io=false)")
         hs = jax.eval_shape(parts.embed_fn, parts.embed_weights, _probe_inputs(parts))
         H = int(hs.shape[-1])
-        out = jax.eval_shape(lambda hw, h: parts.head_fn(hw, h, None)[1], parts.head_weights, hs)
+        out = jax.eval_shape(lambda hw, h, ew: parts.head_fn(hw, h, ew)[1], parts.head_weights, hs,
+                             parts.embed_weights if parts.tied else None)
         if tuple(out.shape) != (H, out.shape[-1]):
             raise UserError("train.stream_io", f"the head's output matrix is {tuple(out.shape)}, not (hidden, vocab)",
                             "set train.stream_io=false (a folded output bias is not streamed)")
         V = int(out.shape[-1])
         self.rows = EmbedRows(trainer, H, V)
-        self.head = HeadStream(trainer, H, V, min(int(o.vocab_chunk), V))
+        self.head = HeadStream(trainer, H, V, min(int(o.vocab_chunk), V), self.rows)
         self.deliver = trainer._gradient
 
     def take_embed(self, batch: Any, mbs: list) -> Any:
+        self.head.reset()  # a step that raised may have left its head chunks behind
         return self.rows.take(batch, mbs)
 
     def embed(self, emb: Any, mbs: list) -> list:
@@ -182,6 +184,7 @@ class EmbedRows:
         leaf = self.layout.leaves[self.ti]
         self.table = g.master[leaf.offset:leaf.offset + leaf.size].reshape(V, H)
         self.pad_id = getattr(tr.parts, "pad_id", None)
+        self.tied = tr.parts.tied  # the head's chunks write every row of the gradient first (HeadStream)
         self.dense = np.zeros(g.size, np.float32)  # the group's gradient, on the host (pageable)
         self.dense_table = self.dense[leaf.offset:leaf.offset + leaf.size].reshape(V, H)
         self._dirty: np.ndarray | None = None  # rows of ``dense_table`` written last step
@@ -274,7 +277,8 @@ class EmbedRows:
 
     def backward(self, rows: "_Rows", dhs: list) -> jax.Array:
         """The rows' gradient, summed over the devices, to the host and scattered into the dense
-        gradient there; returns its squared norm (the dense one's: every other row is zero)."""
+        gradient there; returns its squared norm (the dense one's: every other row is zero; tied, the
+        head's part is counted by the head, and the cross term is added here)."""
         lay, _, bwd = self._kernels(rows.U)
         k = self.k
         g = k.zeros(lay.size)
@@ -289,15 +293,20 @@ class EmbedRows:
         host = self.xfer.to_host(local_shard(g))
         self.upd.wait("embed")  # the last update read ``dense``: its rows are rewritten now
         flat = np.asarray(self.xfer.host_view(host))
-        if self._dirty is not None:
+        if self._dirty is not None and not self.tied:
             self.dense_table[self._dirty] = 0.0
         real = rows.ids >= 0
         for j, (s, d) in enumerate(zip(self.layout.leaves, lay.leaves)):
             src = flat[d.offset:d.offset + d.size]
-            if j == self.ti:
-                self.dense_table[rows.ids[real]] = src.reshape(rows.U, self.H)[real]
-            else:
+            if j != self.ti:
                 self.dense[s.offset:s.offset + s.size] = src
+                continue
+            add, ids = src.reshape(rows.U, self.H)[real], rows.ids[real]
+            if self.tied:  # the head's gradient of every row is there already: add, and the norm's cross term
+                cur = self.dense_table[ids]
+                sq = sq + 2.0 * float(np.dot(cur.ravel().astype(np.float64), add.ravel().astype(np.float64)))
+                add = cur + add
+            self.dense_table[ids] = add
         self._dirty = rows.ids[real]
         self.upd.gradient("embed", self.dense)
         return sq
@@ -316,18 +325,24 @@ class _Rows:
 class HeadStream:
     """The LM head's output matrix in vocabulary chunks from the host; the loss in two passes."""
 
-    def __init__(self, tr: Any, H: int, V: int, Vc: int):
+    def __init__(self, tr: Any, H: int, V: int, Vc: int, rows: EmbedRows):
         self.tr, self.k, self.xfer, self.upd = tr, tr.kernels, tr.xfer, tr.updates
         g = tr.store["head"]
         self.group, self.H, self.V, self.Vc = g, H, V, Vc
         self.n = -(-V // Vc)
-        self.oi = _leaf(g.layout, (H, V), "head", "the output matrix")
-        leaf = g.layout.leaves[self.oi]
-        self.out = g.master[leaf.offset:leaf.offset + leaf.size].reshape(H, V)
-        self.small = _with_shape(g.layout, self.oi, (H, 0))  # the final norm's weights (and any other small ones)
-        self._small_pairs = [(s, d) for j, (s, d) in enumerate(zip(g.layout.leaves, self.small.leaves)) if j != self.oi]
         self.dense = np.zeros(g.size, np.float32)  # the group's gradient, on the host (pageable)
-        self.dense_out = self.dense[leaf.offset:leaf.offset + leaf.size].reshape(H, V)
+        self.tied, self._stub = tr.parts.tied, None
+        if self.tied:  # the output matrix is the embedding's (V, H) table: a chunk is rows, its gradient the embedding's
+            self.out, self.dense_out = rows.table, rows.dense_table
+            self.small, self._small_pairs = g.layout, [(s, s) for s in g.layout.leaves]
+            self._stub = _with_shape(rows.layout, rows.ti, (0, H))  # what head_fn reads of the embedding: nothing
+        else:
+            oi = _leaf(g.layout, (H, V), "head", "the output matrix")
+            leaf = g.layout.leaves[oi]
+            self.out = g.master[leaf.offset:leaf.offset + leaf.size].reshape(H, V)
+            self.dense_out = self.dense[leaf.offset:leaf.offset + leaf.size].reshape(H, V)
+            self.small = _with_shape(g.layout, oi, (H, 0))  # the final norm's weights (and any other small ones)
+            self._small_pairs = [(s, d) for j, (s, d) in enumerate(zip(g.layout.leaves, self.small.leaves)) if j != oi]
         self._small_buf = np.zeros(max(self.small.size, 1), np.float32)
         self._stages = [np.zeros(H * Vc, np.float32) for _ in range(STAGES)]
         for j, b in enumerate(self._stages):
@@ -343,10 +358,14 @@ class HeadStream:
     def _build(self) -> None:
         k, p, dt, H, Vc = self.k, self.tr.parts, self.k.dtype, self.H, self.Vc
         lay, cap, chunk, multi = self.small, p.logit_softcap, self.tr.options.loss_chunk, k.num_devices > 1
-        rep, dat = P(), P("data")
+        rep, dat, tied, stub = P(), P("data"), self.tied, self._stub
 
         def normed_of(ws, h):
-            return p.head_fn(lay.unflatten(ws.astype(dt)), h, None)[0]
+            ew = None if stub is None else stub.unflatten(jnp.zeros((stub.size,), dt))
+            return p.head_fn(lay.unflatten(ws.astype(dt)), h, ew)[0]
+
+        def matrix(wc):  # (H, Vc) in the compute dtype
+            return (wc.reshape(Vc, H).T if tied else wc.reshape(H, Vc)).astype(dt)
 
         def tiles(h, *per_token):
             """(tiles, tile, ...) views of the normed tokens and per-token arrays, padded."""
@@ -362,7 +381,7 @@ class HeadStream:
             return jnp.where(jnp.arange(Vc) < valid, lg, -jnp.inf)
 
         def stats(ws, wc, h, labels, v0, valid, mx, se, pk):
-            w = wc.reshape(H, Vc).astype(dt)
+            w = matrix(wc)
             (xs, ys, ms, ss, ps), n = tiles(normed_of(ws, h), labels - v0, mx, se, pk)
 
             def body(_, inp):
@@ -378,7 +397,7 @@ class HeadStream:
             return tuple(o.reshape(-1)[:n].reshape(labels.shape) for o in outs)
 
         def grads(ws, wc, h, labels, mask, inv, lse, v0, valid, dx, gw):
-            w = wc.reshape(H, Vc).astype(dt)
+            w = matrix(wc)
             (xs, ys, ms, ls), n = tiles(normed_of(ws, h), labels - v0, mask.astype(F32) * inv, lse)
 
             def body(gw, inp):
@@ -388,7 +407,8 @@ class HeadStream:
                 if cap is not None:  # through cap * tanh(raw / cap): times 1 - tanh^2
                     pr = pr * (1.0 - jnp.square(jnp.where(jnp.isfinite(lg), lg, 0.0) / cap))
                 pr = (jnp.where(jnp.isfinite(lg), pr, 0.0) * mc[:, None]).astype(xc.dtype)  # d loss / d logits
-                return gw + jnp.dot(xc.T, pr, preferred_element_type=F32).reshape(-1), \
+                dw = jnp.dot(pr.T, xc, preferred_element_type=F32) if tied else jnp.dot(xc.T, pr, preferred_element_type=F32)
+                return gw + dw.reshape(-1), \
                     jnp.dot(pr, w.T, preferred_element_type=F32)
 
             gw, dxs = jax.lax.scan(body, gw, (xs, ys, ms, ls))
@@ -417,6 +437,9 @@ class HeadStream:
 
     # ---- the step
 
+    def reset(self) -> None:
+        self._small_w, self._inflight = None, {}
+
     def start(self, wait: bool) -> jax.Array | None:
         """The small weights and the first chunk in flight (once per step); without ``wait``, not
         while the head's update still runs (the caller dispatches compute first)."""
@@ -437,14 +460,24 @@ class HeadStream:
         j = c % STAGES
         for a in self._users[j]:
             a.block_until_ready()
-        buf, v0 = self._stages[j].reshape(self.H, self.Vc), c * self.Vc
+        v0 = c * self.Vc
         n = min(self.Vc, self.V - v0)
+        if self.tied:  # rows v0 .. v0 + n of the table, contiguous
+            buf = self._stages[j].reshape(self.Vc, self.H)
 
-        def gather(lo, hi):
-            buf[lo:hi, :n] = self.out[lo:hi, v0:v0 + n]
-            buf[lo:hi, n:] = 0.0
+            def gather(lo, hi):
+                buf[lo:min(hi, n)] = self.out[v0 + lo:v0 + min(hi, n)]
+                buf[max(lo, n):hi] = 0.0
 
-        self.copy.run(gather, self.H)
+            self.copy.run(gather, self.Vc)
+        else:  # columns v0 .. v0 + n: H strided runs
+            buf = self._stages[j].reshape(self.H, self.Vc)
+
+            def gather(lo, hi):
+                buf[lo:hi, :n] = self.out[lo:hi, v0:v0 + n]
+                buf[lo:hi, n:] = 0.0
+
+            self.copy.run(gather, self.H)
         name = f"head/chunk{j}"
         self.xfer.host_written(name, self._stages[j])
         return self.xfer.to_device(name, self._stages[j])
@@ -477,8 +510,8 @@ class HeadStream:
             gw = k.zeros(self.H * Vc)
             for m, (h, mb) in enumerate(zip(hs, mbs)):
                 dxs[m], gw = self._grads(ws, w, h, mb.labels, mb.mask, inv, lses[m], v0, valid, dxs[m], gw)
-            self._users[c % STAGES] = [gw]
             sq.append(self._out(c, gw, outs))
+            self._users[c % STAGES] = [sq[-1]]  # ready once every micro-batch's use of the chunk has run
         gs, dhs = k.zeros(self.small.size), []
         for h, dx in zip(hs, dxs):
             dh, gs = self._finish(ws, h, dx, gs)
@@ -513,6 +546,14 @@ class HeadStream:
                 continue
             v0 = c * self.Vc
             n = min(self.Vc, self.V - v0)
+            if self.tied:
+                src = flat.reshape(self.Vc, self.H)
+
+                def scatter(lo, hi):
+                    self.dense_out[v0 + lo:v0 + min(hi, n)] = src[lo:min(hi, n)]
+
+                self.copy.run(scatter, self.Vc)
+                continue
             src = flat.reshape(self.H, self.Vc)
 
             def scatter(lo, hi):
