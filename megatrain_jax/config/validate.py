@@ -88,8 +88,6 @@ def validate(cfg: Config) -> None:
     if o.name not in OPTIMIZER_FIELDS:
         raise UserError("optim.name", f"{o.name!r} is not an optimizer",
                         "use adamw, lion, adafactor, sgd, muon or optax (with optim.optax_name)")
-    if t.update_on == "device" and o.kernel != "fused":
-        raise UserError("train.update_on", "device needs the fused AdamW kernel", "set optim.kernel=fused or train.update_on=host")
     if t.update_on == "device" and t.stream_copy == "host" and t.compute_dtype == "bfloat16":
         raise UserError("train.update_on", "device updates the fp32 master on the GPU, so no host bf16 copy can stream",
                         "set train.stream_copy=device (or auto), or train.update_on=host")

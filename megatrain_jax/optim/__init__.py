@@ -12,12 +12,12 @@ import optax
 from megatrain_jax.config import OptimConfig
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim.fused_adamw import set_num_threads
-from megatrain_jax.optim.host import (CompactAdamW, FusedAdamW, HostOptimizer, OptaxHostOptimizer, OptaxState,
-                                      alloc_aligned, global_norm_scale)
+from megatrain_jax.optim.host import CompactAdamW, FusedAdamW, HostOptimizer, alloc_aligned, global_norm_scale
+from megatrain_jax.optim.optax_flat import OptaxHostOptimizer
 from megatrain_jax.optim.named import (SHAPE_AWARE, NamedOptaxOptimizer, model_state_bytes, named_tx, resolved,
                                        state_bytes, state_bytes_per_param, state_label)
 
-__all__ = ["CompactAdamW", "FusedAdamW", "HostOptimizer", "NamedOptaxOptimizer", "OptaxHostOptimizer", "OptaxState",
+__all__ = ["CompactAdamW", "FusedAdamW", "HostOptimizer", "NamedOptaxOptimizer", "OptaxHostOptimizer",
            "alloc_aligned", "build_host_optimizer", "build_reference_tx", "build_schedule", "global_norm_scale",
            "model_state_bytes", "named_tx", "set_num_threads", "state_bytes", "state_bytes_per_param"]
 

@@ -1,0 +1,123 @@
+"""Any optax transformation with ``train.update_on=device``: each named optimizer's update, run per group
+by the device path (its state crossing as flat buffers, written back in place), equals the same
+transformation in the reference trainer over 5 steps with clipping that triggers, equals the host
+path, resumes bit-exactly from a checkpoint, and bad combinations are refused in one line."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from megatrain_jax.config import Config, DataConfig, OptimConfig, TrainConfig, validate
+from megatrain_jax.errors import UserError
+from megatrain_jax.optim import OptaxHostOptimizer, alloc_aligned, build_host_optimizer
+from megatrain_jax.reference import ReferenceTrainer
+from megatrain_jax.templates import Layout
+from megatrain_jax.trainer import Trainer
+from test_named_optimizers import CLIP, MODEL, _batches, _cfg, _group_rel_errors, _state
+
+DEVICE_NAMED = ["adamw", "lion", "adafactor", "sgd", "muon"]
+
+
+def _device(cfg: Config) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, update_on="device"))
+
+
+@pytest.mark.parametrize("name", DEVICE_NAMED)
+def test_device_update_equals_optax_reference_and_resumes_bit_exactly(name, tmp_path):
+    cfg = _device(_cfg(name))
+    batches = _batches()
+    ref = ReferenceTrainer.from_config(cfg)
+    with Trainer.from_config(cfg) as tr:
+        assert tr.engine.updates.on_device
+        for i, batch in enumerate(batches, start=1):
+            r, s = ref.step(batch), tr.step(batch)
+            assert r.grad_norm > CLIP, "clipping must trigger"
+            assert abs(r.loss - s.loss) <= 1e-5 * abs(r.loss), (i, r.loss, s.loss)
+            if i == 3:
+                tr.save(str(tmp_path))
+    errs = _group_rel_errors(ref.params_tree(), tr.store)
+    assert max(errs.values()) < 1e-5, errs
+    straight = _state(tr)
+
+    resumed, _, state = Trainer.resume(cfg, str(tmp_path), log=lambda _: None)
+    assert state["count"] == 3
+    with resumed:
+        for batch in batches[3:]:
+            resumed.step(batch)
+    again = _state(resumed)
+    for g in straight:
+        assert again[g].keys() == straight[g].keys()
+        for k in straight[g]:
+            assert np.array_equal(again[g][k], straight[g][k]), (g, k)
+
+
+def _group(rng):
+    tree = {"b": np.zeros(24, np.float32), "w": np.zeros((24, 40), np.float32), "v": np.zeros((40, 16), np.float32)}
+    layout = Layout(tree)
+    flat = alloc_aligned(layout.size)
+    flat[:] = rng.standard_normal(layout.size).astype(np.float32) * 0.1
+    return flat, layout
+
+
+@pytest.mark.parametrize("name", DEVICE_NAMED + ["optax"])
+def test_device_step_equals_host_update(name):
+    """The same jitted step on both sides: on the CPU backend, bit for bit (params and every state
+    buffer); the state buffers ``state_to_arrays`` hands out are the ones ``update`` writes."""
+    rng = np.random.default_rng(0)
+    opt = build_host_optimizer(_cfg(name).optim, 5)
+    flat, layout = _group(rng)
+    dev_p, dev_state = flat.copy(), opt.init_state(flat, layout.unflatten)
+    state = opt.init_state(flat, layout.unflatten)
+    arrays = opt.state_to_arrays(state)
+    assert all(arrays[k] is state[k] for k in arrays) and all(k.startswith(opt.label + "/") for k in arrays)
+    cpu = jax.devices("cpu")[0]
+    for count in range(1, 5):
+        grad = rng.standard_normal(flat.shape[0]).astype(np.float32)
+        scale = 0.25 if count % 2 else 1.0
+        opt.update(flat, grad, state, count, scale, None, layout.unflatten)
+        p, st = opt.device_step(jax.device_put(dev_p, cpu), jax.device_put(grad, cpu),
+                                {k: jax.device_put(v, cpu) for k, v in dev_state.items()},
+                                opt.device_scalars(count, scale), None, unflatten=layout.unflatten)
+        dev_p = np.asarray(p)
+        dev_state = {k: np.asarray(v).copy() for k, v in st.items()}
+        np.testing.assert_array_equal(dev_p, flat)
+        assert dev_state.keys() == state.keys()
+        for k in state:
+            assert dev_state[k].dtype == state[k].dtype
+            np.testing.assert_array_equal(dev_state[k], state[k], err_msg=k)
+
+
+def test_device_step_compiles_once_per_group_structure():
+    """Blocks share one compiled step: two groups of one layout, two layout objects, one entry."""
+    rng = np.random.default_rng(1)
+    opt = OptaxHostOptimizer(optax.lion(1e-3))
+    (a, la), (b, lb) = _group(rng), _group(rng)
+    sa, sb = opt.init_state(a, la.unflatten), opt.init_state(b, lb.unflatten)
+    for flat, layout, st in ((a, la, sa), (b, lb, sb)):
+        opt.update(flat, np.ones_like(flat), st, 1, 1.0, None, layout.unflatten)
+    assert len(opt._jits) == 1
+
+
+def test_an_optimizer_that_cannot_run_on_the_device_is_refused_in_one_line():
+    from megatrain_jax.engine import StreamedTrainer
+    from megatrain_jax.models.llama import init_host_store
+
+    class HostOnly(OptaxHostOptimizer):
+        runs_on_device = False
+
+    parts, store = init_host_store(MODEL, 0, bf16_stream=False)
+    with pytest.raises(UserError) as e:
+        StreamedTrainer(parts, HostOnly(optax.sgd(0.1)), compute_dtype="float32", store=store, update_on="device")
+    assert e.value.field == "train.update_on" and "\n" not in str(e.value)
+
+
+def test_update_on_device_with_an_optax_optimizer_validates():
+    for name in DEVICE_NAMED:
+        validate(_device(_cfg(name)))
+    cfg = Config(model=MODEL, optim=OptimConfig(name="optax", kernel="optax", optax_name="adabelief"),
+                 data=DataConfig(seq_len=32), train=TrainConfig(steps=5, update_on="device"))
+    validate(cfg)
