@@ -63,10 +63,19 @@ def _group(rng):
     return flat, layout
 
 
+def _rel(a, b) -> float:
+    """‖a - b‖ / ‖b‖ (0 for two zero arrays); integer arrays (the counts) must be equal."""
+    if not np.issubdtype(b.dtype, np.floating):
+        return 0.0 if np.array_equal(a, b) else np.inf
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
 @pytest.mark.parametrize("name", DEVICE_NAMED + ["optax"])
 def test_device_step_equals_host_update(name):
-    """The same jitted step on both sides: on the CPU backend, bit for bit (params and every state
-    buffer); the state buffers ``state_to_arrays`` hands out are the ones ``update`` writes."""
+    """The same transformation on both sides (two compilations: XLA may contract a multiply-add
+    differently, so within float32 rounding, not bit for bit); the state buffers ``state_to_arrays``
+    hands out are the ones ``update`` writes."""
     rng = np.random.default_rng(0)
     opt = build_host_optimizer(_cfg(name).optim, 5)
     flat, layout = _group(rng)
@@ -84,11 +93,11 @@ def test_device_step_equals_host_update(name):
                                 opt.device_scalars(count, scale), None, unflatten=layout.unflatten)
         dev_p = np.asarray(p)
         dev_state = {k: np.asarray(v).copy() for k, v in st.items()}
-        np.testing.assert_array_equal(dev_p, flat)
+        assert _rel(dev_p, flat) < 1e-6
         assert dev_state.keys() == state.keys()
         for k in state:
             assert dev_state[k].dtype == state[k].dtype
-            np.testing.assert_array_equal(dev_state[k], state[k], err_msg=k)
+            assert _rel(dev_state[k], state[k]) < 1e-6, k
 
 
 def test_device_step_compiles_once_per_group_structure():

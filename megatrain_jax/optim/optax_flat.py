@@ -116,21 +116,27 @@ class OptaxHostOptimizer:
         return out
 
     def _step_fn(self, spec: _Spec):
+        """(host, device) jitted steps of this structure. Both take the flat buffers; the host one
+        returns the leaves (copied into the numpy views: a concatenation would cost a pass and a fresh
+        buffer on the CPU), the device one the flat buffers (what crosses back and streams)."""
         fn = self._jits.get(spec.key)
         if fn is not None:
             return fn
 
-        def step(p_flat, g_flat, st, scale):
+        def leaves(p_flat, g_flat, st, scale):
             p = jax.tree.unflatten(spec.p_treedef, _split(p_flat, spec.p_shapes))
             g = jax.tree.unflatten(spec.p_treedef, [x.astype(jnp.float32) * scale
                                                     for x in _split(g_flat, spec.p_shapes)])
             updates, new_state = self.tx.update(g, self._state_tree(spec, st), p)
-            new_p = optax.apply_updates(p, updates)
-            leaves = [jnp.ravel(x) for x in jax.tree.leaves(new_p)]
-            return (leaves[0] if len(leaves) == 1 else jnp.concatenate(leaves)), self._flat_state(spec, new_state)
+            return jax.tree.leaves(optax.apply_updates(p, updates)), new_state
 
-        host = jax.jit(step)  # the CPU device may alias the host buffers it was given: nothing donated
-        device = jax.jit(step, donate_argnums=(0, 2))
+        def flat(p_flat, g_flat, st, scale):
+            new_p, new_state = leaves(p_flat, g_flat, st, scale)
+            new_p = [jnp.ravel(x) for x in new_p]
+            return (new_p[0] if len(new_p) == 1 else jnp.concatenate(new_p)), self._flat_state(spec, new_state)
+
+        host = jax.jit(lambda *a: (lambda p, s: (p, jax.tree.leaves(s)))(*leaves(*a)))  # inputs alias the host
+        device = jax.jit(flat, donate_argnums=(0, 2))  # buffers (zero-copy): nothing donated on the host
         with self._lock:
             self._jits[spec.key] = fn = (host, device)
         return fn
@@ -154,14 +160,13 @@ class OptaxHostOptimizer:
                             f"{params.shape} and {grad.dtype} {grad.shape}")
         spec = self._spec(params.shape[0], unflatten, params)
         host, _ = self._step_fn(spec)
-        put = lambda a: jax.device_put(a, self.device)  # noqa: E731
+        put = lambda a: jax.device_put(a, self.device)  # noqa: E731  zero-copy for aligned buffers
         new_p, new_st = host(put(params), put(grad), {k: put(v) for k, v in state.items()},
                              put(np.float32(grad_scale)))
-        new_p = np.asarray(new_p)  # waits for the step
-        new_st = {k: np.asarray(v) for k, v in new_st.items()}
-        np.copyto(params, new_p)
-        for k, v in new_st.items():
-            np.copyto(state[k], v)
+        for dst, src in zip(_split(params, spec.p_shapes), new_p, strict=True):
+            np.copyto(dst, np.asarray(src))  # np.asarray waits for the step
+        for dst, src in zip(jax.tree.leaves(self._state_tree(spec, state)), new_st, strict=True):
+            np.copyto(dst, np.asarray(src))
         if bf16_out is not None and bf16_out.shape[0]:
             to_bf16_bits_(params, bf16_out)
 
