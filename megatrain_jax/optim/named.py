@@ -33,7 +33,9 @@ def resolved(o: OptimConfig) -> dict[str, Any]:
 
 def state_label(o: OptimConfig) -> str:
     """What the checkpoint's state keys are prefixed with: the optimizer, so another one is refused."""
-    return f"optax.{o.optax_name}" if o.name == "optax" else o.name
+    if o.name == "optax":
+        return f"optax.{o.optax_name}"
+    return o.name if o.moments == "float32" else f"{o.name}.{o.moments}"
 
 
 def check_optax(o: OptimConfig) -> None:
@@ -72,6 +74,10 @@ def named_tx(o: OptimConfig, lr: float | optax.Schedule) -> optax.GradientTransf
     h, wd = resolved(o), float(o.weight_decay)
     if o.name == "adamw":
         return optax.adamw(lr, b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=wd)
+    if o.name == "lion" and o.moments == "int8":
+        from megatrain_jax.optim.lean import lion_int8
+
+        return lion_int8(lr, b1=h["b1"], b2=h["b2"], weight_decay=wd)
     if o.name == "lion":
         return optax.lion(lr, b1=h["b1"], b2=h["b2"], weight_decay=wd)
     if o.name == "sgd":
