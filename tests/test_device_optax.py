@@ -204,3 +204,29 @@ def test_int8_lion_tracks_fp32_lion_within_the_quantization_error():
 
 def jnp_rel(a, b) -> float:
     return _rel(np.asarray(a), np.asarray(b))
+
+
+def test_update_cost_for_the_plan():
+    """The plan's numbers: host state from the optimizer's own ``init`` shapes, the device step's
+    working set from XLA's buffer assignment, and where ``update_on=auto`` puts each optimizer."""
+    from megatrain_jax.models import streamed_parts
+    from megatrain_jax.models.common import abstract_model
+    from megatrain_jax.optim import model_state_bytes
+    from megatrain_jax.optim.costs import auto_update_on, update_cost
+
+    trees = streamed_parts(abstract_model(MODEL)).host_trees()
+    n = sum(int(np.prod(x.shape)) for t in trees.values() for x in jax.tree.leaves(t))
+    fused = update_cost(OptimConfig(), trees)
+    assert (fused.host_state, fused.chunked, fused.host_fast) == (8.0, True, True)
+    lean = update_cost(_cfg("lion", moments="int8").optim, trees, 5)
+    assert 1.0 < lean.host_state < 1.01 and 4 + lean.host_state < 5.01  # the lean configuration: 5.002
+    for name in DEVICE_NAMED:
+        o = _cfg(name).optim
+        c = update_cost(o, trees, 5)
+        assert c.host_state == pytest.approx(model_state_bytes(o, trees, 5) / n)
+        assert c.runs_on_device and not c.host_fast and not c.chunked
+        assert c.device_group >= 8 + c.host_state and c.device_temp > 0, (name, c)  # param + grad + state at least
+        assert auto_update_on(c, on_gpu=True, devices=1, moments="float32", bf16_host_copy=False) == "device"
+        assert auto_update_on(c, on_gpu=True, devices=2, moments="float32", bf16_host_copy=False) == "host"
+        assert auto_update_on(c, on_gpu=False, devices=1, moments="float32", bf16_host_copy=False) == "host"
+    assert auto_update_on(fused, on_gpu=True, devices=1, moments="float32", bf16_host_copy=False) == "host"
