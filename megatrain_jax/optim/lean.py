@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from megatrain_jax.optim import compact_adamw as _ca
 from megatrain_jax.optim.compact_adamw import BLOCK, CODE_SIGNED
+from megatrain_jax.optim.device_adamw import _nearest
 
-_MIDPOINTS = ((CODE_SIGNED[1:].astype(np.float64) + CODE_SIGNED[:-1]) / 2).astype(np.float32)
 ZERO_CODE = int(np.flatnonzero(CODE_SIGNED == 0)[0])  # the code of 0.0: a fresh momentum
 
 
@@ -42,8 +43,10 @@ def quantize(x: jax.Array, block: int = BLOCK) -> tuple[jax.Array, jax.Array]:
     blocks = jnp.pad(flat, (0, nb * block - n)).reshape(nb, block)
     absmax = jnp.max(jnp.abs(blocks), axis=1)
     inv = jnp.where(absmax > 0, 1.0 / jnp.where(absmax > 0, absmax, 1.0), 0.0)
-    codes = jnp.searchsorted(jnp.asarray(_MIDPOINTS), (blocks * inv[:, None]).reshape(-1)[:n], side="left")
-    return codes.astype(jnp.uint8), absmax
+    # the nearest code by the int8 AdamW's lookup table (a word per 16 high bits of the float, then an
+    # add): the same codes as a search of the code's midpoints, 12x faster on the CPU
+    codes = _nearest(jnp.asarray(_ca.lookup_tables()[0]), (blocks * inv[:, None]).reshape(-1)[:n])
+    return codes, absmax
 
 
 def dequantize(codes: jax.Array, absmax: jax.Array, shape, block: int = BLOCK) -> jax.Array:
