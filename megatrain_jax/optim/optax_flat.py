@@ -149,9 +149,9 @@ class OptaxHostOptimizer:
         if state:  # op by op on the CPU device (optax's inits are fills): no compilation per group
             p = jax.tree.unflatten(spec.p_treedef, _split(jax.device_put(params, self.device), spec.p_shapes))
             with jax.default_device(self.device):
-                init = self._flat_state(spec, self.tx.init(p))
-            for k, v in init.items():
-                np.copyto(state[k], np.asarray(v))
+                init = jax.tree.leaves(self.tx.init(p))
+            for dst, src in zip(jax.tree.leaves(self._state_tree(spec, state)), init, strict=True):
+                np.copyto(dst, np.asarray(src))  # leaf by leaf into the buffers' views: no concatenation
         return state
 
     def update(self, params, grad, state, count, grad_scale=1.0, bf16_out=None, unflatten=None) -> None:
