@@ -133,7 +133,6 @@ def _cfg(**train):
 
 @pytest.mark.parametrize("train,optim,field", [
     (dict(update_on="gpu"), {}, "train.update_on"),
-    (dict(update_on="device"), dict(kernel="optax"), "train.update_on"),
     (dict(update_on="device", stream_copy="host"), {}, "train.update_on"),
 ])
 def test_config_refusals_name_the_field(train, optim, field):

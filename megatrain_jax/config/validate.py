@@ -88,8 +88,6 @@ def validate(cfg: Config) -> None:
     if o.name not in OPTIMIZER_FIELDS:
         raise UserError("optim.name", f"{o.name!r} is not an optimizer",
                         "use adamw, lion, adafactor, sgd, muon or optax (with optim.optax_name)")
-    if t.update_on == "device" and o.kernel != "fused":
-        raise UserError("train.update_on", "device needs the fused AdamW kernel", "set optim.kernel=fused or train.update_on=host")
     if t.update_on == "device" and t.stream_copy == "host" and t.compute_dtype == "bfloat16":
         raise UserError("train.update_on", "device updates the fp32 master on the GPU, so no host bf16 copy can stream",
                         "set train.stream_copy=device (or auto), or train.update_on=host")
@@ -155,9 +153,10 @@ def _validate_optimizer(o: OptimConfig) -> None:
             users = [n for n, fields in OPTIMIZER_FIELDS.items() if f in fields]
             raise UserError(f"optim.{f}", f"optim.name={o.name} does not use it",
                             f"remove optim.{f} (or set it to null); it is for optim.name={' / '.join(users)}")
-    if o.moments != "float32" and o.kernel != "fused":
-        raise UserError("optim.moments", f"{o.moments} moments are implemented by the fused AdamW kernel only",
-                        "set optim.moments=float32, or optim.name=adamw with optim.kernel=fused")
+    if o.moments != "float32" and o.kernel != "fused" and (o.name, o.moments) != ("lion", "int8"):
+        raise UserError("optim.moments", f"{o.moments} moments are implemented by the fused AdamW kernel and "
+                        "int8 Lion only", "set optim.moments=float32, or optim.name=adamw with optim.kernel=fused, "
+                        "or optim.name=lion with optim.moments=int8")
     unit = lambda x: 0 <= x < 1  # noqa: E731
     for f, ok, rule in [("b1", unit, "in [0, 1)"), ("b2", unit, "in [0, 1)"), ("eps", lambda x: x > 0, "> 0"),
                         ("momentum", unit, "in [0, 1)"), ("decay_rate", lambda x: 0 < x <= 1, "in (0, 1]")]:

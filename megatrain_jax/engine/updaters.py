@@ -416,7 +416,7 @@ class DeviceUpdates(_Updates):
         super().__init__(*args)
         if not getattr(self.opt, "runs_on_device", False):
             raise UserError("train.update_on", f"device needs an optimizer that runs there, not {type(self.opt).__name__}",
-                            "set optim.kernel=fused (or train.update_on=host)")
+                            "use a FusedAdamW or an optax optimizer (or train.update_on=host)")
         if any(g.stream_bits is not None for g in self.store):
             raise ValueError("update_on=device needs a store without a bf16 streaming copy "
                              "(train.stream_copy=device, or float32 compute)")
@@ -477,9 +477,10 @@ class DeviceUpdates(_Updates):
 
     def dispatch(self, u: DeviceUpdate) -> jax.Array:
         """Dispatch the update (the new master is the weights the block uses) and queue its write-back."""
-        p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk)
-        self._trace("compute", f"update {u.name}", p_new)  # runs on the compute stream
         g = self.store[u.name]
+        p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk,
+                                            unflatten=g.layout.unflatten)  # the group's tree (optax: shapes)
+        self._trace("compute", f"update {u.name}", p_new)  # runs on the compute stream
         targets = [(u.name, p_new, g.master)] + [(f"{u.name}/{k}", state[k], u.host_state[k]) for k in u.host_state]
         self.pending[u.name] = self._writer.submit(self._write_back, u.name, u.count, targets,
                                                    self._done.pop(u.name, None))

@@ -12,12 +12,12 @@ import optax
 from megatrain_jax.config import OptimConfig
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim.fused_adamw import set_num_threads
-from megatrain_jax.optim.host import (CompactAdamW, FusedAdamW, HostOptimizer, OptaxHostOptimizer, OptaxState,
-                                      alloc_aligned, global_norm_scale)
+from megatrain_jax.optim.host import CompactAdamW, FusedAdamW, HostOptimizer, alloc_aligned, global_norm_scale
+from megatrain_jax.optim.optax_flat import OptaxHostOptimizer
 from megatrain_jax.optim.named import (SHAPE_AWARE, NamedOptaxOptimizer, model_state_bytes, named_tx, resolved,
                                        state_bytes, state_bytes_per_param, state_label)
 
-__all__ = ["CompactAdamW", "FusedAdamW", "HostOptimizer", "NamedOptaxOptimizer", "OptaxHostOptimizer", "OptaxState",
+__all__ = ["CompactAdamW", "FusedAdamW", "HostOptimizer", "NamedOptaxOptimizer", "OptaxHostOptimizer",
            "alloc_aligned", "build_host_optimizer", "build_reference_tx", "build_schedule", "global_norm_scale",
            "model_state_bytes", "named_tx", "set_num_threads", "state_bytes", "state_bytes_per_param"]
 
@@ -71,7 +71,8 @@ def _learning_rate(optim_cfg: OptimConfig, total_steps: int) -> float | optax.Sc
 def build_host_optimizer(optim_cfg: OptimConfig, total_steps: int) -> HostOptimizer:
     """``kernel: fused`` -> ``FusedAdamW`` / ``CompactAdamW`` (adamw only); ``kernel: optax`` -> a
     ``NamedOptaxOptimizer`` (an ``OptaxHostOptimizer``) over ``named.named_tx``: adamw, lion, adafactor,
-    sgd (``add_decayed_weights`` before it when weight_decay > 0), muon (``optax.contrib.muon``), or
+    sgd (``add_decayed_weights`` before it when weight_decay > 0), lion with ``moments=int8``
+    (``lean.lion_int8``), muon (``optax.contrib.muon``), or
     ``optax.<optax_name>(learning_rate=schedule, weight_decay=..., **optax_kwargs)``."""
     o = optim_cfg
     lr = _learning_rate(o, total_steps)
@@ -84,9 +85,9 @@ def build_host_optimizer(optim_cfg: OptimConfig, total_steps: int) -> HostOptimi
         if o.moments != "float32":
             return CompactAdamW(lr, o.moments, **kw)
         return FusedAdamW(lr, **kw)
-    if o.moments != "float32":
-        raise UserError("optim.moments", f"{o.moments} moments are implemented by the fused kernel only",
-                        "set optim.kernel=fused (adamw), or optim.moments=float32")
+    if o.moments != "float32" and (o.name, o.moments) != ("lion", "int8"):
+        raise UserError("optim.moments", f"{o.moments} moments are implemented by the fused kernel and int8 Lion only",
+                        "set optim.kernel=fused (adamw), optim.name=lion (int8), or optim.moments=float32")
     if o.kernel == "optax":
         return NamedOptaxOptimizer(state_label(o), named_tx(o, lr), lr, shape_aware=o.name in SHAPE_AWARE)
     raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use fused or optax")

@@ -10,6 +10,7 @@ in-memory reference trainer runs the same optimizer and the two trainers can be 
 
 Optimizer state is opaque to the caller except through ``state_to_arrays`` / ``state_from_arrays``,
 which turn it into a flat ``dict[str, np.ndarray]`` and back: that is what a checkpoint stores.
+Any optax transformation: ``optax_flat.OptaxHostOptimizer``.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import jax
 import numpy as np
 import optax
 
-from megatrain_jax.optim.fused_adamw import fused_adamw_step, to_bf16_bits_
+from megatrain_jax.optim.fused_adamw import fused_adamw_step
 
 Unflatten = Callable[[np.ndarray], Any]  # flat 1-D array of a group -> pytree of views into it
 
@@ -168,10 +169,11 @@ class FusedAdamW:
     moments = "float32"  # the moment format (``device_adamw.device_adamw_step`` takes the same name)
     runs_on_device = True  # ``train.update_on=device``: ``device_step`` runs this update on the accelerator
 
-    def device_step(self, param, grad, state: dict, scalars: tuple, chunk: int | None = None):
+    def device_step(self, param, grad, state: dict, scalars: tuple, chunk: int | None = None,
+                    unflatten: Unflatten | None = None):
         """This update on the accelerator (``optim/device_adamw.py``, ``chunk`` values per slice):
         (new param, new state); the param and state arrays are donated. ``scalars``:
-        ``device_scalars(count, grad_scale)``."""
+        ``device_scalars(count, grad_scale)``; ``unflatten`` (the group's layout) is not needed here."""
         from megatrain_jax.optim.device_adamw import device_adamw_step
 
         return device_adamw_step(self.moments, param, grad, state, scalars, chunk)
@@ -291,106 +293,3 @@ def _check_keys(arrays: dict, expected: set[str]) -> None:
     if missing or extra:
         raise ValueError(f"optimizer state keys do not match: missing {sorted(missing)}, "
                          f"unexpected {sorted(extra)}")
-
-
-# ---------------------------------------------------------------------------- any optax on the CPU
-
-
-def _key_str(path) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
-
-
-class OptaxState:
-    """One group's optax state (a pytree of jax CPU arrays) in a mutable holder: ``update`` donates
-    the old buffers and puts the new tree in ``.tree``, so the caller's reference stays valid."""
-
-    __slots__ = ("tree",)
-
-    def __init__(self, tree: Any):
-        self.tree = tree
-
-
-class OptaxHostOptimizer:
-    """Any ``optax.GradientTransformation``, run per group by XLA on the jax CPU device.
-
-    optax sees the group's pytree (``unflatten(params)``), so structure-aware masks work; without
-    ``unflatten`` it sees the flat array as a single leaf. The update is jitted with the state donated
-    (one compile per distinct group layout), the new params are copied back into the flat fp32
-    buffer, and the bf16 copy is written by the numba converter.
-
-    State: an ``OptaxState`` holding the optax state pytree of jax CPU arrays. It carries its own step
-    counts, so ``count`` is not used: call ``update`` once per applied step. ``state_to_arrays`` gives
-    copies keyed by the state's tree path, e.g. ``'0.mu.attn.wq'`` for ``optax.adamw`` on
-    ``{'attn': {'wq': ...}}`` (0-d arrays for the counts)."""
-
-    runs_on_device = False  # the update runs on the jax CPU device (``train.update_on=host`` only)
-
-    def __init__(self, tx: optax.GradientTransformation, cpu_device=None):
-        self.tx = tx
-        self.device = _cpu(cpu_device)
-        self._init = jax.jit(tx.init)
-        self._step = jax.jit(self._step_fn, donate_argnums=(2,))
-
-    def _step_fn(self, params, grads, state, grad_scale):
-        grads = jax.tree.map(lambda g: g * grad_scale, grads)
-        updates, state = self.tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    @staticmethod
-    def _tree(flat: np.ndarray, unflatten: Unflatten | None):
-        return flat if unflatten is None else unflatten(flat)
-
-    def init_state(self, params: np.ndarray, unflatten: Unflatten | None = None) -> OptaxState:
-        tree = jax.device_put(self._tree(params, unflatten), self.device)
-        return OptaxState(jax.device_put(self._init(tree), self.device))  # committed: the update compiles once
-
-    def update(self, params, grad, state, count, grad_scale=1.0, bf16_out=None, unflatten=None) -> None:
-        if params.dtype != np.float32 or grad.dtype != np.float32 or params.shape != grad.shape:
-            raise TypeError(f"params and grad must be float32 of one shape, got {params.dtype} "
-                            f"{params.shape} and {grad.dtype} {grad.shape}")
-        p_views = self._tree(params, unflatten)
-        dsts = jax.tree.leaves(p_views)
-        if not all(isinstance(d, np.ndarray) and (d.size == 0 or np.may_share_memory(d, params))
-                   for d in dsts):
-            raise ValueError("unflatten must return views into the flat array it is given")
-        p_in = jax.device_put(p_views, self.device)
-        g_in = jax.device_put(self._tree(grad, unflatten), self.device)
-        scale = jax.device_put(np.float32(grad_scale), self.device)
-        new_p, state.tree = self._step(p_in, g_in, state.tree, scale)  # old state buffers donated
-        for dst, src in zip(dsts, jax.tree.leaves(new_p), strict=True):
-            np.copyto(dst, np.asarray(src))  # np.asarray waits for the step
-        if bf16_out is not None and bf16_out.shape[0]:
-            to_bf16_bits_(params, bf16_out)
-
-    def state_to_arrays(self, state) -> dict[str, np.ndarray]:
-        leaves = jax.tree_util.tree_flatten_with_path(state.tree)[0]
-        out = {_key_str(path): np.array(leaf, copy=True) for path, leaf in leaves}
-        if len(out) != len(leaves):
-            raise ValueError("optimizer state paths are not unique")
-        return out
-
-    def state_from_arrays(self, arrays, params, unflatten=None) -> OptaxState:
-        tree = self._tree(params, unflatten)
-        shapes = jax.eval_shape(self.tx.init, tree)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-        _check_keys(arrays, {_key_str(p) for p, _ in leaves})
-        restored = []
-        for path, sd in leaves:
-            k = _key_str(path)
-            a = np.asarray(arrays[k])
-            if a.shape != sd.shape or a.dtype != sd.dtype:
-                raise ValueError(f"optimizer state {k!r}: expected {sd.dtype} {sd.shape}, "
-                                 f"got {a.dtype} {a.shape}")
-            restored.append(jax.device_put(np.array(a, copy=True), self.device))
-        return OptaxState(jax.tree.unflatten(treedef, restored))
-
-    def as_optax(self) -> optax.GradientTransformation:
-        return self.tx

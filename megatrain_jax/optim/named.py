@@ -18,7 +18,8 @@ import optax
 
 from megatrain_jax.config import OPTIMIZER_FIELDS, OptimConfig
 from megatrain_jax.errors import UserError
-from megatrain_jax.optim.host import OptaxHostOptimizer, Unflatten, _ScheduleOnCpu
+from megatrain_jax.optim.host import Unflatten, _ScheduleOnCpu
+from megatrain_jax.optim.optax_flat import OptaxHostOptimizer
 
 # optimizers whose update of a leaf depends on its shape: they must see the group's pytree
 SHAPE_AWARE = frozenset({"adafactor", "muon", "optax"})
@@ -32,7 +33,9 @@ def resolved(o: OptimConfig) -> dict[str, Any]:
 
 def state_label(o: OptimConfig) -> str:
     """What the checkpoint's state keys are prefixed with: the optimizer, so another one is refused."""
-    return f"optax.{o.optax_name}" if o.name == "optax" else o.name
+    if o.name == "optax":
+        return f"optax.{o.optax_name}"
+    return o.name if o.moments == "float32" else f"{o.name}.{o.moments}"
 
 
 def check_optax(o: OptimConfig) -> None:
@@ -71,6 +74,10 @@ def named_tx(o: OptimConfig, lr: float | optax.Schedule) -> optax.GradientTransf
     h, wd = resolved(o), float(o.weight_decay)
     if o.name == "adamw":
         return optax.adamw(lr, b1=h["b1"], b2=h["b2"], eps=h["eps"], weight_decay=wd)
+    if o.name == "lion" and o.moments == "int8":
+        from megatrain_jax.optim.lean import lion_int8
+
+        return lion_int8(lr, b1=h["b1"], b2=h["b2"], weight_decay=wd)
     if o.name == "lion":
         return optax.lion(lr, b1=h["b1"], b2=h["b2"], weight_decay=wd)
     if o.name == "sgd":
@@ -101,16 +108,17 @@ def named_tx(o: OptimConfig, lr: float | optax.Schedule) -> optax.GradientTransf
 
 
 class NamedOptaxOptimizer(OptaxHostOptimizer):
-    """A named optimizer run per group by ``OptaxHostOptimizer``.
+    """A named optimizer run per group by ``OptaxHostOptimizer`` (on the host or the device).
 
-    Its checkpointed state keys carry the optimizer (``lion/0.mu.mlp.up_proj.kernel``), so resuming
-    with another optimizer is refused by name rather than by a mismatch of key lists; ``lr_at``
-    gives the schedule's rate for the log, as ``FusedAdamW`` does."""
+    Its state keys carry the optimizer (``lion/float32``), so resuming with another optimizer is
+    refused by name rather than by a mismatch of key lists; ``lr_at`` gives the schedule's rate for
+    the log, as ``FusedAdamW`` does."""
 
     def __init__(self, label: str, tx: optax.GradientTransformation, learning_rate: float | optax.Schedule,
                  shape_aware: bool = True, cpu_device=None):
         super().__init__(tx, cpu_device)
         self.label, self.shape_aware, self.learning_rate = label, shape_aware, learning_rate
+        self.key_prefix = f"{label}/"
         self._lr = _ScheduleOnCpu(learning_rate, cpu_device) if callable(learning_rate) else None
 
     def lr_at(self, count: int) -> float | np.float32:
@@ -129,18 +137,18 @@ class NamedOptaxOptimizer(OptaxHostOptimizer):
         self._need_tree(unflatten)
         super().update(params, grad, state, count, grad_scale, bf16_out, unflatten)
 
-    def state_to_arrays(self, state) -> dict[str, np.ndarray]:
-        return {f"{self.label}/{k}": v for k, v in super().state_to_arrays(state).items()}
+    def device_step(self, param, grad, state, scalars, chunk=None, unflatten=None):
+        self._need_tree(unflatten)
+        return super().device_step(param, grad, state, scalars, chunk, unflatten)
 
     def state_from_arrays(self, arrays, params, unflatten=None):
         self._need_tree(unflatten)
-        prefix = f"{self.label}/"
-        if any("/" in k for k in arrays):  # unprefixed: a checkpoint of OptaxHostOptimizer, checked by its keys
-            other = sorted({k.split("/", 1)[0] for k in arrays if not k.startswith(prefix)})
-            if other:
-                raise ValueError(f"the checkpoint holds {other[0]} optimizer state, this run's optimizer is "
-                                 f"{self.label} (optim.name)")
-            return super().state_from_arrays({k[len(prefix):]: v for k, v in arrays.items()}, params, unflatten)
+        other = sorted({k.split("/", 1)[0] for k in arrays if "/" in k and not k.startswith(self.key_prefix)})
+        if other:
+            raise ValueError(f"the checkpoint holds {other[0]} optimizer state, this run's optimizer is "
+                             f"{self.label} (optim.name)")
+        # unprefixed keys: a checkpoint of a plain OptaxHostOptimizer, checked by its keys
+        arrays = {(k if "/" in k else self.key_prefix + k): v for k, v in arrays.items()}
         try:
             return super().state_from_arrays(arrays, params, unflatten)
         except ValueError as e:

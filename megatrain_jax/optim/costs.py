@@ -1,0 +1,124 @@
+"""What the configured optimizer costs in memory, for the plan: host bytes of state per parameter, and
+the device-side update's working set (``train.update_on=device``), from the optimizer itself.
+
+- Host state: ``jax.eval_shape`` of the transformation's ``init`` on each group (nothing allocated;
+  ``named.model_state_bytes``), or the fused kernels' own formats.
+- Device working set: XLA's buffer assignment of the compiled device step of the group whose step
+  needs the most (``memory_analysis()`` of the step lowered for the CPU backend from abstract shapes:
+  no GPU is touched and nothing is allocated; the GPU's assignment may differ a little, so the plan
+  keeps its margin). The fused AdamW updates a group in chunks: its temporaries are per chunk value.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from megatrain_jax.config import OptimConfig
+
+
+@dataclass(frozen=True)
+class UpdateCost:
+    """Bytes per parameter.
+
+    - ``host_state``: optimizer state in host memory, whole model (the fp32 master's 4 not included);
+      with ``update_on=device`` this state also crosses PCIe each way per step.
+    - ``device_temp``: the update's temporaries on the device beyond its inputs and outputs, per
+      parameter of the group updated (``chunked``: per value of one chunk of ``device_update_chunk``,
+      else per parameter of the whole group: count it for the largest group).
+    - ``device_group``: everything one group's update holds on the device at once, per parameter of
+      that group: param, gradient, state in, new param and state (where not written in place), temporaries.
+    - ``runs_on_device``: the optimizer can run with ``update_on=device``.
+    - ``host_fast``: its host update is a parallel numba kernel (fused AdamW); otherwise the host update
+      runs through XLA on the jax CPU device and is far slower than the device one (prefer the device).
+    """
+
+    host_state: float
+    device_temp: float
+    device_group: float
+    runs_on_device: bool
+    chunked: bool
+    host_fast: bool
+
+
+def update_cost(optim_cfg: OptimConfig, group_trees: dict[str, Any], total_steps: int | None = None) -> UpdateCost:
+    """The configured optimizer's ``UpdateCost`` for a model's groups (``streamed_parts(abstract_model(
+    cfg.model)).host_trees()``: pytrees of arrays or ``ShapeDtypeStruct``s)."""
+    from megatrain_jax.optim import build_host_optimizer
+    from megatrain_jax.optim.named import model_state_bytes
+    from megatrain_jax.optim.optax_flat import OptaxHostOptimizer
+
+    steps = total_steps or optim_cfg.schedule.warmup_steps + 2  # any horizon: the shapes are the same
+    opt = build_host_optimizer(optim_cfg, steps)
+    n_total = sum(_size(t) for t in group_trees.values())
+    if not isinstance(opt, OptaxHostOptimizer):  # the fused kernels (optim/device_adamw.py: up to 16 B a value)
+        s = float(opt.bytes_per_param())
+        return UpdateCost(host_state=s, device_temp=16.0, device_group=4 + 4 + s + 16.0, runs_on_device=True,
+                          chunked=True, host_fast=True)
+    host_state = model_state_bytes(optim_cfg, group_trees, steps) / max(n_total, 1)
+    temp, group = 0.0, 0.0
+    for tree in _distinct(group_trees):
+        t, g = _compiled_bytes(opt, tree, repr(optim_cfg))
+        temp, group = max(temp, t), max(group, g)
+    return UpdateCost(host_state=host_state, device_temp=temp, device_group=group,
+                      runs_on_device=bool(opt.runs_on_device), chunked=False, host_fast=False)
+
+
+def _size(tree) -> int:
+    return sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(tree))
+
+
+def _distinct(group_trees: dict[str, Any]) -> list[Any]:
+    seen = {}
+    for tree in group_trees.values():
+        leaves, treedef = jax.tree.flatten(tree)
+        seen.setdefault((treedef, tuple(tuple(x.shape) for x in leaves)), tree)
+    return list(seen.values())
+
+
+_CACHE: dict[Any, tuple[float, float]] = {}  # (optimizer config, group structure) -> bytes: a plan compiles once
+_LOCK = threading.Lock()
+
+
+def _compiled_bytes(opt, tree, config_key: str) -> tuple[float, float]:
+    """(temporaries, everything) per parameter of the device step of a group shaped like ``tree``."""
+    from megatrain_jax.templates import Layout
+
+    layout = Layout(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), tree))
+    key = (config_key, layout.treedef, tuple(s.shape for s in layout.leaves))
+    with _LOCK:
+        hit = _CACHE.get(key)
+    if hit is None:
+        hit = _measure(opt, layout)
+        with _LOCK:
+            _CACHE[key] = hit
+    return hit
+
+
+def _measure(opt, layout) -> tuple[float, float]:
+    n = layout.size
+    spec = opt._spec(n, layout.unflatten)
+    _, device = opt._step_fn(spec)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    f32 = jax.ShapeDtypeStruct((n,), np.float32, sharding=cpu)
+    state = {opt.key_prefix + dt: jax.ShapeDtypeStruct((k,), np.dtype(dt), sharding=cpu) for dt, k in spec.sizes}
+    m = device.lower(f32, f32, state, jax.ShapeDtypeStruct((), np.float32, sharding=cpu)).compile().memory_analysis()
+    temp = float(m.temp_size_in_bytes)
+    everything = float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) + temp
+    return temp / max(n, 1), everything / max(n, 1)
+
+
+def auto_update_on(cost: UpdateCost, *, on_gpu: bool, devices: int, moments: str, bf16_host_copy: bool) -> str:
+    """``train.update_on=auto`` before the fit check: the device where the update can run there, on one
+    GPU, with no host bf16 copy streaming, and where it pays: any optax transformation (its host update
+    is XLA on the CPU device, far slower than the GPU's), the fused AdamW with compact moments
+    (RESULTS.md: fp32 moments, 8 bytes/param more each way over PCIe, were not measured to pay). The
+    plan then falls back to ``host`` where the device-side working set does not fit the GPU."""
+    if not (on_gpu and devices == 1 and cost.runs_on_device) or bf16_host_copy:
+        return "host"
+    if not cost.host_fast:
+        return "device"
+    return "device" if moments in ("bfloat16", "int8") else "host"
