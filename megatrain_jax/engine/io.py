@@ -18,9 +18,11 @@ a small card:
   their gradient fills every row of the embedding's dense gradient, and the rows' gradient is added
   to it (the group's squared norm gains the cross term).
 
-The head's (H, V) matrix is read in place from the store (a chunk is H strided runs of the chunk's
-width, gathered by a few host threads into a registered staging buffer): the store's layout, the
-checkpoints and the export stay as they are.
+The head's (H, V) matrix is read in place from the store: a chunk is H strided runs of its width,
+gathered by a few host threads into a registered staging buffer while the previous chunk computes.
+A vocabulary-major store would make each chunk one contiguous DMA, but would change the flat layout
+that checkpoints, the resume check and the export read; the gather costs one host copy of the head
+per pass, at host-memory speed.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from megatrain_jax.engine.kernels import F32, local_shard
 from megatrain_jax.engine.loss import capped
 from megatrain_jax.engine.updaters import EMBED, HEAD
 from megatrain_jax.errors import UserError
+from megatrain_jax.optim.host import alloc_aligned
 from megatrain_jax.templates import Layout
 
 ROWS_BUCKET = 1024  # the gathered embedding rows are padded to a multiple of this: few shapes, few compiles
@@ -102,7 +105,6 @@ class StreamIO:
         V = int(out.shape[-1])
         self.rows = EmbedRows(trainer, H, V)
         self.head = HeadStream(trainer, H, V, min(int(o.vocab_chunk), V), self.rows)
-        self.deliver = trainer._gradient
 
     def take_embed(self, batch: Any, mbs: list) -> Any:
         self.head.reset()  # a step that raised may have left its head chunks behind
@@ -261,7 +263,6 @@ class EmbedRows:
         """A registered host buffer of at least ``n`` values (grown rarely: its size follows the
         batch's distinct tokens, bucketed). A view of exactly ``n`` values."""
         if not self._bufs or self._bufs[-1].size < n:
-            from megatrain_jax.optim.host import alloc_aligned
             buf = alloc_aligned(n, np.float32)
             self._bufs.append(buf)
             self.xfer.register(f"embed/rows{len(self._bufs) - 1}", buf)
@@ -340,7 +341,7 @@ class HeadStream:
             self.small = _with_shape(g.layout, oi, (H, 0))  # the final norm's weights (and any other small ones)
             self._small_pairs = [(s, d) for j, (s, d) in enumerate(zip(g.layout.leaves, self.small.leaves)) if j != oi]
         self._small_buf = np.zeros(max(self.small.size, 1), np.float32)
-        self._stages = [np.zeros(H * Vc, np.float32) for _ in range(STAGES)]
+        self._stages = [alloc_aligned(H * Vc, np.float32) for _ in range(STAGES)]  # page-aligned: DMA-registered
         for j, b in enumerate(self._stages):
             self.xfer.register(f"head/chunk{j}", b)
         self._users: list[list] = [[] for _ in range(STAGES)]  # what read each stage last (waited for before reuse)
