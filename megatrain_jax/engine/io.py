@@ -50,7 +50,8 @@ class ResidentIO:
     """Today's path: the embedding and head resident for the step, whole."""
 
     def __init__(self, trainer: Any):
-        self.k, self.weights, self.store, self.deliver = trainer.kernels, trainer.weights, trainer.store, trainer._gradient
+        self.k, self.weights, self.store = trainer.kernels, trainer.weights, trainer.store
+        self.deliver = trainer._gradient  # reduce, squared norm, hand to the updater
         self._g_emb = None
 
     def take_embed(self, batch: Any, mbs: list) -> jax.Array:
@@ -329,7 +330,8 @@ class HeadStream:
         self.n = -(-V // Vc)
         self.dense = np.zeros(g.size, np.float32)  # the group's gradient, on the host (pageable)
         self.tied, self._stub = tr.parts.tied, None
-        if self.tied:  # the output matrix is the embedding's (V, H) table: a chunk is rows, its gradient the embedding's
+        if self.tied:  # the output matrix is the embedding's (V, H) table: a chunk is rows, its gradient is the
+            #            embedding's
             self.out, self.dense_out = rows.table, rows.dense_table
             self.small, self._small_pairs = g.layout, [(s, s) for s in g.layout.leaves]
             self._stub = _with_shape(rows.layout, rows.ti, (0, H))  # what head_fn reads of the embedding: nothing
@@ -404,9 +406,9 @@ class HeadStream:
                 if cap is not None:  # through cap * tanh(raw / cap): times 1 - tanh^2
                     pr = pr * (1.0 - jnp.square(jnp.where(jnp.isfinite(lg), lg, 0.0) / cap))
                 pr = (jnp.where(jnp.isfinite(lg), pr, 0.0) * mc[:, None]).astype(xc.dtype)  # d loss / d logits
-                dw = jnp.dot(pr.T, xc, preferred_element_type=F32) if tied else jnp.dot(xc.T, pr, preferred_element_type=F32)
-                return gw + dw.reshape(-1), \
-                    jnp.dot(pr, w.T, preferred_element_type=F32)
+                dw = jnp.dot(pr.T, xc, preferred_element_type=F32) if tied else \
+                    jnp.dot(xc.T, pr, preferred_element_type=F32)  # (Vc, H) rows of the table, or (H, Vc)
+                return gw + dw.reshape(-1), jnp.dot(pr, w.T, preferred_element_type=F32)
 
             gw, dxs = jax.lax.scan(body, gw, (xs, ys, ms, ls))
             return dx + dxs.reshape(-1, H)[:n].reshape(dx.shape), gw
