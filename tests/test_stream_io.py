@@ -51,7 +51,9 @@ CASES = {
     "tied_two_micro_batches": (dict(vocab_size=250, tie_embeddings=True), 2, 0.5, 64, {}, None),
     "tied_softcap_pad_few_rows": (dict(vocab_size=200, family="gemma2", final_softcap=5.0, num_kv_heads=2,
                                        tie_embeddings=True, pad_token_id=7), 1, 0.5, 64, {}, 20),
-    "pinned_slabs": (dict(vocab_size=256), 1, 0.5, 64, dict(grad_hold="pinned_host", grad_slab_elems=3000), None),
+    "pinned_slabs": (dict(vocab_size=256), 1, 0.5, 64,
+                     dict(grad_hold="pinned_host", grad_slab_elems=3000, transfer_mode="pinned",
+                          activations="pinned_host"), None),
 }
 
 

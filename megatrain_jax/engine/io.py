@@ -18,9 +18,11 @@ a small card:
   their gradient fills every row of the embedding's dense gradient, and the rows' gradient is added
   to it (the group's squared norm gains the cross term).
 
-The head's (H, V) matrix is read in place from the store (a chunk is H strided runs of the chunk's
-width, gathered by a few host threads into a registered staging buffer): the store's layout, the
-checkpoints and the export stay as they are.
+The head's (H, V) matrix is read in place from the store: a chunk is H strided runs of its width,
+gathered by a few host threads into a registered staging buffer while the previous chunk computes.
+A vocabulary-major store would make each chunk one contiguous DMA, but would change the flat layout
+that checkpoints, the resume check and the export read; the gather costs one host copy of the head
+per pass, at host-memory speed.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from megatrain_jax.engine.kernels import F32, local_shard
 from megatrain_jax.engine.loss import capped
 from megatrain_jax.engine.updaters import EMBED, HEAD
 from megatrain_jax.errors import UserError
+from megatrain_jax.optim.host import alloc_aligned
 from megatrain_jax.templates import Layout
 
 ROWS_BUCKET = 1024  # the gathered embedding rows are padded to a multiple of this: few shapes, few compiles
@@ -47,7 +50,8 @@ class ResidentIO:
     """Today's path: the embedding and head resident for the step, whole."""
 
     def __init__(self, trainer: Any):
-        self.k, self.weights, self.store, self.deliver = trainer.kernels, trainer.weights, trainer.store, trainer._gradient
+        self.k, self.weights, self.store = trainer.kernels, trainer.weights, trainer.store
+        self.deliver = trainer._gradient  # reduce, squared norm, hand to the updater
         self._g_emb = None
 
     def take_embed(self, batch: Any, mbs: list) -> jax.Array:
@@ -104,7 +108,6 @@ class StreamIO:
         V = int(out.shape[-1])
         self.rows = EmbedRows(trainer, H, V)
         self.head = HeadStream(trainer, H, V, min(int(o.vocab_chunk), V), self.rows)
-        self.deliver = trainer._gradient
 
     def take_embed(self, batch: Any, mbs: list) -> Any:
         self.head.reset()  # a step that raised may have left its head chunks behind
@@ -265,7 +268,6 @@ class EmbedRows:
         """A registered host buffer of at least ``n`` values (grown rarely: its size follows the
         batch's distinct tokens, bucketed). A view of exactly ``n`` values."""
         if not self._bufs or self._bufs[-1].size < n:
-            from megatrain_jax.optim.host import alloc_aligned
             buf = alloc_aligned(n, np.float32)
             self._bufs.append(buf)
             self.xfer.register(f"embed/rows{len(self._bufs) - 1}", buf)
@@ -332,7 +334,8 @@ class HeadStream:
         self.n = -(-V // Vc)
         self.dense = np.zeros(g.size, np.float32)  # the group's gradient, on the host (pageable)
         self.tied, self._stub = tr.parts.tied, None
-        if self.tied:  # the output matrix is the embedding's (V, H) table: a chunk is rows, its gradient the embedding's
+        if self.tied:  # the output matrix is the embedding's (V, H) table: a chunk is rows, its gradient is the
+            #            embedding's
             self.out, self.dense_out = rows.table, rows.dense_table
             self.small, self._small_pairs = g.layout, [(s, s) for s in g.layout.leaves]
             self._stub = _with_shape(rows.layout, rows.ti, (0, H))  # what head_fn reads of the embedding: nothing
@@ -344,7 +347,7 @@ class HeadStream:
             self.small = _with_shape(g.layout, oi, (H, 0))  # the final norm's weights (and any other small ones)
             self._small_pairs = [(s, d) for j, (s, d) in enumerate(zip(g.layout.leaves, self.small.leaves)) if j != oi]
         self._small_buf = np.zeros(max(self.small.size, 1), np.float32)
-        self._stages = [np.zeros(H * Vc, np.float32) for _ in range(STAGES)]
+        self._stages = [alloc_aligned(H * Vc, np.float32) for _ in range(STAGES)]  # page-aligned: DMA-registered
         for j, b in enumerate(self._stages):
             self.xfer.register(f"head/chunk{j}", b)
         self._users: list[list] = [[] for _ in range(STAGES)]  # what read each stage last (waited for before reuse)
@@ -407,9 +410,9 @@ class HeadStream:
                 if cap is not None:  # through cap * tanh(raw / cap): times 1 - tanh^2
                     pr = pr * (1.0 - jnp.square(jnp.where(jnp.isfinite(lg), lg, 0.0) / cap))
                 pr = (jnp.where(jnp.isfinite(lg), pr, 0.0) * mc[:, None]).astype(xc.dtype)  # d loss / d logits
-                dw = jnp.dot(pr.T, xc, preferred_element_type=F32) if tied else jnp.dot(xc.T, pr, preferred_element_type=F32)
-                return gw + dw.reshape(-1), \
-                    jnp.dot(pr, w.T, preferred_element_type=F32)
+                dw = jnp.dot(pr.T, xc, preferred_element_type=F32) if tied else \
+                    jnp.dot(xc.T, pr, preferred_element_type=F32)  # (Vc, H) rows of the table, or (H, Vc)
+                return gw + dw.reshape(-1), jnp.dot(pr, w.T, preferred_element_type=F32)
 
             gw, dxs = jax.lax.scan(body, gw, (xs, ys, ms, ls))
             return dx + dxs.reshape(-1, H)[:n].reshape(dx.shape), gw

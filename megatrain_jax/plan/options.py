@@ -62,7 +62,8 @@ class EngineOptions:
     #                                instead: a hold split between the GPU's free room and the host
     stream_io: bool = False  # the embedding gathers only the rows a batch uses and the head streams through the
     #                          loss in vocabulary chunks: neither is resident on the GPU for the step
-    vocab_chunk: int = 8192  # with stream_io: vocabulary entries per chunk of the streamed head (H x chunk fp32 in flight)
+    vocab_chunk: int = 8192  # with stream_io: vocabulary entries per chunk of the streamed head (H x chunk fp32
+    #                          per chunk in flight)
     boundary_every: int = 1  # keep every k-th block's input; the backward recomputes the blocks between from
     #                          the nearest kept one (1: keep every input)
     seq_tile: int = 0  # tokens per sequence tile of each block (model.seq_tile resolved; 0: untiled). The model
@@ -90,7 +91,8 @@ class EngineOptions:
             bad("train.stream_io", "is not combined with grad_hold=resweep yet",
                 "set train.grad_hold to a host hold (host_bf16, host_fp32) or train.stream_io=false")
         if self.stream_io and self.update_on == "device":
-            bad("train.stream_io", "runs with host-side updates only", "set train.update_on=host (or train.stream_io=false)")
+            bad("train.stream_io", "runs with host-side updates only",
+                "set train.update_on=host (or train.stream_io=false)")
         if int(self.boundary_every) < 1:
             bad("train.boundary_every", f"must be >= 1, got {self.boundary_every}", "set 1 (keep every input) or more")
         if self.stream_copy not in ("host", "device"):
