@@ -99,9 +99,11 @@ class Shapes:
     q_width: int = 0  # heads x head_dim
     seq_tile: int = 0  # tokens per sequence tile of a block (model.seq_tile; 0: untiled)
     tile_auto: bool = False  # model.seq_tile=auto on blocks that can tile: the plan may tile (choose_placement)
+    backend: str = "gpu"  # whose compiled block the working set counts (block_working_set's coefficients)
 
     @classmethod
-    def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str, seq_tile: int | None = None) -> "Shapes":
+    def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str, seq_tile: int | None = None,
+           backend: str = "gpu") -> "Shapes":
         """``seq_tile``: the block's sequence tile (None: the model's, ``auto`` counting as untiled)."""
         q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
         emb = m.vocab_size * m.hidden_size
@@ -115,7 +117,8 @@ class Shapes:
                    seq=seq, tied=m.tie_embeddings, dtype_bytes=2 if compute_dtype == "bfloat16" else 4,
                    mlp_ws=WS_PER_TOKEN["moe_mlp" if moe else "mlp"], head_dim=m.dim_per_head, q_width=q,
                    seq_tile=seq_tile if seq_tile is not None else m.seq_tile_tokens,
-                   tile_auto=m.seq_tile == "auto" and getattr(m._family().block, "SEQ_TILING", False))
+                   tile_auto=m.seq_tile == "auto" and getattr(m._family().block, "SEQ_TILING", False),
+                   backend=backend)
 
     @property
     def largest_group(self) -> int:
@@ -131,12 +134,12 @@ class Shapes:
         return self.tokens * self.hidden * self.dtype_bytes
 
 
-def block_working_set(shapes: Shapes, tokens_mb: int, backend: str = "gpu") -> float:
+def block_working_set(shapes: Shapes, tokens_mb: int, backend: str | None = None) -> float:
     """One block's recompute + VJP working set for ``tokens_mb`` tokens: XLA's temporaries of the
-    engine's block backward on ``backend`` (on the GPU the attention path's own extra beyond cuDNN is
-    a row of its own). Sequence-tiled: what spans the whole sequence around attention, one tile's
-    worth of the per-token terms, and the tile loops' gradient sums."""
-    w, seq = WS_BY_BACKEND[backend]
+    engine's block backward on ``backend`` (None: the shapes'; on the GPU the attention path's own
+    extra beyond cuDNN is a row of its own). Sequence-tiled: what spans the whole sequence around
+    attention, one tile's worth of the per-token terms, and the tile loops' gradient sums."""
+    w, seq = WS_BY_BACKEND[backend or shapes.backend]
     mlp = (w["moe_mlp"] if shapes.mlp_ws == WS_PER_TOKEN["moe_mlp"] else w["mlp"]) * shapes.mlp_width
     other = w["hidden"] * shapes.hidden + w["qkv"] * shapes.qkv_width + w["q"] * shapes.q_width
     scale = shapes.dtype_bytes / 2 * (2 if shapes.dtype_bytes == 4 else 1)
