@@ -75,6 +75,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("every", [2, 3])  # 3 does not divide the 5 layers: a short top segment
 def test_boundary_every_equals_keeping_every_input(case, every):
@@ -90,6 +91,7 @@ def test_boundary_every_equals_keeping_every_input(case, every):
         assert any(type(layer).__name__ == "EmitsStats" for layer in got[2].kernels.layers)
 
 
+@pytest.mark.slow
 def test_recompute_runs_each_block_at_most_once_and_keeps_few_inputs():
     """Per step: the forward of each non-kept block's predecessor runs once more, never twice; the
     boundary inputs alive at once stay ~L/k + k, not L."""

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from megatrain_jax.config import ModelConfig, OptimConfig, ScheduleConfig
@@ -16,6 +17,8 @@ from megatrain_jax.models import init_model
 from megatrain_jax.models.llama import init_host_store
 from megatrain_jax.optim import build_host_optimizer, build_reference_tx
 from megatrain_jax.reference import ReferenceTrainer
+
+pytestmark = pytest.mark.slow
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48)
 DOCS = [700, 1, 1299, 1001]  # a one-token document, and two longer than the plain attention path's 1024

@@ -194,16 +194,16 @@ def _planned(cfg: ModelConfig, seq: int, tile: int) -> float:
     d, n, k = cfg.dim_per_head, cfg.num_heads, cfg.kv_heads
     extra = attn.working_set_bytes(1, seq, n, k, d, 2, "xla_blockwise") \
         - attn.working_set_bytes(1, seq, n, k, d, 2, "cudnn")
-    return block_working_set(shapes, seq) + extra
+    return block_working_set(shapes, seq, backend="cpu") + extra
 
 
 MEM = ModelConfig(vocab_size=64, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=896)
 
 
 def test_planned_working_set_bounds_the_compiled_one_and_the_tiled_one_stops_growing_with_the_mlp():
-    """On XLA:CPU (bf16): the plan's per-block working set is never below the compiled executable's
-    temporaries and at most 2x them, tiled or not, across sequence lengths (the coefficients were
-    calibrated on an H100, where they are closer). What tiling buys, measured: the MLP's share of the
+    """On XLA:CPU (bf16): the plan's per-block working set (its CPU coefficients) is never 10% below the
+    compiled executable's temporaries and at most 2x them, tiled or not, across sequence lengths
+    (tests/test_working_set.py holds it to 10% both ways). What tiling buys, measured: the MLP's share of the
     working set (temporaries at MLP width 4F minus width F) grows with the sequence untiled and stays
     flat tiled (set by the tile)."""
     tile, temp = 512, {}
@@ -211,7 +211,7 @@ def test_planned_working_set_bounds_the_compiled_one_and_the_tiled_one_stops_gro
         for t in (0, tile):
             temp[MEM.intermediate_size, seq, t] = got = _compiled_block_temp(MEM, seq, t)
             want = _planned(MEM, seq, t)
-            assert got <= want <= 2.0 * got, (seq, t, got, want)
+            assert 0.9 * got <= want <= 2.0 * got, (seq, t, got, want)
     wide = dataclasses.replace(MEM, intermediate_size=4 * MEM.intermediate_size)
 
     def mlp_share(seq, t):
@@ -245,13 +245,13 @@ def test_plan_tiles_long_sequences_by_itself_and_leaves_short_ones_untiled():
     row = _ws_row(long)
     assert f"sequence tiles of {AUTO_SEQ_TILE}" in row.note and row.bytes < 15e9, row
     untiled = _ws_row(_plan_for(131072, seq_tile=0))
-    assert untiled.bytes > 30e9 and "tiles" not in untiled.note
+    assert untiled.bytes > 20e9 and "tiles" not in untiled.note  # 22.1 GB compiled on the H100
     short = _plan_for(4096, batch=16)
     assert "tiles" not in _ws_row(short).note
     # the tiled working set grows only with what attention needs of the whole sequence
     a, b = (_ws_row(_plan_for(s, seq_tile=AUTO_SEQ_TILE)).bytes for s in (65536, 131072))
     ua, ub = (_ws_row(_plan_for(s, seq_tile=0)).bytes for s in (65536, 131072))
-    assert (b - a) < 0.35 * (ub - ua)
+    assert (b - a) < 0.45 * (ub - ua)  # H100, compiled: 68 against 168 KB per token
 
 
 def test_seq_tile_settings_are_checked():

@@ -67,8 +67,8 @@ class Boundaries:
     ``every`` > 1 keeps only the inputs of blocks 0, k, 2k, ... (and of blocks ``keep_from`` on):
     boundary memory ~L/k + k inputs instead of L. The backward asks for the inputs of a segment's
     top block first; ``take`` then re-runs the forward of the blocks between the kept input and it
-    once (``forward(b, hs)``, given by the step at ``start``: block b's weights streamed again), keeping their
-    inputs as the forward would have for the segment's backward.
+    once (``forward(b, hs)``, given by the step at ``start``: block b's weights streamed again),
+    keeping their inputs as the forward would have for the segment's backward.
     """
 
     def __init__(self, xfer: Transfers, offload: bool, every: int = 1, keep_from: int | None = None):
@@ -105,7 +105,7 @@ class Boundaries:
         if i < 0:
             return
         j = i if (i in self._saved or i in self._back) else self._base(i)
-        if j not in self._back:
+        if j not in self._back:  # (a recomputed input already on the device stays where it is)
             self._back[j] = self._unpark(self._saved[j])
 
     def take(self, i: int, forget: bool = True) -> list[jax.Array]:
@@ -120,16 +120,17 @@ class Boundaries:
         return back if back is not None else self._unpark(saved)
 
     def _recompute(self, j: int, i: int) -> None:
-        """Inputs of blocks j+1..i from block j's: the forward of blocks j..i-1 once more. Block
-        i's stay on the device (its backward is next); the others are kept as the forward keeps.
-        Block j's own stay kept (parked: brought back again for its backward)."""
+        """Inputs of blocks j+1..i from block j's: the forward of blocks j..i-1 once more. Those of
+        blocks i and i-1 stay on the device (their backwards are next); the others are kept as the
+        forward keeps them. Block j's own stay kept (parked: brought back again for its backward)."""
         hs = self._back.pop(j, None)
         hs = self._unpark(self._saved[j]) if hs is None else hs
         for b in range(j, i):
             hs = self.forward(b, hs)
-            if b + 1 < i:
+            if b + 1 >= i - 1:
+                self._back[b + 1] = hs
+            else:
                 self._saved[b + 1] = self._park(hs)
-        self._back[i] = hs
 
     def _base(self, i: int) -> int:
         return max(b for b in self._saved if b <= i)

@@ -142,7 +142,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     bf16 = train.compute_dtype == "bfloat16"
     notes: list[str] = []
     per_dev_batch = train.batch_size // n_dev if train.batch_size % n_dev == 0 else train.batch_size
-    shapes = Shapes.of(model, per_dev_batch, cfg.data.seq_len, train.compute_dtype)
+    shapes = Shapes.of(model, per_dev_batch, cfg.data.seq_len, train.compute_dtype, backend=machine.backend)
     moment_bytes = 8.0 if optim.kernel == "optax" else MOMENT_BYTES[optim.moments]
     update_on = choose.choose_update_on(train.update_on, on_gpu=on_gpu, devices=n_dev, kernel=optim.kernel,
                                         moments=optim.moments, bf16=bf16, stream_copy=train.stream_copy)

@@ -33,15 +33,24 @@ BFC_FIRST_REGION = 2 << 20
 GRAD_SLAB_ELEMS = 32 << 20  # gradient slab: 32M fp32 values (128 MiB) per pinned buffer
 GRAD_SLABS = (6, 24)  # pinned slabs in the pool (fewest, most): a deeper pool keeps the host optimizer fed
 # (RESULTS.md: 6 -> 24 slabs, Llama-2-7B 388 -> 397 model-TFLOPS on the H100)
-# block recompute + VJP working set per token, bytes = coefficients x widths x dtype bytes / 2, calibrated
-# against XLA's memory analysis of the block VJP on an H100; "moe_mlp" replaces "mlp" for a mixture of experts
-# in its dense formulation (OLMoE shape, RESULTS.md 2026-11-24)
-WS_PER_TOKEN = {"hidden": 26.0, "mlp": 8.0, "qkv": 4.0, "moe_mlp": 13.0}
-# a sequence-tiled block (model.seq_tile): the arrays that still span the whole sequence, bytes per token and
-# unit of width in bf16: both dx partials (hidden), q/k/v and their gradients (qkv), the attention output, its
-# gradient and cuDNN's fp32 dQ accumulator (q), and 8 bytes per head of softmax statistics; counted from the
-# arrays of the tiled VJP (models/common.py over_tiles), checked against XLA's memory analysis (tests)
-SEQ_WS_PER_TOKEN = {"hidden": 4.0, "qkv": 4.0, "q": 8.0, "head": 8.0}
+# One block's recompute + VJP working set (the engine's block backward: XLA's temporaries beyond its arguments),
+# per backend, in bytes per token and unit of width in bf16 compute (x4 in fp32 compute, as calibrated before)
+# and bytes per block parameter. Untiled (WS_PER_TOKEN): what lives at the peak, in the MLP's backward: the
+# normed inputs, the residual sum and dx (hidden), q/k/v and the attention output (qkv, q), gate, up, their
+# product and gradients (mlp; moe_mlp: every expert's width in the dense formulation, the OLMoE total of
+# RESULTS.md 2026-11-24 kept). Sequence-tiled (SEQ_WS_PER_TOKEN, per token of the whole sequence): what spans it
+# around attention's backward: q/k/v and their gradients (qkv), the output, its gradient and the fp32 dQ
+# accumulator (q), a dx partial (hidden), softmax statistics (head: per head); with one tile's MLP terms and
+# "tile" x its other untiled terms, and per parameter the tile loops' fp32 gradient sums (block).
+# gpu: fit to the H100's compiled block VJP, Llama-3.1-8B shape, 32k and 131k tokens, untiled and in 8192-token
+# tiles (RESULTS.md, issue 28); the split between terms (and "tile") follows XLA:CPU's, measured at three widths.
+# cpu: XLA:CPU's, which keeps more per token (less fusion) and runs the blockwise attention inside these
+# coefficients (tests/test_working_set.py: within 10%). experiments/probe_block_working_set.py: plan vs compiled.
+WS_PER_TOKEN = {"hidden": 6.0, "qkv": 2.0, "q": 2.0, "mlp": 8.6, "moe_mlp": 13.75, "block": 0.0}
+SEQ_WS_PER_TOKEN = {"hidden": 2.6, "qkv": 4.0, "q": 8.0, "head": 8.0, "tile": 0.44, "block": 4.08}
+WS_BY_BACKEND = {"gpu": (WS_PER_TOKEN, SEQ_WS_PER_TOKEN),
+                 "cpu": ({"hidden": 18.0, "qkv": 6.0, "q": 6.0, "mlp": 10.0, "moe_mlp": 16.0, "block": 3.45},
+                         {"hidden": 2.0, "qkv": 4.8, "q": 12.4, "head": 8.0, "tile": 0.446, "block": 9.2})}
 AUTO_SEQ_TILE = 8192  # tokens per tile where the plan tiles by itself: matmuls of 8192 rows keep the H100 busy
 TILE_ABOVE = 0.25  # model.seq_tile=auto tiles where one untiled block's working set is above this share of the GPU
 #                   room (or nothing untiled fits): Llama-2-7B at 65k tokens (16 GB) stays untiled on an H100
@@ -85,14 +94,16 @@ class Shapes:
     seq: int
     tied: bool
     dtype_bytes: int  # compute dtype bytes
-    mlp_ws: float = WS_PER_TOKEN["mlp"]  # working-set bytes per token and unit of mlp_width
+    mlp_ws: float = WS_PER_TOKEN["mlp"]  # working-set bytes per token and unit of mlp_width (moe_mlp: a MoE)
     head_dim: int = 0
     q_width: int = 0  # heads x head_dim
     seq_tile: int = 0  # tokens per sequence tile of a block (model.seq_tile; 0: untiled)
     tile_auto: bool = False  # model.seq_tile=auto on blocks that can tile: the plan may tile (choose_placement)
+    backend: str = "gpu"  # whose compiled block the working set counts (block_working_set's coefficients)
 
     @classmethod
-    def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str, seq_tile: int | None = None) -> "Shapes":
+    def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str, seq_tile: int | None = None,
+           backend: str = "gpu") -> "Shapes":
         """``seq_tile``: the block's sequence tile (None: the model's, ``auto`` counting as untiled)."""
         q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
         emb = m.vocab_size * m.hidden_size
@@ -106,7 +117,8 @@ class Shapes:
                    seq=seq, tied=m.tie_embeddings, dtype_bytes=2 if compute_dtype == "bfloat16" else 4,
                    mlp_ws=WS_PER_TOKEN["moe_mlp" if moe else "mlp"], head_dim=m.dim_per_head, q_width=q,
                    seq_tile=seq_tile if seq_tile is not None else m.seq_tile_tokens,
-                   tile_auto=m.seq_tile == "auto" and getattr(m._family().block, "SEQ_TILING", False))
+                   tile_auto=m.seq_tile == "auto" and getattr(m._family().block, "SEQ_TILING", False),
+                   backend=backend)
 
     @property
     def largest_group(self) -> int:
@@ -122,24 +134,23 @@ class Shapes:
         return self.tokens * self.hidden * self.dtype_bytes
 
 
-def block_working_set(shapes: Shapes, tokens_mb: int) -> float:
-    """One block's recompute + VJP working set for ``tokens_mb`` tokens. Sequence-tiled: one tile's
-    worth of the untiled coefficients, plus what spans the whole sequence (attention's inputs, output
-    and their gradients; ``SEQ_WS_PER_TOKEN``)."""
-    w = WS_PER_TOKEN
+def block_working_set(shapes: Shapes, tokens_mb: int, backend: str | None = None) -> float:
+    """One block's recompute + VJP working set for ``tokens_mb`` tokens: XLA's temporaries of the
+    engine's block backward on ``backend`` (None: the shapes'; on the GPU the attention path's own
+    extra beyond cuDNN is a row of its own). Sequence-tiled: what spans the whole sequence around
+    attention, one tile's worth of the per-token terms, and the tile loops' gradient sums."""
+    w, seq = WS_BY_BACKEND[backend or shapes.backend]
+    mlp = (w["moe_mlp"] if shapes.mlp_ws == WS_PER_TOKEN["moe_mlp"] else w["mlp"]) * shapes.mlp_width
+    other = w["hidden"] * shapes.hidden + w["qkv"] * shapes.qkv_width + w["q"] * shapes.q_width
+    scale = shapes.dtype_bytes / 2 * (2 if shapes.dtype_bytes == 4 else 1)
     tile = shapes.seq_tile
-    tiled = 0 < tile < shapes.seq
-    tokens = tokens_mb // shapes.seq * tile if tiled else tokens_mb
-    ws = tokens * (w["hidden"] * shapes.hidden + shapes.mlp_ws * shapes.mlp_width + w["qkv"] * shapes.qkv_width) \
-        * shapes.dtype_bytes / 2 * (2 if shapes.dtype_bytes == 4 else 1)
-    if tiled:
-        s = SEQ_WS_PER_TOKEN
-        heads = shapes.q_width // max(shapes.head_dim, 1)
-        ws += tokens_mb * ((s["hidden"] * shapes.hidden + s["qkv"] * shapes.qkv_width + s["q"] * shapes.q_width)
-                           * shapes.dtype_bytes / 2 + s["head"] * heads)
-        if shapes.dtype_bytes < 4:  # the tile loop's fp32 weights and gradient sums, and one tile's cast
-            ws += (4 + 4 + shapes.dtype_bytes) * shapes.block
-    return ws
+    if not 0 < tile < shapes.seq:
+        return tokens_mb * (mlp + other) * scale + w["block"] * shapes.block
+    heads = shapes.q_width // max(shapes.head_dim, 1)
+    spans = (seq["hidden"] * shapes.hidden + seq["qkv"] * shapes.qkv_width + seq["q"] * shapes.q_width) \
+        * shapes.dtype_bytes / 2 + seq["head"] * heads
+    tiles = tokens_mb // shapes.seq * tile  # one tile of each sequence
+    return tokens_mb * spans + tiles * (mlp + seq["tile"] * other) * scale + seq["block"] * shapes.block
 
 
 def loss_working_set(shapes: Shapes, tokens_mb: int, loss_chunk: int) -> float:
