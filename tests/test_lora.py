@@ -223,3 +223,30 @@ def test_config_refuses_expert_targets():
         load_config(str(ROOT / "configs" / "tiny.yaml"),
                     ["model.family=mixtral", "model.num_experts=4", "model.experts_per_token=2", "model.lora.rank=4"])
     assert e.value.field == "model.lora.targets"
+
+
+# ---------------------------------------------------------------------------------------- the training loop
+
+
+def test_train_resume_exact_and_export(tmp_path):
+    """``train()`` with model.lora: 6 steps = 3 steps, checkpoint, ``--resume`` to 6 (adapters bit for bit, in
+    the exported PEFT directory); the checkpoint holds a PEFT adapter and its optimizer state."""
+    from safetensors.numpy import load_file
+
+    from megatrain_jax.train import train
+
+    common = ["optim.schedule.warmup_steps=2", "train.batch_size=4", "data.seq_len=32", "model.num_layers=2",
+              "train.log_every=100"]
+    cfg = lambda *o: load_config(str(ROOT / "configs" / "lora-tiny.yaml"), common + list(o))  # noqa: E731
+    quiet = lambda _: None  # noqa: E731
+    a = train(cfg(f"train.out_dir={tmp_path}/a", "train.steps=6", f"train.export={tmp_path}/a_x"), log=quiet)
+    train(cfg(f"train.out_dir={tmp_path}/b", "train.steps=3"), log=quiet)
+    ck3 = tmp_path / "b" / "checkpoints" / "step_00000003"
+    assert (ck3 / "adapter" / "adapter_config.json").is_file() and (ck3 / "opt_state.npz").is_file()
+    c = train(cfg(f"train.out_dir={tmp_path}/b", "train.steps=6", f"train.export={tmp_path}/b_x"), resume=True,
+              log=quiet)
+    assert c["resumed_from"] == 3 and c["last_loss"] == a["last_loss"]
+    x, y = load_file(f"{tmp_path}/a_x/adapter_model.safetensors"), load_file(f"{tmp_path}/b_x/adapter_model.safetensors")
+    assert set(x) == set(y) and len(x) == 2 * 7 * 2
+    for k in x:
+        np.testing.assert_array_equal(x[k], y[k])

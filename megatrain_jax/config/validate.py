@@ -116,6 +116,8 @@ def validate(cfg: Config) -> None:
     if m.lora is not None and t.engine == "reference":
         raise UserError("train.engine", "the reference engine trains every weight, not LoRA adapters",
                         "set train.engine=streamed, or model.lora: null")
+    if m.lora is not None:
+        _validate_lora_run(cfg)
     for name, value in (("train.trace_step", t.trace_step), ("train.export", t.export)):
         if t.engine == "reference" and value:  # the reference keeps no host store and no per-layer timeline
             raise UserError(name, "is not available with train.engine=reference",
@@ -216,6 +218,22 @@ def _validate_optimizer(o: OptimConfig) -> None:
         from megatrain_jax.optim.named import check_optax  # imports optax: only for name=optax
 
         check_optax(o)
+
+
+def _validate_lora_run(cfg: Config) -> None:
+    """What LoRA training (engine/lora.py: optax on the GPU, one device) does not do."""
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    if o.moments != "float32":
+        raise UserError("optim.moments", f"{o.moments} moments are the host kernel's; LoRA keeps its optimizer state "
+                        "on the GPU in float32", "set optim.moments=float32")
+    if m.router_aux_loss_coef:
+        raise UserError("model.router_aux_loss_coef", "LoRA training freezes the router and adds no load-balancing loss",
+                        "set model.router_aux_loss_coef=0")
+    if m.lora.dropout > 0 and m.seq_tile_tokens > 0:
+        raise UserError("model.lora.dropout", "adapter dropout over sequence tiles would repeat one mask per tile",
+                        "set model.lora.dropout=0, or model.seq_tile=0")
+    if t.devices not in ("all", 1):
+        raise UserError("train.devices", "LoRA training runs on one GPU", "set train.devices=1")
 
 
 def validate_model(m: ModelConfig) -> None:
