@@ -250,3 +250,14 @@ def test_train_resume_exact_and_export(tmp_path):
     assert set(x) == set(y) and len(x) == 2 * 7 * 2
     for k in x:
         np.testing.assert_array_equal(x[k], y[k])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_fast_init_base(dtype):
+    """``model.init: fast`` fills the frozen base group by group: matrices with the configured std, norm scales 1."""
+    model = LoraModel(tiny("llama"))
+    store = FrozenStore(model.layouts, dtype)
+    store.fill_fast(0, 0.02)
+    tree = store["block_1"].tree()
+    assert abs(float(np.std(tree["mlp"]["up_proj"]["kernel"])) - 0.02) < 0.002
+    np.testing.assert_array_equal(tree["input_layernorm"]["scale"], 1.0)

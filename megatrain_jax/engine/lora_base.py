@@ -25,6 +25,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from megatrain_jax.optim.fused_adamw import launch, to_bf16_bits_
 from megatrain_jax.optim.host import alloc_aligned
 from megatrain_jax.templates import Layout
 
@@ -80,7 +81,7 @@ class FrozenGroup:
         if self.dtype == "float32":
             np.copyto(self.flat, master)
         elif self.dtype == "bfloat16":
-            np.copyto(self.flat.view(BF16), master, casting="unsafe")
+            to_bf16_bits_(np.ascontiguousarray(master, np.float32), self.flat)
         else:
             for lf, ql in zip(self.layout.leaves, self.qleaves):
                 src = master[lf.offset:lf.offset + lf.size]
@@ -136,25 +137,34 @@ def quantise_into(w: np.ndarray, q_out: np.ndarray, scale_out: np.ndarray) -> No
     """Per-output-channel symmetric int8 of ``w`` (..., in, out): ``q_out`` (flat int8), ``scale_out``
     (flat fp32, one per (..., out))."""
     w3 = np.ascontiguousarray(w, np.float32).reshape(-1, w.shape[-2], w.shape[-1])
-    _quantise(w3, q_out.reshape(w3.shape), scale_out.reshape(w3.shape[0], w3.shape[2]))
+    with launch:
+        _quantise(w3, q_out.reshape(w3.shape), scale_out.reshape(w3.shape[0], w3.shape[2]))
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _quantise(w, q, scale):
+    """Per (k, j) column: scale = max|w| / 127, q = rint(w / scale); threads own blocks of 64 columns and
+    walk the rows in order (row-major reads)."""
     e, n, m = w.shape
+    nb = (m + 63) // 64
     for k in range(e):
-        for j in prange(m):
-            mx = np.float32(0.0)
+        for b in prange(nb):
+            lo, hi = b * 64, min(m, b * 64 + 64)
+            mx = np.zeros(hi - lo, np.float32)
             for i in range(n):
-                a = abs(w[k, i, j])
-                if a > mx:
-                    mx = a
-            s = mx / np.float32(127.0)
-            scale[k, j] = s
-            inv = np.float32(0.0) if s == 0 else np.float32(1.0) / s
+                for j in range(lo, hi):
+                    a = abs(w[k, i, j])
+                    if a > mx[j - lo]:
+                        mx[j - lo] = a
+            inv = np.zeros(hi - lo, np.float32)
+            for j in range(lo, hi):
+                s = mx[j - lo] / np.float32(127.0)
+                scale[k, j] = s
+                inv[j - lo] = np.float32(0.0) if s == 0 else np.float32(1.0) / s
             for i in range(n):
-                v = np.rint(w[k, i, j] * inv)
-                q[k, i, j] = np.int8(min(max(v, -127.0), 127.0))
+                for j in range(lo, hi):
+                    v = np.rint(w[k, i, j] * inv[j - lo])
+                    q[k, i, j] = np.int8(min(max(v, -127.0), 127.0))
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -196,7 +206,8 @@ class FrozenStore:
                 elif last == "bias":
                     view[:] = 0.0
                 else:
-                    _fill_uniform(view, (seed << 32) + (gi << 12) + li, np.float32(std * np.sqrt(3.0)))
+                    with launch:
+                            _fill_uniform(view, (seed << 32) + (gi << 12) + li, np.float32(std * np.sqrt(3.0)))
             g.load_flat(master)
 
     def __getitem__(self, name: str) -> FrozenGroup:
