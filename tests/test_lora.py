@@ -261,3 +261,19 @@ def test_fast_init_base(dtype):
     tree = store["block_1"].tree()
     assert abs(float(np.std(tree["mlp"]["up_proj"]["kernel"])) - 0.02) < 0.002
     np.testing.assert_array_equal(tree["input_layernorm"]["scale"], 1.0)
+
+
+def test_cli_plan_70b_int8_fits_bf16_refused():
+    """``megatrain-jax plan`` on the LoRA config: a Llama-2-70B int8 base fits an 80 GB GPU and 128 GiB host;
+    the same base in bf16 (140 GB) is refused with the one-line host-memory error."""
+    import sys
+
+    cmd = [sys.executable, "-m", "megatrain_jax", "plan", str(ROOT / "configs" / "lora-llama2-70b-int8.yaml"),
+           "--gpu-memory-gb", "80", "--host-memory-gb", "137.4"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "frozen base (int8" in ok.stdout and "micro_batches=" in ok.stdout
+    bad = subprocess.run(cmd + ["--set", "model.lora.base_dtype=bfloat16"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert bad.returncode == 2 and "host memory" in bad.stderr and "base_dtype=int8" in bad.stderr

@@ -64,6 +64,13 @@ class LoraPlan:
                              "lower data.seq_len or train.batch_size, or model.lora.rank")
         return None
 
+    def to_dict(self) -> dict[str, Any]:
+        v = self.verdict()
+        return {"mode": "lora", "rows": [vars(r) for r in self.rows], "host_need": self.host_need,
+                "host_limit": self.host_limit, "gpu_need": self.gpu_need, "gpu_budget": self.gpu_budget,
+                "decisions": self.decisions, "adapter_params": self.adapter_params, "base_bytes": self.base_bytes,
+                "step": self.step, "fits": v is None, "refusal": None if v is None else str(v)}
+
     @property
     def table(self) -> str:
         lines = [f"{'where':5} {'what':44} {'GB':>9}  note"]
