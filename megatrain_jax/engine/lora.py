@@ -216,13 +216,14 @@ class LoraEngine:
         self._totals = jax.jit(totals)
         self._update = jax.jit(update, donate_argnums=(0, 1))
         self._aux = jax.jit(m.aux_fn)
+        self._rng = jax.jit(block_rng)  # one dispatch per (layer, micro-batch), not three
 
     def _fetch(self, name: str) -> tuple:
         g = self.store[name]
         return tuple(self.xfer.to_device(f"{name}/{j}", b) for j, b in enumerate(g.buffers()))
 
     def _key(self, layer: int, micro: int) -> jax.Array:
-        return block_rng(self.seed, self.count, layer, micro)
+        return self._rng(self.seed, self.count, layer, micro)
 
     def _micro_batches(self, batch: Batch) -> list[dict]:
         b, s = batch.tokens.shape
