@@ -42,6 +42,15 @@ def _plan(args: argparse.Namespace) -> int:
     machine = None
     if any(v is not None for v in target.values()):  # a machine described, not this one
         machine = target_machine(**target, gpu_count=args.devices or 1)  # its disk is not this one's
+    if cfg.model.lora is not None:  # adapters on a frozen base: their own plan (engine/lora_plan.py)
+        from megatrain_jax.engine.lora_plan import make_lora_plan
+
+        p = make_lora_plan(cfg, machine)
+        print(json.dumps(p.to_dict(), indent=1, default=str) if args.json else p.table)
+        err = p.verdict()
+        if err is not None:
+            print(f"error: {err}", file=sys.stderr)
+        return 2 if err is not None else 0
     p = make_plan(cfg, machine, devices=args.devices)
     if args.json:
         out = p.to_dict()

@@ -333,7 +333,14 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool) -> _Start:
     if existing:
         raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
                         f"pass --resume to continue that run, or choose another train.out_dir (or delete {root})")
-    plan = plan_or_refuse(cfg, log) if t.engine == "streamed" else None  # before anything is allocated
+    if t.engine != "streamed":
+        plan = None
+    elif cfg.model.lora is not None:  # LoRA: a frozen base, adapters on the GPU (engine/lora_plan.py)
+        from megatrain_jax.engine.lora_plan import lora_plan_or_refuse
+
+        plan = lora_plan_or_refuse(cfg, log)
+    else:
+        plan = plan_or_refuse(cfg, log)  # before anything is allocated
     if not resume:
         return _Start(Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg), plan, dataset, root)
     trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
@@ -561,7 +568,10 @@ def train(cfg: Config, resume: bool = False, log: Log = print, hooks: TrainHooks
     if t.export and loop.stopped_by is None and main:
         from megatrain_jax.hf import export_hf
 
-        export_hf(start.trainer.store, cfg.model, t.export, t.export_dtype, overwrite=True, log=log)
+        if cfg.model.lora is not None:  # the adapters, in the PEFT format
+            start.trainer.save_adapter(t.export, log=log)
+        else:
+            export_hf(start.trainer.store, cfg.model, t.export, t.export_dtype, overwrite=True, log=log)
     summary = _summary(cfg, loop, resume, time.perf_counter() - t0)
     if main:
         with open(os.path.join(t.out_dir, "summary.json"), "w") as f:

@@ -154,6 +154,10 @@ class Trainer:
         train`` runs it."""
         from megatrain_jax.models.llama import init_host_store
 
+        if cfg.model.lora is not None:  # adapters on a frozen base: engine/lora_run.py
+            from megatrain_jax.engine.lora_run import LoraTrainer
+
+            return LoraTrainer.from_config(cfg, plan)
         plan = _plan(cfg, plan)
         cfg = with_plan_tile(cfg, plan)  # the blocks run the working set the plan counted
         bf16 = plan.options.host_bf16_copy
@@ -180,6 +184,10 @@ class Trainer:
         from megatrain_jax.models.llama import abstract_model, streamed_parts
         from megatrain_jax.templates import Layout
 
+        if cfg.model.lora is not None:  # adapters on a frozen base: engine/lora_run.py
+            from megatrain_jax.engine.lora_run import LoraTrainer
+
+            return LoraTrainer.resume(cfg, root, plan, log)
         plan = _plan(cfg, plan)
         cfg = with_plan_tile(cfg, plan)  # the blocks run the working set the plan counted
         parts = streamed_parts(abstract_model(cfg.model))

@@ -6,6 +6,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GRAD_HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep")  # train.grad_hold
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # model.lora.targets: q_proj .. down_proj
+LORA_BASE_DTYPES = ("bfloat16", "int8", "float32")  # model.lora.base_dtype
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on a frozen, streamed base (``models/lora.py``, ``engine/lora.py``): each targeted
+    projection computes ``x W + (alpha / rank) * dropout(x) A B``; only A and B train."""
+
+    rank: int = 16
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (peft's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapter's input only (peft's lora_dropout)
+    targets: list = field(default_factory=lambda: list(LORA_TARGETS))  # of q k v o gate up down
+    base_dtype: str = "bfloat16"  # the frozen base in host memory: bfloat16 | int8 (per-output-channel symmetric,
+    #                              dequantised on the device after the transfer) | float32 (small models, tests)
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / float(self.rank)
 
 @dataclass
 class ModelConfig:
@@ -59,6 +78,14 @@ class ModelConfig:
     seq_tile: int | str = "auto"  # tokens per sequence tile of a block's norms, projections and MLP (attention sees
     #                              the whole sequence), so its working set stops growing with the sequence: 0 untiled;
     #                              auto: the memory plan tiles where the untiled block would not fit the GPU
+    lora: LoraConfig | None = None  # LoRA adapters on a frozen base ({rank, alpha, dropout, targets, base_dtype});
+    #                                 null: full training
+
+    def __post_init__(self):
+        if isinstance(self.lora, dict):  # from YAML / --set / a checkpoint's config
+            from megatrain_jax.config.validate import lora_from_dict
+
+            self.lora = lora_from_dict(self.lora)
 
     @property
     def kv_heads(self) -> int:

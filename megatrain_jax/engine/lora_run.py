@@ -1,0 +1,236 @@
+"""LoRA runs from a config: ``LoraTrainer`` answers the training loop as ``trainer.Trainer`` does
+(``step``, ``step_count``, ``lr_at``, ``saver``, ``memory_device``, ``engine``, ``close``), so
+``megatrain-jax train`` with ``model.lora`` set runs through the same loop, and ``LoraSaver`` writes
+its checkpoints.
+
+A checkpoint is ``checkpoints/step_N/`` (the full-training checkpoints' naming, so listing, pruning
+and ``--resume`` find it): ``adapter/`` (the PEFT pair ``peft.PeftModel.from_pretrained`` loads),
+``opt_state.npz`` (the optax state's leaves), ``state.json`` (step, optimizer count, data position,
+RNG, config) and ``manifest.json`` written last with the crc32 of each file. The frozen base is not
+saved: it is rebuilt from the config (its seed, or ``model.from_hf``), exactly. Resume restores the
+adapters, their optimizer state and the count (hence dropout keys and the LR schedule); the loop
+continues the data at the saved step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import zlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from megatrain_jax import checkpoint as ck
+from megatrain_jax.config import Config
+from megatrain_jax.engine.lora import LoraEngine, LoraModel, plain_config
+from megatrain_jax.engine.lora_base import FrozenStore, frozen_store_from_hf
+from megatrain_jax.errors import UserError
+from megatrain_jax.hf.peft import load_peft, save_peft
+
+OPT_STATE = "opt_state.npz"
+ADAPTER = "adapter"
+
+
+def build_frozen_store(cfg: Config, model: LoraModel, log=print) -> FrozenStore:
+    """The frozen base of ``cfg``: from ``model.from_hf``, ``model.init: fast``, or the nnx initialisers
+    one part at a time (equal to the in-memory model of the same seed)."""
+    from flax import nnx
+
+    from megatrain_jax.models.common import init_part, part_names
+
+    m, dtype = cfg.model, cfg.model.lora.base_dtype
+    if m.from_hf:
+        return frozen_store_from_hf(m, dtype, log)[1]
+    store = FrozenStore(model.layouts, dtype)
+    if m.init == "fast":
+        store.fill_fast(cfg.train.seed, m.init_std)
+        return store
+    plain = plain_config(m)
+    for name in part_names(plain):
+        store[name].load_tree(nnx.to_pure_dict(nnx.state(init_part(plain, cfg.train.seed, name))))
+    return store
+
+
+class LoraTrainer:
+    """A LoRA run of ``cfg`` (``from_config`` / ``resume``)."""
+
+    store = None  # no trainable host store: ``save_adapter`` exports
+
+    def __init__(self, cfg: Config, plan: Any = None, adapters: list[Any] | None = None, log=print):
+        from megatrain_jax.optim import _learning_rate
+        from megatrain_jax.optim.named import named_tx
+
+        if cfg.model.from_hf:
+            from megatrain_jax.hf import resolve_hf_model_config
+
+            resolve_hf_model_config(cfg.model)
+        self.cfg, self.plan = cfg, plan
+        t = cfg.train
+        self.model = LoraModel(cfg.model)
+        store = build_frozen_store(cfg, self.model, log)
+        self._lr = _learning_rate(cfg.optim, t.steps)
+        tx = named_tx(cfg.optim, self._lr)
+        micro = plan.micro_batches if plan is not None else (t.micro_batches if t.micro_batches != "auto" else 1)
+        acts = plan.activations if plan is not None else ("device" if t.activations == "auto" else t.activations)
+        devices = jax.local_devices()
+        self.engine = LoraEngine(self.model, store, tx, adapters=adapters, seed=t.seed, compute_dtype=t.compute_dtype,
+                                 micro_batches=micro, clip_norm=cfg.optim.clip_norm, loss_chunk=t.loss_chunk,
+                                 activations=acts, device=devices[0])
+
+    @classmethod
+    def from_config(cls, cfg: Config, plan: Any = None) -> "LoraTrainer":
+        return cls(cfg, plan)
+
+    @classmethod
+    def resume(cls, cfg: Config, root: str, plan: Any = None, log=print) -> tuple["LoraTrainer", str, dict]:
+        """``cfg``'s LoRA run continued from the newest intact checkpoint in ``root``."""
+        if cfg.model.from_hf:
+            from megatrain_jax.hf import resolve_hf_model_config
+
+            resolve_hf_model_config(cfg.model)
+        cks = ck.list_checkpoints(root)
+        if not cks:
+            raise UserError("--resume", f"no complete checkpoint in {root}",
+                            "train without --resume to start a new run, or set train.out_dir to the run to continue")
+        model = LoraModel(cfg.model)
+        for c in reversed(cks):
+            try:
+                state = _read_checked(c.path)
+            except ck.CorruptCheckpoint as e:
+                aside = f"{c.path}.corrupt"
+                os.replace(c.path, aside)
+                log(f"checkpoint: {c.path} is corrupted: {e}; moved it to {aside}")
+                continue
+            if state.get("kind") != "lora":
+                raise UserError("--resume", f"{c.path} is a full-training checkpoint, not a LoRA one",
+                                "resume it without model.lora, or choose another train.out_dir")
+            adapters = load_peft(os.path.join(c.path, ADAPTER), cfg.model, model.adapter_shapes)
+            self = cls(cfg, plan, adapters=adapters, log=log)
+            like = jax.eval_shape(self.engine.tx.init, self.engine.adapters)
+            with np.load(os.path.join(c.path, OPT_STATE)) as z:
+                leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
+            treedef = jax.tree_util.tree_structure(like)
+            if treedef.num_leaves != len(leaves):
+                raise UserError("--resume", f"{c.path}: the optimizer state has {len(leaves)} arrays, optim.* "
+                                f"makes {treedef.num_leaves}", "resume with the checkpointed run's optim settings")
+            self.engine.set_state(self.engine.adapters, jax.tree_util.tree_unflatten(treedef, leaves),
+                                  int(state["count"]))
+            return self, c.path, state
+        raise UserError("--resume", f"every checkpoint in {root} is corrupted", "start a new run without --resume")
+
+    # ------------------------------------------------------------------------------ the loop's interface
+
+    def step(self, batch: Any):
+        from megatrain_jax.trainer import as_batch
+
+        return self.engine.step(as_batch(batch))
+
+    @property
+    def step_count(self) -> int:
+        return self.engine.count
+
+    def lr_at(self, count: int) -> float | None:
+        lr = self._lr
+        return float(lr) if isinstance(lr, float) else float(lr(max(count - 1, 0)))
+
+    @property
+    def memory_device(self):
+        return self.engine.device if self.engine.device.platform == "gpu" else None
+
+    def saver(self, directory: str, *, keep_last: int = 2, keep_every: int = 0, log=lambda _: None) -> "LoraSaver":
+        return LoraSaver(self, directory, keep_last=keep_last, keep_every=keep_every, log=log)
+
+    def save_adapter(self, out_dir: str, log=print) -> str:
+        """The adapters as a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+        path = save_peft(out_dir, self.engine.adapters_host(), self.cfg.model, self.cfg.model.from_hf)
+        log(f"adapter: saved in the PEFT format to {path}")
+        return path
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _file_crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for base, _, names in os.walk(root):
+        out += [os.path.relpath(os.path.join(base, n), root) for n in names if n != ck.MANIFEST]
+    return sorted(out)
+
+
+def _read_checked(path: str) -> dict:
+    try:
+        with open(os.path.join(path, ck.MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ck.CorruptCheckpoint(f"{ck.MANIFEST} unreadable ({e})") from None
+    for rel, crc in manifest.get("files", {}).items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full) or _file_crc(full) != crc:
+            raise ck.CorruptCheckpoint(f"{rel} is missing or fails its checksum")
+    with open(os.path.join(path, ck.STATE)) as f:
+        return json.load(f)
+
+
+class LoraSaver:
+    """Checkpoints of a LoRA run (small: adapters and their optimizer state), written synchronously
+    into ``step_N.tmp`` and renamed once complete; the retention policy as ``checkpoint.prune``."""
+
+    def __init__(self, trainer: LoraTrainer, root: str, *, keep_last: int = 2, keep_every: int = 0, log=print):
+        self.trainer, self.root, self.keep_last, self.keep_every, self.log = trainer, root, keep_last, keep_every, log
+        self.history: list[ck.SaveStats] = []
+        self.kill_in_save: int | None = None
+        self._unreported: ck.SaveStats | None = None
+
+    def save(self, step: int, meta: dict, *, wait: bool = False) -> str:
+        t0 = time.perf_counter()
+        eng = self.trainer.engine
+        final = os.path.join(self.root, ck.step_dirname(step))
+        tmp = final + ".tmp"
+        if os.path.isdir(tmp):
+            ck._remove_dir(tmp)
+        os.makedirs(tmp)
+        save_peft(os.path.join(tmp, ADAPTER), eng.adapters_host(), self.trainer.cfg.model,
+                  self.trainer.cfg.model.from_hf)
+        np.savez(os.path.join(tmp, OPT_STATE), *[np.asarray(x) for x in
+                                                   jax.tree_util.tree_leaves(jax.device_get(eng.opt_state))])
+        if self.kill_in_save == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ck._write_json(os.path.join(tmp, ck.STATE), {"step": step, "count": eng.count, "kind": "lora", **meta})
+        files = _files(tmp)
+        ck._write_json(os.path.join(tmp, ck.MANIFEST), {"files": {f: _file_crc(os.path.join(tmp, f)) for f in files}})
+        if os.path.isdir(final):
+            ck._remove_dir(final)
+        os.replace(tmp, final)
+        ck._fsync_dir(self.root)
+        ck.prune(self.root, self.keep_last, self.keep_every)
+        dt = time.perf_counter() - t0
+        st = ck.SaveStats(step, final, call_s=dt, write_s=dt,
+                          nbytes=sum(os.path.getsize(os.path.join(final, f)) for f in files))
+        self.history.append(st)
+        if not wait:
+            self._unreported = st
+        return final
+
+    def poll(self) -> ck.SaveStats | None:
+        st, self._unreported = self._unreported, None
+        return st
+
+    def wait(self) -> ck.SaveStats | None:
+        return self.history[-1] if self.history else None
+
+    def close(self) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
