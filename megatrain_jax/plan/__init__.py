@@ -18,7 +18,7 @@ from megatrain_jax.plan.machine import (Machine, _jax_backend_ready, detect_mach
                                         jax_backend_ready, memory_snapshot, target_machine)
 from megatrain_jax.plan.options import EngineOptions  # noqa: F401
 from megatrain_jax.plan.report import plan_json, plan_table, scaling_rows, scaling_table  # noqa: F401
-from megatrain_jax.plan.sizes import GB, GiB, Row, Shapes  # noqa: F401
+from megatrain_jax.plan.sizes import GB, GiB, Row, Shapes, pinned_limit  # noqa: F401
 
 Log = Callable[[str], None]
 
@@ -45,8 +45,8 @@ def apply_gpu_settings(p: Plan) -> None:
     if r.gpu_preallocate is False:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if p.machine.backend == "gpu":
-        limit = max(4, math.ceil((r.pinned_pool_bytes or 0) * 1.5 / GiB) + 2)
-        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(limit))
+        limit = pinned_limit(r.pinned_pool_bytes or 0.0)  # the limit the plan's host rows assume
+        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(round(limit / GiB))))
 
 
 def plan_or_refuse(cfg, log: Log = print):
