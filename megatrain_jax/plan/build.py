@@ -98,6 +98,8 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     with every 'auto' decided; with the host need of each state mode beside it and, when the
     configured mode does not fit the host, the fix that would (``suggestion``, ``host_fix``).
     ``attention=False``: the model has no attention (no attention term or line)."""
+    from megatrain_jax.plan.refusal import fits, fits_gpu, gpu_fix
+
     plan = _make_plan(cfg, machine, devices, attention)
     if not _modes:
         return plan
@@ -105,18 +107,17 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
         for name, over in choose.MODES.items():
             mode = _mode_plan(cfg, plan.machine, devices, attention, over)
             plan.modes[name] = {"host_gb": mode.host_need / GB, "bytes_per_param": mode.host_bytes_per_param,
-                                "fits_host": mode.fits_host(), "settings": choose.mode_settings(over)}
+                                "fits_host": mode.fits_host(), "fits": fits(mode),
+                                "settings": choose.mode_settings(over)}
         if not plan.fits_host():
             order = list(choose.MODES)  # fullest first; suggest only modes leaner than the configured one
             current = {"float32": 0, "bfloat16": 1}.get(cfg.optim.moments, len(order))
             for name in order[current + 1:]:
-                if plan.modes[name]["fits_host"]:
+                if plan.modes[name]["fits"]:  # host and GPU: a fix that fits
                     mode = plan.modes[name]
                     plan.suggestion = (f"{mode['settings']} ({name}: {mode['bytes_per_param']:.1f} bytes/param, "
                                        f"{mode['host_gb']:.1f} GB)")
                     break
-    from megatrain_jax.plan.refusal import fits_gpu, gpu_fix
-
     if plan.fits_host() and not fits_gpu(plan):
         plan.gpu_fix = gpu_fix(cfg, plan, lambda variant, m: _make_plan(variant, m or plan.machine, devices, attention))
     if not plan.fits_host() and plan.suggestion is None:
@@ -263,12 +264,14 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                             device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile,
                             grad_hold_gpu_groups=placed.gpu_groups, stream_io=placed.stream_io,
                             boundary_every=placed.boundary_every)
-    return Plan(rows=rows + gpu_rows + disk_rows, settings=settings, options=options, host_need=host_need,
+    plan = Plan(rows=rows + gpu_rows + disk_rows, settings=settings, options=options, host_need=host_need,
                 host_limit=host_limit, host_available=host_avail, host_source=host_source,
                 gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget, gpu_phases=phases,
                 disk_need=disk_need, disk_free=machine.disk_free.get(train.out_dir) if machine.disk_free else None,
                 step=step, params=shapes.params, machine=machine, notes=notes,
                 step_basis=_step_basis(machine), search=search_summary(found))
+    plan.found = found  # the search itself (not a field: not in the JSON): what tests re-check
+    return plan
 
 
 def _host_sums(rows: list[Row]) -> tuple[float, float]:
