@@ -332,7 +332,8 @@ def _xla_pool(machine: Machine, gpu_budget: float | None, gpu_need: float,
     if machine.backend != "gpu" or not machine.gpu_bytes:
         return None, None, None
     fraction = min(XLA_FRACTION, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes)
-    preallocate = choose.preallocate_pool(gpu_budget, gpu_need)
+    budgeted = bool(gpu_budget and gpu_budget < XLA_FRACTION * machine.gpu_bytes * 0.999)
+    preallocate = choose.preallocate_pool(gpu_budget, gpu_need, budgeted)
     pool = fraction * machine.gpu_bytes
     managed = pool if preallocate else min(pool, grown_pool(gpu_need))
     row = Row("host", "XLA's GPU allocator table (8 bytes per 256 of its pool)",

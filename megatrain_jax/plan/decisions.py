@@ -163,7 +163,12 @@ def gpu_usable_of(budget: float | None) -> float | None:
     return usable(budget, GPU_MARGIN) if budget else None
 
 
-def preallocate_pool(budget: float | None, need: float) -> bool:
+def preallocate_pool(budget: float | None, need: float, budgeted: bool = False) -> bool:
     """Whether XLA makes its pool whole at the start: not where the step stays below
-    PREALLOCATE_ABOVE of the budget (the pool grows on demand and its host-side table stays small)."""
-    return not (budget and need <= PREALLOCATE_ABOVE * budget)
+    PREALLOCATE_ABOVE of the budget (the pool grows on demand and its host-side table stays small),
+    except under a budget smaller than the GPU (``budgeted``, train.gpu_memory_gb): grown on demand, the
+    pool is regions doubling from 2 MiB with the last one cut at the budget (24 GB: ..., 4 and 8 GiB, then
+    6.35 GiB), and one large allocation must fit a single region's free run: Llama-3.2-3B at 24 GB ran out
+    of memory on a 6.27 GiB allocation with most of the pool free (RESULTS.md). One region holds any
+    allocation that fits, and its table costs at most budget/32 of host memory."""
+    return budgeted or not (budget and need <= PREALLOCATE_ABOVE * budget)
