@@ -175,3 +175,31 @@ def test_the_search_fits_whenever_a_candidate_fits_and_refusals_fixes_fit(case, 
     if err.field in ("GPU memory", "host memory") and " fits" in err.fix and "cannot hold" not in err.fix:
         for q in _apply_fix(config, sets, machine, err.fix):
             assert q.verdict() is None, (err.fix, q.verdict())
+
+
+def test_budget_benchmark_dry_mode_plans_every_case_and_writes_the_result_fields(tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_gpu_budgets",
+                                                  os.path.join(REPO, "experiments", "bench_gpu_budgets.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--dry", "--gpu-gb", "80", "--host-gb", "128", "--shapes", "8b", "--budgets", "10,24,whole",
+                       "--out", str(tmp_path)])
+    assert [r["case"] for r in rows] == ["8b_10", "8b_24", "8b_whole"]
+    for r in rows:
+        d = json.load(open(tmp_path / f"budget_{r['case']}.json"))
+        for key in ("params", "gpu_budget_gb", "peak_gpu_gb", "plan_gpu_gb", "peak_host_rss_gb", "plan_host_gb",
+                    "tokens_per_s", "model_tflops", "clip_norm", "device", "date", "decisions"):
+            assert key in d, key
+        assert d["fits"] and d["clip_norm"] == 1.0 and d["plan_gpu_gb"] <= (d["gpu_budget_gb"] or 80)
+
+
+def test_the_machine_table_names_the_largest_model_that_fits():
+    from megatrain_jax.plan.machines import largest, table
+
+    text = table(gpus=(24,), hosts=(128,))
+    assert text.splitlines()[2].startswith("| 24 GB | ") and "tok/s" in text
+    label, p = largest(24, 128, batch=16, seq=4096, cores=16, root=REPO)
+    assert p.verdict() is None and p.options.clip_norm == 1.0 and label in text

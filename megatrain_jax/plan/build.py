@@ -435,7 +435,8 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     cast = shapes.params if hold in ("gpu_bf16", "host_bf16") else (p.gpu_group_params if p else 0)
     compute_s += 6.0 * cast / GPU_MEMORY_RATE
     # blocks twice (forward, backward), embedding and head once (stream_io: head twice, the batch's rows)
-    io_bytes = 2 * 4 * shapes.head + 4 * tokens // n_dev * shapes.hidden if io else 4 * (shapes.embed + shapes.head)
+    out_matrix = shapes.vocab * shapes.hidden + shapes.hidden  # the head's (tied: the embedding) and final norm
+    io_bytes = 2 * 4 * out_matrix + 4 * tokens // n_dev * shapes.hidden if io else 4 * (shapes.embed + shapes.head)
     h2d_bytes = 2 * shapes.layers * shapes.block * stream_bytes + io_bytes
     if hold == "resweep":
         h2d_bytes += shapes.layers * shapes.block * stream_bytes
