@@ -176,7 +176,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     # ---- the step's placement: searched (search.py) over every auto decision
     micro_candidates = choose.micro_batch_candidates(train.micro_batches, shapes.batch, shapes.seq, n_dev)
     cpu_only = not on_gpu and gpu_budget is None
-    attn_info, attn_extra = _attention(cfg, shapes, micro_candidates[0], on_gpu) if attention else (None, None)
+    attn_info, attn_extra = _attention(cfg, shapes, micro_candidates[0], on_gpu, machine.target) \
+        if attention else (None, None)
     host_act_bytes = float(shapes.layers * shapes.batch * shapes.seq * shapes.hidden * shapes.dtype_bytes * n_dev)
     chunked = optim.kernel == "fused"
     slab = (min(GRAD_SLAB_ELEMS, shapes.largest_group) if chunked else shapes.largest_group) * 4
@@ -184,8 +185,10 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
 
     def rows_of(p: choose.Placement, slabs: int) -> list[Row]:
         """The host rows with placement ``p`` and ``slabs`` gradient slabs (where the path has them)."""
-        slab_row = Row("host", "gradient staging (pinned slabs)", float(slab * slabs),
-                       f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)") if _has_slabs(on_gpu, update_on, p) else None
+        slab_row = None
+        if _has_slabs(on_gpu, update_on, p):
+            slab_row = Row("host", "gradient staging (pinned slabs)", float(slab * slabs),
+                           f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)")
         rows = _host_rows(cfg, shapes, moment_bytes, host_copy=host_copy, on_gpu=on_gpu, n_dev=n_dev, placed=p,
                           host_act_bytes=host_act_bytes, slab_row=slab_row)
         growth = pinned_pool(pinned_need(rows)) - pinned_need(rows) if on_gpu else 0.0
@@ -207,7 +210,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         step_of=lambda p: predicted_step(cfg, shapes, rates, n_dev=n_dev, n_keep=0, stream_bytes=stream_bytes,
                                          moment_bytes=moment_bytes, update_on=update_on, cpu_cores=machine.cpu_cores,
                                          attention=attention, placement=p))
-    axes = search.axes_of(train, micro_candidates, on_gpu=on_gpu, cpu_only=cpu_only, update_on=update_on)
+    axes = search.axes_of(train, micro_candidates, on_gpu=on_gpu, cpu_only=cpu_only, update_on=update_on,
+                          devices=n_dev)
     found = search.search(shapes, axes, ctx)
     placed = found.best
     if not placed.fits and train.update_on == "auto" and update_on == "device":
@@ -342,15 +346,17 @@ def _xla_pool(machine: Machine, gpu_budget: float | None, gpu_need: float,
     return row, round(fraction, 4), preallocate
 
 
-def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool):
-    """The attention path (attention.py) and its working set beyond what the coefficients include."""
+def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool, target: bool = False):
+    """The attention path (attention.py) and its working set beyond what the coefficients include. A
+    described GPU (``target``) has cuDNN with the pre-Hopper head-dim limit (128), whatever this machine has."""
     from megatrain_jax import attention as attn_mod
 
     m, backend = cfg.model, "gpu" if on_gpu else "cpu"
+    limit = 128 if (target and on_gpu) else None
 
     def describe(batch: int) -> dict[str, Any]:
         return attn_mod.describe(m, cfg.data.seq_len, cfg.train.compute_dtype, backend, batch=batch,
-                                 doc_masking=cfg.data.doc_masking)
+                                 doc_masking=cfg.data.doc_masking, cudnn_max_head_dim=limit)
 
     cache: dict[int, tuple[float, str]] = {}
 

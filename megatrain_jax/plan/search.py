@@ -12,9 +12,10 @@ it), and the blocks' sequence tile (``model.seq_tile=auto``). Each candidate's G
 
 Order among fitting candidates (``choose``): the shortest predicted step, steps within STEP_TOL
 taken as equal; among those, the least host memory (shared with everything else on the machine; the
-GPU budget is the run's alone), within HOST_TOL (XLA's GPU pool table left out: it only mirrors the GPU bytes); then the exact step, the least total work (the sum
-of the step's terms: transfers and host copies hidden behind compute still contend), fewer
-micro-batches and the configured loss chunk (larger matmuls), less GPU memory.
+GPU budget is the run's alone) within HOST_TOL, XLA's GPU pool table left out (it only mirrors the
+GPU bytes); then the exact step, the least total work (the sum of the step's terms: transfers and
+host copies hidden behind compute still contend), fewer micro-batches and the configured loss chunk
+(larger matmuls), less GPU memory.
 """
 from __future__ import annotations
 
@@ -49,18 +50,20 @@ class Axes:
             * len(self.stream_io) * len(self.loss_chunks)
 
 
-def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, update_on: str = "host") -> Axes:
+def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, update_on: str = "host",
+            devices: int = 1) -> Axes:
     """The search's axes from the config's settings. On the CPU backend the device memory is host
     memory: without a budget nothing is placed elsewhere; with one, only the placements of a GPU run
     that need no pinned slabs or streamed embedding (those are GPU mechanisms) are tried. A device-side
-    update (``update_on``) needs a hold: no resweep."""
+    update (``update_on``) needs a hold: no resweep. Data parallel (``devices`` > 1) searches only what the
+    engine runs on several GPUs (the GPU and pinned holds, every input kept, embedding and head resident)."""
     holds = HOLDS if train.grad_hold == "auto" else (train.grad_hold,)
     if update_on == "device" and train.grad_hold == "auto":  # a device-side update waits for the next
         holds = tuple(h for h in holds if h != "resweep")  # forward: its gradient must be held somewhere
     acts = ("device", "pinned_host") if train.activations == "auto" else (train.activations,)
     boundary = BOUNDARY_EVERY if train.boundary_every == "auto" else (int(train.boundary_every),)
     io = (False, True) if train.stream_io == "auto" else (bool(train.stream_io),)
-    if not on_gpu:  # GPU mechanisms: a CPU run takes them only when asked for
+    if not on_gpu or devices > 1:  # one-GPU mechanisms: a CPU or data-parallel run takes them only when asked for
         holds = tuple(h for h in holds if h in ("gpu_fp32", "gpu_bf16", "pinned_host")) or holds
         boundary = (1,) if train.boundary_every == "auto" else boundary
         io = (False,) if train.stream_io == "auto" else io
