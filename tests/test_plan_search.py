@@ -208,3 +208,25 @@ def test_the_machine_table_names_the_largest_model_that_fits():
     assert text.splitlines()[2].startswith("| 24 GB | ") and "tok/s" in text
     label, p = largest(24, 128, batch=16, seq=4096, cores=16, root=REPO)
     assert p.verdict() is None and p.options.clip_norm == 1.0 and label in text
+
+
+def test_each_placement_pays_its_cost_in_the_predicted_step():
+    """boundary_every k recomputes (k-1)/k of the blocks' forward; resweep runs the backward with its
+    recompute again (~+75% of the compute) and streams the blocks again; a pageable hold is copied by
+    one host thread; stream_io sends the head twice instead of embedding and head once."""
+    from megatrain_jax.plan import search
+
+    p = make_plan(_cfg("configs/llama3.1-8b.yaml", "train.update_on=host"), _target(80, 128))
+    r = p.found
+
+    def step(**kw):
+        base = dict(micro=4, act="device", hold="gpu_fp32", k=1, io=False, chunk=4096)
+        return search.evaluate(r.shapes, r.ctx, **{**base, **kw}).step
+
+    s1, s2, s4 = step(), step(k=2), step(k=4)
+    assert s1["compute_s"] < s2["compute_s"] < s4["compute_s"] < 1.25 * s1["compute_s"]
+    rs = step(hold="resweep")
+    assert 1.6 < rs["compute_s"] / s1["compute_s"] < 1.8 and rs["h2d_s"] > s1["h2d_s"]
+    assert step(hold="host_fp32")["host_copy_s"] > 0 and step(hold="host_bf16")["host_copy_s"] > 0  # bf16: + widening
+    assert step(hold="pinned_host")["host_copy_s"] == 0
+    assert step(io=True)["h2d_s"] > s1["h2d_s"] and step(act="pinned_host")["d2h_s"] > s1["d2h_s"]
