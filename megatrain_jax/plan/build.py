@@ -193,7 +193,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                           host_act_bytes=host_act_bytes, slab_row=slab_row)
         growth = pinned_pool(pinned_need(rows)) - pinned_need(rows) if on_gpu else 0.0
         if growth > 0:
-            rows.append(Row("host", "XLA host allocator: regions grown beyond the pinned arrays", growth,
+            rows.append(Row("host", "XLA host allocator: regions grown beyond its arrays", growth,
                             "its regions double from 2 MiB (all page-locked), cut at its limit"))
         pool_row, _, _ = _xla_pool(machine, gpu_budget, p.gpu_need, n_dev)
         if pool_row is not None:
