@@ -18,7 +18,7 @@ from megatrain_jax.plan.machine import (Machine, _jax_backend_ready, detect_mach
                                         jax_backend_ready, memory_snapshot, target_machine)
 from megatrain_jax.plan.options import EngineOptions  # noqa: F401
 from megatrain_jax.plan.report import plan_json, plan_table, scaling_rows, scaling_table  # noqa: F401
-from megatrain_jax.plan.sizes import GB, GiB, Row, Shapes  # noqa: F401
+from megatrain_jax.plan.sizes import GB, GiB, Row, Shapes, pinned_limit  # noqa: F401
 
 Log = Callable[[str], None]
 
@@ -45,8 +45,8 @@ def apply_gpu_settings(p: Plan) -> None:
     if r.gpu_preallocate is False:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if p.machine.backend == "gpu":
-        limit = max(4, math.ceil((r.pinned_pool_bytes or 0) * 1.5 / GiB) + 2)
-        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(limit))
+        limit = pinned_limit(r.pinned_pool_bytes or 0.0)  # the limit the plan's host rows assume
+        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(round(limit / GiB))))
 
 
 def plan_or_refuse(cfg, log: Log = print):
@@ -63,7 +63,9 @@ def plan_or_refuse(cfg, log: Log = print):
     gpu = f", GPU peak {plan.gpu_need / 1e9:.1f} of {plan.gpu_budget / 1e9:.1f} GB" if plan.gpu_budget else ""
     log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB ({plan.host_source}) "
         f"({plan.host_bytes_per_param:.2f} bytes/param){gpu}; micro_batches={o.micro_batches}, "
-        f"activations={o.activations}, grad_hold={o.grad_hold}, stream_copy={o.stream_copy}, "
+        f"activations={o.activations}, boundary_every={o.boundary_every}, grad_hold={o.grad_hold}"
+        f"{f' (first {o.grad_hold_gpu_groups} groups on the GPU)' if o.grad_hold_gpu_groups else ''}, "
+        f"stream_io={o.stream_io}, loss_chunk={o.loss_chunk}, stream_copy={o.stream_copy}, "
         f"moments={plan.settings.moments}, update_on={o.update_on}, keep_residuals={o.keep_residuals}; "
         f"predicted step {plan.step['predicted_step_s']:.2f} s ({plan.step['binding'][:-2]}-bound, "
         f"{plan.step_basis})  [megatrain-jax plan CONFIG shows the table]")

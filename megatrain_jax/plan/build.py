@@ -13,11 +13,15 @@ from typing import Any
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan import decisions as choose
+from megatrain_jax.plan import search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check_one_device
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS, GiB,
-                                      HOST_MARGIN, MOMENT_BYTES, RATES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row,
-                                      Shapes, grown_pool, pinned_need, usable)
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS,
+                                      HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
+                                      RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_need,
+                                      pinned_pool, usable)
+
+GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
 
 
 @dataclass
@@ -42,7 +46,9 @@ class Plan:
     host_available: float | None = None  # free now (MemAvailable); a note warns when it is below the need
     step_basis: str = "H100 rates"  # what the predicted step assumes
     host_fix: str | None = None  # the refusal's fix when no state mode fits (refusal.py)
+    gpu_fix: str | None = None  # the GPU refusal's fix, checked by planning it (refusal.gpu_fix)
     token_bytes: float | None = None  # host bytes that grow with the tokens, when they are what does not fit
+    search: dict[str, Any] = field(default_factory=dict)  # what the placement search tried (search_summary)
 
     @property
     def host_bytes_per_param(self) -> float:
@@ -58,7 +64,8 @@ class Plan:
                 "grad_slab_elems": o.grad_slab_elems, "grad_slabs": o.grad_slabs,
                 "pinned_pool_bytes": r.pinned_pool_bytes, "gpu_mem_fraction": r.gpu_mem_fraction,
                 "gpu_preallocate": r.gpu_preallocate, "keep_residuals": o.keep_residuals,
-                "seq_tile": o.seq_tile}
+                "seq_tile": o.seq_tile, "loss_chunk": o.loss_chunk, "stream_io": o.stream_io,
+                "boundary_every": o.boundary_every, "grad_hold_gpu_groups": o.grad_hold_gpu_groups}
 
     @property
     def tokens_short(self) -> bool:
@@ -91,6 +98,8 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     with every 'auto' decided; with the host need of each state mode beside it and, when the
     configured mode does not fit the host, the fix that would (``suggestion``, ``host_fix``).
     ``attention=False``: the model has no attention (no attention term or line)."""
+    from megatrain_jax.plan.refusal import fits, fits_gpu, gpu_fix
+
     plan = _make_plan(cfg, machine, devices, attention)
     if not _modes:
         return plan
@@ -98,16 +107,19 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
         for name, over in choose.MODES.items():
             mode = _mode_plan(cfg, plan.machine, devices, attention, over)
             plan.modes[name] = {"host_gb": mode.host_need / GB, "bytes_per_param": mode.host_bytes_per_param,
-                                "fits_host": mode.fits_host(), "settings": choose.mode_settings(over)}
+                                "fits_host": mode.fits_host(), "fits": fits(mode),
+                                "settings": choose.mode_settings(over)}
         if not plan.fits_host():
             order = list(choose.MODES)  # fullest first; suggest only modes leaner than the configured one
             current = {"float32": 0, "bfloat16": 1}.get(cfg.optim.moments, len(order))
             for name in order[current + 1:]:
-                if plan.modes[name]["fits_host"]:
+                if plan.modes[name]["fits"]:  # host and GPU: a fix that fits
                     mode = plan.modes[name]
                     plan.suggestion = (f"{mode['settings']} ({name}: {mode['bytes_per_param']:.1f} bytes/param, "
                                        f"{mode['host_gb']:.1f} GB)")
                     break
+    if plan.fits_host() and not fits_gpu(plan):
+        plan.gpu_fix = gpu_fix(cfg, plan, lambda variant, m: _make_plan(variant, m or plan.machine, devices, attention))
     if not plan.fits_host() and plan.suggestion is None:
         from megatrain_jax.plan.refusal import host_fix
 
@@ -161,17 +173,47 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     device_cast = bf16 and stream_copy == "device"
     stream_bytes = 2 if (bf16 and not device_cast) else 4
 
-    # ---- micro-batches, activation placement, gradient holding
+    # ---- the step's placement: searched (search.py) over every auto decision
     micro_candidates = choose.micro_batch_candidates(train.micro_batches, shapes.batch, shapes.seq, n_dev)
-    order = choose.placement_order(train.activations, train.grad_hold, cpu_only=not on_gpu and gpu_budget is None)
-    attn_info, attn_extra = _attention(cfg, shapes, micro_candidates[0], on_gpu) if attention else (None, None)
-    host_base = store_bytes + (2.0 * shapes.layers * shapes.block if (bf16 and not device_cast) else 0.0) \
-        + runtime_max + fewest_slabs  # host bytes every placement needs
+    cpu_only = not on_gpu and gpu_budget is None
+    attn_info, attn_extra = _attention(cfg, shapes, micro_candidates[0], on_gpu, machine.target) \
+        if attention else (None, None)
     host_act_bytes = float(shapes.layers * shapes.batch * shapes.seq * shapes.hidden * shapes.dtype_bytes * n_dev)
-    placed = choose.choose_placement(
-        shapes, order, micro_candidates, gpu_usable=gpu_usable, host_room=usable(host_limit, HOST_MARGIN) - host_base,
-        host_act_bytes=host_act_bytes, loss_chunk=train.loss_chunk, stream_bytes=stream_bytes, device_cast=device_cast,
-        attn=attn_extra, update_state_bytes=moment_bytes if update_on == "device" else None)
+    chunked = optim.kernel == "fused"
+    slab = (min(GRAD_SLAB_ELEMS, shapes.largest_group) if chunked else shapes.largest_group) * 4
+    host_copy = bf16 and not device_cast
+
+    def rows_of(p: choose.Placement, slabs: int) -> list[Row]:
+        """The host rows with placement ``p`` and ``slabs`` gradient slabs (where the path has them)."""
+        slab_row = None
+        if _has_slabs(on_gpu, update_on, p):
+            slab_row = Row("host", "gradient staging (pinned slabs)", float(slab * slabs),
+                           f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)")
+        rows = _host_rows(cfg, shapes, moment_bytes, host_copy=host_copy, on_gpu=on_gpu, n_dev=n_dev, placed=p,
+                          host_act_bytes=host_act_bytes, slab_row=slab_row)
+        growth = pinned_pool(pinned_need(rows)) - pinned_need(rows) if on_gpu else 0.0
+        if growth > 0:
+            rows.append(Row("host", "XLA host allocator: regions grown beyond its arrays", growth,
+                            "its regions double from 2 MiB (all page-locked), cut at its limit"))
+        pool_row, _, _ = _xla_pool(machine, gpu_budget, p.gpu_need, n_dev)
+        if pool_row is not None:
+            rows.append(pool_row)
+        if not on_gpu:
+            rows.append(Row("host", "device buffers (the CPU backend's device memory is host memory)", p.gpu_need))
+        return rows
+
+    ctx = search.Context(
+        stream_bytes=stream_bytes, device_cast=device_cast, attn=attn_extra,
+        update_state_bytes=moment_bytes if update_on == "device" else None, gpu_usable=gpu_usable,
+        host_usable=usable(host_limit, HOST_MARGIN),
+        host_of=lambda p: _host_sums(rows_of(p, GRAD_SLABS[0])),
+        step_of=lambda p: predicted_step(cfg, shapes, rates, n_dev=n_dev, n_keep=0, stream_bytes=stream_bytes,
+                                         moment_bytes=moment_bytes, update_on=update_on, cpu_cores=machine.cpu_cores,
+                                         attention=attention, placement=p))
+    axes = search.axes_of(train, micro_candidates, on_gpu=on_gpu, cpu_only=cpu_only, update_on=update_on,
+                          devices=n_dev)
+    found = search.search(shapes, axes, ctx)
+    placed = found.best
     if not placed.fits and train.update_on == "auto" and update_on == "device":
         # the device-side update's own GPU memory (and the gradients it must hold there) does not fit:
         # the host updates instead (e.g. 18.1B parameters on an 80 GB GPU)
@@ -180,7 +222,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     phases, gpu_rows, gpu_need = placed.phases, placed.gpu_rows, placed.gpu_need
     notes.extend(placed.notes)
     n_keep, per_block = choose.choose_keep_residuals(
-        train.keep_residuals, shapes, on_gpu=on_gpu, devices=n_dev, act_on_gpu=placed.activations == "device",
+        train.keep_residuals, shapes, on_gpu=on_gpu, devices=n_dev,
+        act_on_gpu=placed.activations == "device" and placed.boundary_every == 1 and placed.grad_hold != "resweep",
         moments=optim.moments, need=gpu_need, budget=gpu_budget, gpu_usable=gpu_usable,
         moe=bool(getattr(model, "num_experts", None)))
     if n_keep:
@@ -193,21 +236,16 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     # ---- host rows
     if optim.kernel == "optax":
         notes.append("optim.kernel=optax: optimizer state estimated as Adam's 8 bytes/param")
-    chunked = optim.kernel == "fused"
-    slab = (min(GRAD_SLAB_ELEMS, shapes.largest_group) if chunked else shapes.largest_group) * 4
-    slab_row = Row("host", "gradient staging (pinned slabs)", 0.0)  # sized below, once the rest is known
-    rows = _host_rows(cfg, shapes, moment_bytes, host_copy=bf16 and not device_cast, on_gpu=on_gpu, n_dev=n_dev,
-                      placed=placed, host_act_bytes=host_act_bytes,
-                      slab_row=slab_row if on_gpu and update_on == "host" else None)
-    pool_row, gpu_mem_fraction, preallocate = _xla_pool(machine, gpu_budget, gpu_need, n_dev)
-    if pool_row is not None:
-        rows.append(pool_row)
-    if not on_gpu:
-        rows.append(Row("host", "device buffers (the CPU backend's device memory is host memory)", gpu_need))
+    placed.gpu_need = gpu_need  # the pool's table covers the residuals too
+    fewest = rows_of(placed, GRAD_SLABS[0])
     slabs = choose.choose_slabs(train.grad_slabs, chunked=chunked, on_gpu=on_gpu, moments=optim.moments,
-                                host_room=usable(host_limit, HOST_MARGIN) - sum(r.bytes for r in rows),
-                                slab_bytes=slab)
-    slab_row.bytes, slab_row.note = float(slab * slabs), f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)"
+                                host_room=usable(host_limit, HOST_MARGIN) - sum(r.bytes for r in fewest)
+                                + GRAD_SLABS[0] * slab * _has_slabs(on_gpu, update_on, placed), slab_bytes=slab)
+    rows = rows_of(placed, slabs)
+    while slabs > GRAD_SLABS[0] and sum(r.bytes for r in rows) > usable(host_limit, HOST_MARGIN):
+        slabs -= 1  # the pinned pool's growth with more slabs must fit too
+        rows = rows_of(placed, slabs)
+    _, gpu_mem_fraction, preallocate = _xla_pool(machine, gpu_budget, gpu_need, n_dev)
     host_need = sum(r.bytes for r in rows)
     if host_avail < host_need <= usable(host_limit, HOST_MARGIN):
         notes.append(f"host: only {host_avail / GB:.1f} GB is available now ({host_source} limit "
@@ -217,23 +255,45 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     disk_rows, disk_need = _disk_rows(cfg, shapes.params, moment_bytes)
     step = predicted_step(cfg, shapes, rates, n_dev=n_dev, n_keep=n_keep, stream_bytes=stream_bytes,
                           moment_bytes=moment_bytes, update_on=update_on, cpu_cores=machine.cpu_cores,
-                          attention=attention)
+                          attention=attention, placement=placed)
     settings = choose.RuntimeSettings(
         attention=attn_info["impl"] if attn_info else None,
         attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=n_dev,
         pinned_pool_bytes=pinned_need(rows), gpu_mem_fraction=gpu_mem_fraction, gpu_preallocate=preallocate)
     options = EngineOptions(compute_dtype=train.compute_dtype, micro_batches=placed.micro_batches,
-                            loss_chunk=train.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
+                            loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
                             activations=placed.activations, grad_hold=placed.grad_hold, grad_slabs=slabs,
                             grad_slab_elems=GRAD_SLAB_ELEMS if chunked else None, stream_copy=stream_copy,
                             update_on=update_on, keep_residuals=n_keep, devices=train.devices,
-                            device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile)
-    return Plan(rows=rows + gpu_rows + disk_rows, settings=settings, options=options, host_need=host_need,
+                            device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile,
+                            grad_hold_gpu_groups=placed.gpu_groups, stream_io=placed.stream_io,
+                            boundary_every=placed.boundary_every)
+    plan = Plan(rows=rows + gpu_rows + disk_rows, settings=settings, options=options, host_need=host_need,
                 host_limit=host_limit, host_available=host_avail, host_source=host_source,
                 gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget, gpu_phases=phases,
                 disk_need=disk_need, disk_free=machine.disk_free.get(train.out_dir) if machine.disk_free else None,
                 step=step, params=shapes.params, machine=machine, notes=notes,
-                step_basis=_step_basis(machine))
+                step_basis=_step_basis(machine), search=search_summary(found))
+    plan.found = found  # the search itself (not a field: not in the JSON): what tests re-check
+    return plan
+
+
+def _host_sums(rows: list[Row]) -> tuple[float, float]:
+    """(host need, the same without XLA's GPU pool table): the search compares the second."""
+    need = sum(r.bytes for r in rows)
+    return need, need - sum(r.bytes for r in rows if r.what.startswith("XLA's GPU allocator table"))
+
+
+def _has_slabs(on_gpu: bool, update_on: str, p: choose.Placement) -> bool:
+    """Whether the run has pinned gradient slabs: a host update's gradient, or a pageable hold's, lands there."""
+    return on_gpu and (update_on == "host" or p.grad_hold in ("host_fp32", "host_bf16"))
+
+
+def search_summary(found: search.Result) -> dict[str, Any]:
+    """What the search tried and, where nothing fit, the candidate that came closest."""
+    b = found.best
+    return {"tried": found.tried, "fitting": found.fitting, "chosen": search.describe(b), "fits": b.fits,
+            "gpu_need": b.gpu_need, "host_need": b.host_need, "predicted_step_s": b.step.get("predicted_step_s")}
 
 
 def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bool, on_gpu: bool, n_dev: int,
@@ -248,10 +308,18 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
                         "train.stream_copy=device removes it"))
     if slab_row is not None:  # device-side updates bring no gradient to the host
         rows.append(slab_row)
+    held = shapes.params - placed.gpu_group_params
+    split = f"; the first {placed.gpu_groups} groups wait on the GPU" if placed.gpu_groups else ""
     if placed.grad_hold == "pinned_host":
-        rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * shapes.params))
+        rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * held, "fp32" + split))
+    elif placed.grad_hold in HOST_HOLD_BYTES:
+        rows.append(Row("host", "gradients held for clipping (pageable)", HOST_HOLD_BYTES[placed.grad_hold] * held,
+                        placed.grad_hold[5:] + ", fed through the slabs" + split))
     if placed.activations == "pinned_host":
-        rows.append(Row("host", "boundary activations (pinned)", host_act_bytes))
+        k = placed.boundary_every
+        kept = -(-shapes.layers // k)
+        rows.append(Row("host", "boundary activations (pinned)", host_act_bytes * kept / shapes.layers,
+                        f"every {k}th block input" if k > 1 else ""))
     if train.final_checkpoint or train.ckpt_every:
         rows.append(Row("host", "checkpoint writer (one group in flight)", shapes.largest_group * (4 + moment_bytes)))
     rows.append(Row("host", "data loader (one batch, index)",
@@ -268,7 +336,8 @@ def _xla_pool(machine: Machine, gpu_budget: float | None, gpu_need: float,
     if machine.backend != "gpu" or not machine.gpu_bytes:
         return None, None, None
     fraction = min(XLA_FRACTION, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes)
-    preallocate = choose.preallocate_pool(gpu_budget, gpu_need)
+    budgeted = bool(gpu_budget and gpu_budget < XLA_FRACTION * machine.gpu_bytes * 0.999)
+    preallocate = choose.preallocate_pool(gpu_budget, gpu_need, budgeted)
     pool = fraction * machine.gpu_bytes
     managed = pool if preallocate else min(pool, grown_pool(gpu_need))
     row = Row("host", "XLA's GPU allocator table (8 bytes per 256 of its pool)",
@@ -277,19 +346,25 @@ def _xla_pool(machine: Machine, gpu_budget: float | None, gpu_need: float,
     return row, round(fraction, 4), preallocate
 
 
-def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool):
-    """The attention path (attention.py) and its working set beyond what the coefficients include."""
+def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool, target: bool = False):
+    """The attention path (attention.py) and its working set beyond what the coefficients include. A
+    described GPU (``target``) has cuDNN with the pre-Hopper head-dim limit (128), whatever this machine has."""
     from megatrain_jax import attention as attn_mod
 
     m, backend = cfg.model, "gpu" if on_gpu else "cpu"
+    limit = 128 if (target and on_gpu) else None
 
     def describe(batch: int) -> dict[str, Any]:
         return attn_mod.describe(m, cfg.data.seq_len, cfg.train.compute_dtype, backend, batch=batch,
-                                 doc_masking=cfg.data.doc_masking)
+                                 doc_masking=cfg.data.doc_masking, cudnn_max_head_dim=limit)
+
+    cache: dict[int, tuple[float, str]] = {}
 
     def extra(batch: int) -> tuple[float, str]:
-        d = describe(batch)
-        return float(max(d["extra_over_cudnn_bytes"], 0)), d["impl"]
+        if batch not in cache:  # the search asks for the same few batches many times
+            d = describe(batch)
+            cache[batch] = float(max(d["extra_over_cudnn_bytes"], 0)), d["impl"]
+        return cache[batch]
 
     return describe(max(shapes.batch // first_micro, 1)), extra
 
@@ -336,26 +411,70 @@ def _step_basis(machine: Machine) -> str:
 
 
 def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_dev: int, n_keep: int, stream_bytes: int,
-                   moment_bytes: float, update_on: str, cpu_cores: int, attention: bool = True) -> dict[str, Any]:
-    """The step's floor terms (compute, host->GPU, GPU->host, optimizer) and the largest of them.
-    N GPUs: each receives every block over its own link, all read the one host memory at once; the
-    summed gradient leaves once, its chunks spread over the N links."""
+                   moment_bytes: float, update_on: str, cpu_cores: int, attention: bool = True,
+                   placement: choose.Placement | None = None) -> dict[str, Any]:
+    """The step's floor terms (compute, host->GPU, GPU->host, optimizer, host copies) and the largest of
+    them; ``work_s`` is their sum (the search's second key). N GPUs: each receives every block over its
+    own link, all read the one host memory at once; the summed gradient leaves once, its chunks spread
+    over the N links. ``placement`` adds its costs: ``boundary_every`` k recomputes (k-1)/k of the blocks'
+    forward; ``resweep`` runs the backward (with its recompute) once more and streams the blocks again;
+    pinned activations cross both ways; a host hold's gradient crosses back for a device-side update and
+    a pageable one is copied by one host thread; ``stream_io`` sends the head twice and the batch's
+    embedding rows instead of the whole embedding and head once."""
     train, optim, model = cfg.train, cfg.optim, cfg.model
+    p = placement
+    k = p.boundary_every if p else 1
+    hold = p.grad_hold if p else "gpu_fp32"
+    io = bool(p and p.stream_io)
     tokens = train.batch_size * cfg.data.seq_len
+    non_emb = model.non_embedding_params()
     attn = 12.0 * model.num_layers * model.num_heads * model.dim_per_head * cfg.data.seq_len if attention else 0.0
-    hw_flops = tokens * (8 * model.non_embedding_params() - 2 * n_keep * shapes.block + 8 * shapes.vocab * shapes.hidden
+    hw_flops = tokens * (8 * non_emb - 2 * n_keep * shapes.block + 8 * shapes.vocab * shapes.hidden
                          + 4.0 / 6.0 * attn)
+    fwd_blocks = tokens * (2 * non_emb + attn / 6.0)
+    hw_flops += (k - 1) / k * fwd_blocks
+    if hold == "resweep":  # recompute (1 forward) + backward (2 forwards) of every block once more: ~+75%
+        hw_flops += 3 * fwd_blocks
     rate = rates["matmul_bf16" if train.compute_dtype == "bfloat16" else "matmul_fp32"] * n_dev
-    # blocks twice (forward, backward), embedding and head once
-    h2d_bytes = 2 * shapes.layers * shapes.block * stream_bytes + 4 * (shapes.embed + shapes.head)
+    compute_s = hw_flops / rate
+    # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
+    cast = shapes.params if hold in ("gpu_bf16", "host_bf16") else (p.gpu_group_params if p else 0)
+    compute_s += 6.0 * cast / GPU_MEMORY_RATE
+    # blocks twice (forward, backward), embedding and head once (stream_io: head twice, the batch's rows)
+    out_matrix = shapes.vocab * shapes.hidden + shapes.hidden  # the head's (tied: the embedding) and final norm
+    io_bytes = 2 * 4 * out_matrix + 4 * tokens // n_dev * shapes.hidden if io else 4 * (shapes.embed + shapes.head)
+    h2d_bytes = 2 * shapes.layers * shapes.block * stream_bytes + io_bytes
+    if hold == "resweep":
+        h2d_bytes += shapes.layers * shapes.block * stream_bytes
     opt_rate = RATES["adamw_elems"]["optax" if optim.kernel == "optax" else optim.moments] * min(cpu_cores, 16) / 16
     h2d_s = max(h2d_bytes / rates["h2d"], n_dev * h2d_bytes / rates["host_read"])
-    step = {"compute_s": hw_flops / rate, "h2d_s": h2d_s, "d2h_s": 4 * shapes.params / (rates["d2h"] * n_dev),
-            "optimizer_s": shapes.params / opt_rate}
+    grad_d2h = 4.0 * shapes.params
+    extra_h2d = extra_d2h = copy_bytes = 0.0
+    if p is not None and p.activations == "pinned_host":
+        act = shapes.layers * shapes.tokens * shapes.hidden * shapes.dtype_bytes * (-(-shapes.layers // k)) \
+            / shapes.layers
+        extra_d2h += act
+        extra_h2d += act * (2 if hold == "resweep" else 1)
+    if hold in HOST_HOLD_BYTES:
+        held = HOST_HOLD_BYTES[hold] * (shapes.params - (p.gpu_group_params if p else 0))
+        if update_on == "device":  # out for the norm, back for the update
+            extra_d2h += held
+            extra_h2d += held
+        elif hold == "host_bf16":  # the held part leaves in bf16
+            grad_d2h -= held
+        if hold != "pinned_host":  # the copier moves each landed slab into the pageable hold
+            copy_bytes += held * (2 if update_on == "device" else 1)
+            if hold == "host_bf16" and update_on == "host":
+                copy_bytes += 2 * held  # widened to fp32 for the host update
+    step = {"compute_s": compute_s, "h2d_s": h2d_s + extra_h2d / rates["h2d"],
+            "d2h_s": grad_d2h / (rates["d2h"] * n_dev) + extra_d2h / rates["d2h"],
+            "optimizer_s": shapes.params / opt_rate, "host_copy_s": copy_bytes / HOST_COPY_RATE}
     if update_on == "device":  # the state crosses PCIe both ways instead of the gradient; no host kernel
-        step["h2d_s"] = (h2d_bytes + moment_bytes * shapes.params) / rates["h2d"]
-        step["d2h_s"] = (4 + moment_bytes) * shapes.params / rates["d2h"]
+        step["h2d_s"] = (h2d_bytes + moment_bytes * shapes.params + extra_h2d) / rates["h2d"]
+        step["d2h_s"] = ((4 + moment_bytes) * shapes.params + extra_d2h) / rates["d2h"]
         step["optimizer_s"] = 0.0
-    step["predicted_step_s"] = max(step.values())
-    step["binding"] = max(("compute_s", "h2d_s", "d2h_s", "optimizer_s"), key=lambda k: step[k])
+    terms = ("compute_s", "h2d_s", "d2h_s", "optimizer_s", "host_copy_s")
+    step["predicted_step_s"] = max(step[t] for t in terms)
+    step["work_s"] = sum(step[t] for t in terms)
+    step["binding"] = max(terms, key=lambda t: step[t])
     return step

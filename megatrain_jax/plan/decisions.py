@@ -1,18 +1,18 @@
 """The plan's choices: every ``auto`` of the config decided from sizes (``sizes.py``) and the machine.
 
-Micro-batches, where boundary activations and held gradients live, the streaming copy, where the
-update runs, kept residuals, gradient slabs, and XLA's pool. Each function decides one thing and
-says why; ``build.py`` calls them in order and turns the result into ``EngineOptions``.
+The streaming copy, where the update runs, the micro-batch counts the search may try, kept
+residuals, gradient slabs, and XLA's pool. Each function decides one thing and says why; the step's
+placement (micro-batches, activations, gradient hold, streaming, loss chunk) is searched
+(``search.py``); ``build.py`` calls them in order and turns the result into ``EngineOptions``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatrain_jax.errors import UserError
-from megatrain_jax.plan.sizes import (AUTO_SEQ_TILE, GB, GPU_MARGIN, GRAD_SLABS, HOLD_BYTES, MICRO_TOKENS,
-                                      PREALLOCATE_ABOVE, RATES, TILE_ABOVE, XLA_FRACTION, AttentionExtra, Row, Shapes,
-                                      block_working_set, gpu_phases, residual_bytes_per_block, usable)
+from megatrain_jax.plan.sizes import (GB, GPU_MARGIN, GRAD_SLABS, MICRO_TOKENS, PREALLOCATE_ABOVE, RATES,
+                                      XLA_FRACTION, Row, Shapes, residual_bytes_per_block, usable)
 
 # the host-state modes, fullest first: (name, overrides)
 MODES = {"full": {"moments": "float32"},
@@ -44,19 +44,26 @@ class RuntimeSettings:
 
 @dataclass
 class Placement:
-    """One candidate of the placement search: micro-batches, where activations and held gradients
-    live, and the GPU phases it makes."""
+    """One candidate of the placement search (``search.py``): micro-batches, where activations and
+    held gradients live, how the step streams, and the GPU phases, host need and step it makes."""
 
     micro_batches: int
     activations: str  # device | pinned_host
-    grad_hold: str  # gpu_fp32 | gpu_bf16 | pinned_host
+    grad_hold: str  # gpu_fp32 | gpu_bf16 | pinned_host | host_fp32 | host_bf16 | resweep
     phases: dict[str, float]
     gpu_rows: list[Row]
     gpu_need: float
     fits: bool
-    host_extra: float = 0.0  # pinned host bytes it adds
     notes: list[str] = field(default_factory=list)
     seq_tile: int = 0  # the blocks' sequence tile (0: untiled)
+    boundary_every: int = 1  # keep every k-th block input
+    stream_io: bool = False  # embedding and head not resident
+    gpu_groups: int = 0  # a host hold's first groups held on the GPU in bf16 (grad_hold_gpu_groups)
+    gpu_group_params: int = 0  # their parameters
+    loss_chunk: int = 1024
+    host_need: float = 0.0  # the plan's host need with this candidate (fewest slabs)
+    host_placed: float = 0.0  # the same without XLA's GPU pool table (what the search's order compares)
+    step: dict[str, Any] = field(default_factory=dict)  # its predicted step (build.predicted_step)
 
 
 def resolve_devices(train_devices: Any, gpu_count: int, processes: int, devices: int | None) -> int:
@@ -105,64 +112,6 @@ def micro_batch_candidates(setting: Any, batch: int, seq: int, devices: int) -> 
         return [k for k in divisors if batch * seq // k <= MICRO_TOKENS] or divisors[-1:]
     asked = int(setting)
     return [asked // devices if devices > 1 and asked % devices == 0 else asked]
-
-
-def placement_order(activations: str, grad_hold: str, *, cpu_only: bool) -> list[tuple[str, str]]:
-    """(activations, grad_hold) pairs in order of preference: what costs nothing first (activations on
-    the GPU, exact fp32 gradients), then bf16 holding, then pinned host memory for activations, then
-    for gradients. On the CPU backend without a budget all "device" memory is host memory."""
-    holds = ["gpu_fp32", "gpu_bf16", "pinned_host"] if grad_hold == "auto" else [grad_hold]
-    acts = ["device", "pinned_host"] if activations == "auto" else [activations]
-    if cpu_only:
-        holds = ["gpu_fp32"] if grad_hold == "auto" else holds
-        acts = ["device"] if activations == "auto" else acts
-    pairs = [(a, h) for h in holds for a in acts]
-    pairs.sort(key=lambda ah: (ah[1] == "pinned_host", ah[0] == "pinned_host", ah[1] == "gpu_bf16"))
-    return pairs
-
-
-def choose_placement(shapes: Shapes, order: list[tuple[str, str]], micro_candidates: list[int], *,
-                     gpu_usable: float | None, host_room: float, host_act_bytes: float, loss_chunk: int,
-                     stream_bytes: int, device_cast: bool, attn: AttentionExtra | None,
-                     update_state_bytes: float | None) -> Placement:
-    """The first placement in ``order`` (and within it the first micro-batch count) that fits the GPU
-    and whose pinned host bytes fit the host's room; the first one tried when none fits. With
-    ``model.seq_tile=auto`` (``shapes.tile_auto``), where nothing untiled fits or one block's untiled
-    working set is over ``TILE_ABOVE`` of the GPU room, the same search with the blocks tiled
-    (``AUTO_SEQ_TILE`` tokens): XLA takes a block VJP's temporaries as one allocation, and at 131k
-    tokens that one allocation (23.31 GiB) is what ran out of memory (DESIGN.md section 6)."""
-    kw = dict(gpu_usable=gpu_usable, host_room=host_room, host_act_bytes=host_act_bytes, loss_chunk=loss_chunk,
-              stream_bytes=stream_bytes, device_cast=device_cast, attn=attn, update_state_bytes=update_state_bytes)
-    placed = _first_fit(shapes, order, micro_candidates, **kw)
-    if not shapes.tile_auto or shapes.seq <= AUTO_SEQ_TILE:
-        return placed
-    ws = block_working_set(shapes, shapes.tokens // placed.micro_batches)
-    if placed.fits and (gpu_usable is None or ws <= TILE_ABOVE * gpu_usable):
-        return placed
-    tiled = _first_fit(replace(shapes, seq_tile=AUTO_SEQ_TILE), order, micro_candidates, **kw)
-    tiled.notes.append(f"model.seq_tile=auto: blocks run over {AUTO_SEQ_TILE}-token sequence tiles (untiled, "
-                       f"one block's working set would be {ws / GB:.1f} GB)")
-    return tiled
-
-
-def _first_fit(shapes: Shapes, order: list[tuple[str, str]], micro_candidates: list[int], *,
-               gpu_usable: float | None, host_room: float, host_act_bytes: float, loss_chunk: int,
-               stream_bytes: int, device_cast: bool, attn: AttentionExtra | None,
-               update_state_bytes: float | None) -> Placement:
-    first = None
-    for act, hold in order:
-        extra = (host_act_bytes if act == "pinned_host" else 0) + (4.0 * shapes.params if hold == "pinned_host" else 0)
-        for micro in micro_candidates:
-            phases, rows = gpu_phases(shapes, micro_batches=micro, stream_bytes=stream_bytes, device_cast=device_cast,
-                                      act_on_gpu=act == "device", hold_bytes=HOLD_BYTES[hold], loss_chunk=loss_chunk,
-                                      deferred=True, attn=attn, update_state_bytes=update_state_bytes)
-            need = max(phases.values())
-            fits = (gpu_usable is None or need <= gpu_usable) and (extra == 0 or extra <= host_room)
-            candidate = Placement(micro, act, hold, phases, rows, need, fits, extra, seq_tile=shapes.seq_tile)
-            if fits:
-                return candidate
-            first = first or candidate  # reported if nothing fits
-    return first
 
 
 def choose_keep_residuals(asked: Any, shapes: Shapes, *, on_gpu: bool, devices: int, act_on_gpu: bool, moments: str,
@@ -214,7 +163,12 @@ def gpu_usable_of(budget: float | None) -> float | None:
     return usable(budget, GPU_MARGIN) if budget else None
 
 
-def preallocate_pool(budget: float | None, need: float) -> bool:
+def preallocate_pool(budget: float | None, need: float, budgeted: bool = False) -> bool:
     """Whether XLA makes its pool whole at the start: not where the step stays below
-    PREALLOCATE_ABOVE of the budget (the pool grows on demand and its host-side table stays small)."""
-    return not (budget and need <= PREALLOCATE_ABOVE * budget)
+    PREALLOCATE_ABOVE of the budget (the pool grows on demand and its host-side table stays small),
+    except under a budget smaller than the GPU (``budgeted``, train.gpu_memory_gb): grown on demand, the
+    pool is regions doubling from 2 MiB with the last one cut at the budget (24 GB: ..., 4 and 8 GiB, then
+    6.35 GiB), and one large allocation must fit a single region's free run: Llama-3.2-3B at 24 GB ran out
+    of memory on a 6.27 GiB allocation with most of the pool free (RESULTS.md). One region holds any
+    allocation that fits, and its table costs at most budget/32 of host memory."""
+    return budgeted or not (budget and need <= PREALLOCATE_ABOVE * budget)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan.decisions import MODES, mode_settings
-from megatrain_jax.plan.sizes import GB, GPU_MARGIN, HOST_MARGIN, GiB, usable
+from megatrain_jax.plan.sizes import GB, GPU_MARGIN, HOST_MARGIN, XLA_FRACTION, GiB, usable
 
 MIN_SEQ = 64  # the shortest sequence a fix proposes (below it, the model is what does not fit)
 
@@ -22,17 +22,29 @@ def verdict(p) -> UserError | None:
     """The first thing of plan ``p`` that does not fit (host, GPU, disk), or None."""
     if not p.fits_host():
         return _host_refusal(p)
-    if p.gpu_budget is not None and p.gpu_need is not None and p.gpu_need > usable(p.gpu_budget, GPU_MARGIN):
+    if not fits_gpu(p):
         phase = max(p.gpu_phases, key=p.gpu_phases.get)
-        return UserError("GPU memory", f"the plan needs {p.gpu_need / GB:.1f} GB at its peak ({phase}) but the "
-                         f"budget is {p.gpu_budget / GB:.1f} GB", "fewer tokens per micro-batch "
-                         "(raise train.micro_batches or set it to auto, or lower data.seq_len / train.batch_size), "
-                         "a smaller train.loss_chunk, or a GPU with more memory")
+        room = usable(p.gpu_budget, GPU_MARGIN)
+        closest = p.search.get("chosen", "")
+        return UserError("GPU memory", f"no placement the plan tried ({p.search.get('tried', 0)}) fits the "
+                         f"{p.gpu_budget / GB:.1f} GB budget; the closest ({closest}) needs {p.gpu_need / GB:.1f} GB "
+                         f"at its peak ({phase}), {(p.gpu_need - room) / GB:.1f} GB more than the "
+                         f"{room / GB:.1f} GB the budget leaves after a {GPU_MARGIN[0]:.0%} + "
+                         f"{GPU_MARGIN[1] / GiB:.0f} GiB margin", p.gpu_fix or "a GPU with more memory")
     if p.disk_free is not None and p.disk_need > p.disk_free:
         return UserError("disk", f"checkpoints/export need {p.disk_need / GB:.1f} GB but {p.disk_free / GB:.1f} GB "
                          f"is free where they go", "train.ckpt_every=0 and train.final_checkpoint=false, a lower "
                          "train.keep_last, or another train.out_dir")
     return None
+
+
+def fits_gpu(p) -> bool:
+    return p.gpu_budget is None or p.gpu_need is None or p.gpu_need <= usable(p.gpu_budget, GPU_MARGIN)
+
+
+def fits(p) -> bool:
+    """Host and GPU both (what a fix must achieve; disk is another refusal with its own fix)."""
+    return p.fits_host() and fits_gpu(p)
 
 
 def _host_refusal(p) -> UserError:
@@ -50,7 +62,8 @@ def _host_refusal(p) -> UserError:
         fixes = ["a machine with more memory"]
     if p.host_source != "train.host_memory_gb":
         fixes.append("or train.host_memory_gb=N if this machine's limit is misread")
-    return UserError("host memory", f"the plan needs {p.host_need / GB:.1f} GB ({size}) but the limit is "
+    closest = f"; closest placement: {p.search['chosen']}" if p.search and not p.search.get("fits", True) else ""
+    return UserError("host memory", f"the plan needs {p.host_need / GB:.1f} GB ({size}{closest}) but the limit is "
                      f"{p.host_limit / GB:.1f} GB ({p.host_source}; {short / GB:.1f} GB short after a "
                      f"{HOST_MARGIN[0]:.0%} + {HOST_MARGIN[1] / GiB:.0f} GiB safety margin)", ", ".join(fixes))
 
@@ -112,7 +125,7 @@ def host_fix(cfg: Config, plan, replan: Callable[[Config, dict | None], Any]) ->
     def first_fit(candidates, over):
         for label, c in candidates:
             q = planned(c, over)
-            if q is not None and q.fits_host():
+            if q is not None and fits(q):
                 return label
         return None
 
@@ -140,3 +153,59 @@ def _halvings(value: int, floor: int, multiple: int) -> list[int]:
             break
         out.append(nxt)
     return out
+
+
+SEARCHED = ("micro_batches", "activations", "grad_hold", "stream_io", "boundary_every", "update_on")
+GPU_SIZES = (10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 94, 141, 192, 288)  # GB of GPUs a fix may name
+
+
+def gpu_fix(cfg: Config, plan, replan: Callable[[Config, Any], Any]) -> str:
+    """The fix of a GPU refusal, each alternative checked by planning it (``replan(cfg, machine)``,
+    None: the same machine) and named only where that plan fits host and GPU: the settings that
+    restrict the search back to auto, fewer tokens per step, a larger budget where the GPU has it, a
+    GPU with more memory."""
+    def planned(c: Config, machine=None):
+        try:
+            q = replan(c, machine)
+        except UserError:
+            return None
+        return q if q is not None and fits(q) else None
+
+    train = cfg.train
+    fixes: list[str] = []
+    fixed = {f: getattr(train, f) for f in SEARCHED if getattr(train, f) != "auto"}
+    if fixed:
+        free = dataclasses.replace(cfg, train=dataclasses.replace(train, **{f: "auto" for f in fixed}))
+        if planned(free) is not None:
+            fixes.append(" ".join(f"train.{f}=auto" for f in fixed) + " (let the plan search)")
+    n_dev = plan.settings.devices
+    micro = train.micro_batches if train.micro_batches != "auto" else 1
+    step = micro * n_dev // math.gcd(micro, n_dev)
+
+    def shaped(batch: int, length: int) -> Config:
+        return dataclasses.replace(cfg, train=dataclasses.replace(train, batch_size=batch),
+                                   data=dataclasses.replace(cfg.data, seq_len=length))
+
+    for b in _halvings(train.batch_size, min(step, train.batch_size), step)[1:]:
+        if planned(shaped(b, cfg.data.seq_len)) is not None:
+            fixes.append(f"fewer tokens per step: train.batch_size={b}")
+            break
+    else:
+        for n in _halvings(cfg.data.seq_len, min(cfg.data.seq_len, MIN_SEQ), 1)[1:]:
+            if planned(shaped(train.batch_size, n)) is not None:
+                fixes.append(f"fewer tokens per step: data.seq_len={n}")
+                break
+    m = plan.machine
+    whole = m.gpu_bytes * XLA_FRACTION / GB if m.gpu_bytes else None
+    if train.gpu_memory_gb and (whole is None or train.gpu_memory_gb < whole):
+        sizes = [g for g in GPU_SIZES if train.gpu_memory_gb < g and (whole is None or g < whole)]
+        for size in sizes + ([math.floor(whole)] if whole else []):
+            if planned(dataclasses.replace(cfg, train=dataclasses.replace(train, gpu_memory_gb=float(size)))):
+                fixes.append(f"train.gpu_memory_gb={size}")
+                break
+    elif m.backend == "gpu":
+        for size in [g for g in GPU_SIZES if g * GB > (m.gpu_bytes or 0)]:
+            if planned(cfg, dataclasses.replace(m, gpu_bytes=size * GB)) is not None:
+                fixes.append(f"a GPU with {size} GB")
+                break
+    return ", or ".join(fixes[:3]) + " fits" if fixes else "nothing this plan can change fits: a GPU with more memory"

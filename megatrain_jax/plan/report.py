@@ -49,12 +49,18 @@ def plan_table(p: Plan) -> str:
     if r.attention_summary:
         lines.append(r.attention_summary)
     lines.append(f"decisions: micro_batches={o.micro_batches}, activations={o.activations}, "
-                 f"grad_hold={o.grad_hold}, stream_copy={o.stream_copy}, moments={r.moments}, "
-                 f"update_on={o.update_on}, devices={r.devices}, seq_tile={o.seq_tile}")
+                 f"boundary_every={o.boundary_every}, grad_hold={o.grad_hold}"
+                 + (f" (first {o.grad_hold_gpu_groups} groups on the GPU)" if o.grad_hold_gpu_groups else "")
+                 + f", stream_io={'true' if o.stream_io else 'false'}, loss_chunk={o.loss_chunk}, "
+                 f"stream_copy={o.stream_copy}, moments={r.moments}, update_on={o.update_on}, "
+                 f"keep_residuals={o.keep_residuals}, devices={r.devices}, seq_tile={o.seq_tile}")
+    if p.search:
+        lines.append(f"search: {p.search['fitting']} of {p.search['tried']} candidates fit")
     st = p.step
     lines.append(f"predicted step ({p.step_basis}): {st['predicted_step_s']:.2f} s, bound by {st['binding'][:-2]} "
                  f"(compute {st['compute_s']:.2f} s, host->GPU {st['h2d_s']:.2f} s, GPU->host {st['d2h_s']:.2f} s, "
-                 f"optimizer {st['optimizer_s']:.2f} s)")
+                 f"optimizer {st['optimizer_s']:.2f} s"
+                 + (f", host copies {st['host_copy_s']:.2f} s" if st.get("host_copy_s") else "") + ")")
     lines.extend(f"note: {n}" for n in p.notes)
     v = p.verdict()
     lines.append("verdict: fits" if v is None else f"verdict: does not fit: {v}")

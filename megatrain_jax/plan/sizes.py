@@ -10,6 +10,7 @@ activations never coexist in full, so the peak is taken over the phases of a ste
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -61,7 +62,12 @@ RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9,
          # 16 threads of the H100 machine's host (experiments/bench_compact_adamw.py)
          "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 3.5e9, "optax": 1.0e9}}
 MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
-HOLD_BYTES = {"gpu_fp32": 4, "gpu_bf16": 2, "pinned_host": None}  # GPU bytes/param of each gradient hold
+HOLD_BYTES = {"gpu_fp32": 4, "gpu_bf16": 2, "pinned_host": None, "host_fp32": None, "host_bf16": None,
+              "resweep": None}  # GPU bytes/param of each gradient hold
+HOST_HOLD_BYTES = {"pinned_host": 4, "host_fp32": 4, "host_bf16": 2}  # host bytes/param of each host hold
+IO_VOCAB_CHUNK = 16384  # vocabulary rows of the head on the GPU at once with train.stream_io (the engine's chunk)
+PINNED_LIMIT_FACTOR = 1.5  # XLA's pinned-host pool limit over the plan's pinned bytes (+ 2 GiB): fragmentation room
+HOST_COPY_RATE = 10e9  # bytes/s of one host thread's memcpy (a pageable hold's copier; a bf16 conversion)
 
 
 @dataclass
@@ -163,24 +169,39 @@ AttentionExtra = Callable[[int], "tuple[float, str]"]  # sequences per micro-bat
 
 def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_cast: bool, act_on_gpu: bool,
                hold_bytes: int | None, loss_chunk: int, deferred: bool, attn: AttentionExtra | None = None,
-               update_state_bytes: float | None = None) -> tuple[dict[str, float], list[Row]]:
+               update_state_bytes: float | None = None, boundary_every: int = 1, stream_io: bool = False,
+               gpu_group_bytes: float = 0.0, resweep: bool = False) -> tuple[dict[str, float], list[Row]]:
     """Bytes on the GPU at each phase of a step, and the rows that explain them.
     ``update_state_bytes``: optimizer state bytes/param of a device-side update (``train.update_on=device``),
-    None for host updates."""
+    None for host updates. ``boundary_every`` k: every k-th block input is kept (L/k layers), and the
+    backward holds the k-1 inputs it recomputes for one segment. ``stream_io``: neither embedding nor head
+    is resident; one vocabulary chunk of the head (fp32 + cast + its fp32 gradient), one logits tile and
+    the fp32 dx are. ``gpu_group_bytes``: the bf16 share of a split hold (``grad_hold_gpu_groups``).
+    ``resweep``: no hold; the activations stay for a second backward sweep."""
     dt = shapes.dtype_bytes
     tok_mb = shapes.batch * shapes.seq // micro_batches
     rows = []
-    # the embedding and head always stream their fp32 master (hoststore.py) and are cast in each jit
-    resident = (shapes.embed + shapes.head) * 4 + (shapes.embed + shapes.head) * (dt if dt == 2 else 0)
-    rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
-                    "fp32 + compute-dtype cast" if dt == 2 else "fp32"))
+    k = max(int(boundary_every), 1)
+    if stream_io:
+        vc = min(IO_VOCAB_CHUNK, shapes.vocab)
+        resident = vc * shapes.hidden * (4 + dt + 4)
+        rows.append(Row("gpu", "head: one vocabulary chunk (train.stream_io)", resident,
+                        f"{vc} rows fp32 + cast + fp32 gradient; embedding rows gathered per batch"))
+    else:
+        # the embedding and head always stream their fp32 master (hoststore.py) and are cast in each jit
+        resident = (shapes.embed + shapes.head) * 4 + (shapes.embed + shapes.head) * (dt if dt == 2 else 0)
+        rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
+                        "fp32 + compute-dtype cast" if dt == 2 else "fp32"))
     inflight = 2 * shapes.block * stream_bytes + (shapes.block * dt if device_cast else 0)
     rows.append(Row("gpu", "two blocks in flight", inflight, "fp32 master, cast on the GPU" if device_cast else ""))
     act_layer = shapes.batch * shapes.seq * shapes.hidden * dt
-    acts = shapes.layers * act_layer if act_on_gpu else 2 * act_layer
+    kept_layers = -(-shapes.layers // k)
+    segment = (k - 1) * act_layer  # the inputs of one segment, recomputed in the backward
+    acts = (kept_layers * act_layer if act_on_gpu else 2 * act_layer) + segment
     rows.append(Row("gpu", "boundary activations", acts,
-                    f"{shapes.layers} layers x {shapes.tokens} tokens" if act_on_gpu
-                    else "in pinned host memory; 2 layers reloaded"))
+                    (f"{kept_layers} layers x {shapes.tokens} tokens" if act_on_gpu
+                     else "in pinned host memory; 2 layers reloaded")
+                    + (f"; every {k}th block input, {k - 1} recomputed per segment" if k > 1 else "")))
     ws = block_working_set(shapes, tok_mb)
     rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"
                     + (f", sequence tiles of {shapes.seq_tile}" if 0 < shapes.seq_tile < shapes.seq else "")))
@@ -188,37 +209,73 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         extra, impl = attn(max(shapes.batch // micro_batches, 1))
         rows.append(Row("gpu", "attention working set beyond cuDNN's", extra, impl))
         ws += extra
-    accum = shapes.block * 4 + (shapes.embed * 4)  # current block's fp32 accumulator + the embedding's
-    rows.append(Row("gpu", "gradient accumulators (fp32)", accum + shapes.head * 4, "current block, embedding, head"))
-    loss_ws = loss_working_set(shapes, tok_mb, loss_chunk)
-    rows.append(Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
-                    f"chunk {min(loss_chunk, tok_mb)} tokens"))
+    # current block's fp32 accumulator + the embedding's (stream_io: the gathered rows' gradient)
+    emb_acc = shapes.tokens * shapes.hidden * 4 if stream_io else shapes.embed * 4
+    head_acc = 0 if stream_io else shapes.head * 4  # stream_io: counted with the vocabulary chunk
+    accum = shapes.block * 4 + emb_acc
+    rows.append(Row("gpu", "gradient accumulators (fp32)", accum + head_acc,
+                    "current block, embedding rows" if stream_io else "current block, embedding, head"))
+    if stream_io:
+        vc = min(IO_VOCAB_CHUNK, shapes.vocab)
+        loss_ws = min(loss_chunk, tok_mb) * vc * LOSS_BYTES_PER_LOGIT + shapes.tokens * shapes.hidden * 4 \
+            + 3 * tok_mb * shapes.hidden * 4
+        rows.append(Row("gpu", "loss tile and dx (logits never exist whole)", loss_ws,
+                        f"{min(loss_chunk, tok_mb)} tokens x {vc} vocabulary, fp32 dx of the step"))
+        out_grad = 0.0  # the head's gradient leaves one vocabulary chunk at a time
+    else:
+        loss_ws = loss_working_set(shapes, tok_mb, loss_chunk)
+        rows.append(Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
+                        f"chunk {min(loss_chunk, tok_mb)} tokens"))
+        out_grad = shapes.vocab * shapes.hidden * (4 + dt)  # the output matrix's fp32 gradient and its cast
     held = (shapes.params * hold_bytes) if (deferred and hold_bytes) else 0
+    held += gpu_group_bytes if deferred else 0.0
     if deferred:
         rows.append(Row("gpu", "gradients held for clipping", held,
-                        {4: "fp32", 2: "bf16"}.get(hold_bytes or 0, "in pinned host memory")))
+                        "none: a second backward sweep (resweep)" if resweep else
+                        {4: "fp32", 2: "bf16"}.get(hold_bytes or 0, "in host memory")
+                        + (", the first groups in bf16 on the GPU" if gpu_group_bytes else "")))
     fixed = resident + inflight
     update = 0.0
     if update_state_bytes is not None:
         # the state of the two blocks in flight and of the embedding or head being updated, three updated
         # blocks (master + state) being written back, and one slice of the update's temporaries (up to 16
         # bytes a value); counted at the loss too, where the H100 measured it (RESULTS.md)
-        update = update_state_bytes * (2 * shapes.block + max(shapes.embed, shapes.head)) \
-            + (4 + update_state_bytes) * 3 * shapes.block \
+        big = shapes.block if stream_io else max(shapes.embed, shapes.head)
+        update = update_state_bytes * (2 * shapes.block + big) + (4 + update_state_bytes) * 3 * shapes.block \
             + 16.0 * min(DEVICE_UPDATE_CHUNK, max(shapes.embed, shapes.head, shapes.block))
         rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
                         "train.update_on=device"))
+    head_hold = shapes.head * (hold_bytes or 0) if (deferred and not stream_io) else 0
     phases = {
         "forward start (all held gradients, no activations)": fixed + held + act_layer + ws / 2 + update,
         # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
-        "loss (all activations, loss chunk)": fixed + acts + loss_ws + shapes.head * 4 + shapes.embed * 4
-        + shapes.vocab * shapes.hidden * (4 + dt) + act_layer + update,
-        "backward start (activations, accumulators)": fixed + acts + accum + shapes.head * 4 + ws
-        + (shapes.head * (hold_bytes or 0) if deferred else 0),
+        "loss (all activations, loss chunk)": fixed + acts - segment + loss_ws + head_acc + emb_acc + out_grad
+        + act_layer + update,
+        "backward start (activations, accumulators)": fixed + acts + accum + head_acc + ws + head_hold,
         "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu else 0)
-        + act_layer,
+        + act_layer + segment,
     }
+    if resweep:  # the first sweep takes only the norm: every activation stays for the second, and dx of the top
+        phases["second backward (activations kept, top dx)"] = fixed + acts + accum + head_acc + ws + act_layer
     return phases, rows
+
+
+def pinned_pool(pinned: float, limit: float | None = None) -> float:
+    """Host bytes XLA's pinned-host allocator holds resident once ``pinned`` bytes are in use: a BFC
+    allocator with growth (xla GetGpuHostAllocator: allow_growth, cudaHostAlloc regions, every page
+    locked) whose regions double from 2 MiB, the last one cut at its limit
+    (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, ``pinned_limit``). Peak RSS carries the whole pool: 49.3 GB of
+    pinned arrays became a 68.7 GB pool (Llama-3.1-8B at 24 GB, RESULTS.md: 121.4 GB RSS, plan 100.7)."""
+    if pinned <= 0:
+        return 0.0
+    cap = pinned_limit(pinned) if limit is None else limit
+    return min(grown_pool(pinned), max(cap, pinned))
+
+
+def pinned_limit(pinned: float) -> float:
+    """The pinned-host pool's limit the plan gives XLA (``apply_gpu_settings``), bytes: room for
+    fragmentation over what the plan puts there, in whole GiB."""
+    return float(max(4, math.ceil(pinned * PINNED_LIMIT_FACTOR / GiB) + 2) * GiB)
 
 
 def residual_bytes_per_block(shapes: Shapes, head_dim: int) -> float:

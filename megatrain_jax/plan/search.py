@@ -1,0 +1,247 @@
+"""The placement search: every ``auto`` of the step's placement enumerated, the fastest predicted
+candidate that fits the GPU budget and the host limit taken.
+
+Axes (a setting fixed in the config is the only value of its axis): micro-batches, where boundary
+activations live (device | pinned_host), ``boundary_every`` (1, 2, 4), where gradients wait for the
+clipping norm (gpu_fp32, gpu_bf16, pinned_host, host_fp32, host_bf16, resweep) with, for a host
+hold, the first groups held on the GPU in bf16 where its free room allows (``grad_hold_gpu_groups``),
+``stream_io`` (embedding and head not resident), the loss chunk (the configured one and halvings of
+it), and the blocks' sequence tile (``model.seq_tile=auto``). Each candidate's GPU phases come from
+``sizes.gpu_phases``, its host bytes and predicted step from the callbacks ``build.py`` gives
+(the same functions the final plan uses, so the figures the search compares are the plan's).
+
+Order among fitting candidates (``choose``): the shortest predicted step, steps within STEP_TOL
+taken as equal; among those, the least host memory (shared with everything else on the machine; the
+GPU budget is the run's alone) within HOST_TOL, XLA's GPU pool table left out (it only mirrors the
+GPU bytes); then the exact step, the least total work (the sum of the step's terms: transfers and
+host copies hidden behind compute still contend), fewer micro-batches and the configured loss chunk
+(larger matmuls), less GPU memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from megatrain_jax.plan.decisions import Placement
+from megatrain_jax.plan.sizes import (AUTO_SEQ_TILE, HOLD_BYTES, TILE_ABOVE, AttentionExtra, Shapes,
+                                      block_working_set, gpu_phases)
+
+HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep")
+HOST_HOLDS = ("pinned_host", "host_fp32", "host_bf16")
+BOUNDARY_EVERY = (1, 2, 4)
+MIN_LOSS_CHUNK = 256  # the smallest loss chunk the search tries (below it the head's matmuls are too thin)
+
+
+@dataclass(frozen=True)
+class Axes:
+    """The values each decision may take."""
+
+    micro: tuple[int, ...]
+    activations: tuple[str, ...]
+    holds: tuple[str, ...]
+    boundary: tuple[int, ...]
+    stream_io: tuple[bool, ...]
+    loss_chunks: tuple[int, ...]
+    split: bool  # a host hold may keep its first groups on the GPU (grad_hold_gpu_groups)
+
+    @property
+    def size(self) -> int:
+        return len(self.micro) * len(self.activations) * len(self.holds) * len(self.boundary) \
+            * len(self.stream_io) * len(self.loss_chunks)
+
+
+def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, update_on: str = "host",
+            devices: int = 1) -> Axes:
+    """The search's axes from the config's settings. On the CPU backend the device memory is host
+    memory: without a budget nothing is placed elsewhere; with one, only the placements of a GPU run
+    that need no pinned slabs or streamed embedding (those are GPU mechanisms) are tried. A device-side
+    update (``update_on``) needs a hold: no resweep. Data parallel (``devices`` > 1) searches only what the
+    engine runs on several GPUs (the GPU and pinned holds, every input kept, embedding and head resident)."""
+    holds = HOLDS if train.grad_hold == "auto" else (train.grad_hold,)
+    if update_on == "device" and train.grad_hold == "auto":  # a device-side update waits for the next
+        holds = tuple(h for h in holds if h != "resweep")  # forward: its gradient must be held somewhere
+    acts = ("device", "pinned_host") if train.activations == "auto" else (train.activations,)
+    boundary = BOUNDARY_EVERY if train.boundary_every == "auto" else (int(train.boundary_every),)
+    io = (False, True) if train.stream_io == "auto" else (bool(train.stream_io),)
+    if not on_gpu or devices > 1:  # one-GPU mechanisms: a CPU or data-parallel run takes them only when asked for
+        holds = tuple(h for h in holds if h in ("gpu_fp32", "gpu_bf16", "pinned_host")) or holds
+        boundary = (1,) if train.boundary_every == "auto" else boundary
+        io = (False,) if train.stream_io == "auto" else io
+    if cpu_only:
+        holds = ("gpu_fp32",) if train.grad_hold == "auto" else holds
+        acts = ("device",) if train.activations == "auto" else acts
+    chunks = [int(train.loss_chunk)]
+    while chunks[-1] // 2 >= MIN_LOSS_CHUNK:
+        chunks.append(chunks[-1] // 2)
+    if cpu_only:
+        chunks = chunks[:1]
+    return Axes(tuple(micro), tuple(acts), tuple(holds), tuple(boundary), tuple(io), tuple(chunks),
+                split=on_gpu and not cpu_only)
+
+
+@dataclass
+class Context:
+    """What every candidate's evaluation needs: the step's fixed shape and the plan's callbacks."""
+
+    stream_bytes: int
+    device_cast: bool
+    attn: AttentionExtra | None
+    update_state_bytes: float | None
+    gpu_usable: float | None
+    host_usable: float
+    host_of: Callable[[Placement], tuple[float, float]]  # the candidate's host need (build.py: the plan's host
+    #                                      rows) and the part of it the order compares (without XLA's GPU pool table)
+    step_of: Callable[[Placement], dict]  # the candidate's predicted step (build.predicted_step)
+
+
+@dataclass
+class Result:
+    best: Placement  # the chosen candidate (the closest one where none fits: ``best.fits`` is False)
+    tried: int  # candidates evaluated
+    fitting: int  # of them, those that fit
+    candidates: list[Placement]  # every candidate evaluated (tests check none fits when refused)
+    shapes: Shapes | None = None
+    axes: Axes | None = None
+    ctx: Context | None = None
+
+
+STEP_TOL = 0.02  # predicted steps within 2% of the fastest are taken as equal (the prediction is no finer)
+HOST_TOL = 0.01  # host needs within 1% of the least among those are taken as equal (compared without XLA's
+#                  GPU pool table: it follows the GPU bytes, no reason to give up exact fp32 gradients)
+
+
+def rank(p: Placement) -> tuple:
+    """The order among candidates already equal in step and host memory (``choose``)."""
+    return (p.step["predicted_step_s"], p.step["work_s"], p.micro_batches, -p.loss_chunk, p.gpu_need, p.host_need)
+
+
+def choose(fitting: list[Placement]) -> Placement | None:
+    """The fastest fitting candidate: among those within STEP_TOL of the fastest predicted step, those
+    within HOST_TOL of the least host memory, then by ``rank`` (exact step, total work, fewer
+    micro-batches, the larger loss chunk, less GPU memory)."""
+    if not fitting:
+        return None
+    fastest = min(p.step["predicted_step_s"] for p in fitting)
+    near = [p for p in fitting if p.step["predicted_step_s"] <= fastest * (1 + STEP_TOL)]
+    least = min(p.host_placed for p in near)
+    lean = [p for p in near if p.host_placed <= least * (1 + HOST_TOL)]
+    return min(lean, key=rank)
+
+
+def shortfall(p: Placement, ctx: Context) -> float:
+    """How far a candidate is from fitting, as a share of each limit (0: it fits)."""
+    gpu = max(p.gpu_need - ctx.gpu_usable, 0.0) / ctx.gpu_usable if ctx.gpu_usable else 0.0
+    host = max(p.host_need - ctx.host_usable, 0.0) / max(ctx.host_usable, 1.0)
+    return gpu + host
+
+
+def group_bytes(shapes: Shapes, n: int) -> float:
+    """bf16 bytes of the first ``n`` groups in forward order (embedding, block 0, 1, ...)."""
+    return 0.0 if n <= 0 else 2.0 * (shapes.embed + (min(n, shapes.layers + 1) - 1) * shapes.block)
+
+
+def group_params(shapes: Shapes, n: int) -> int:
+    return 0 if n <= 0 else shapes.embed + (min(n, shapes.layers + 1) - 1) * shapes.block
+
+
+def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k: int, io: bool, chunk: int,
+             groups: int = 0) -> Placement:
+    """One candidate: its GPU phases, host need, predicted step, and whether it fits both."""
+    phases, rows = gpu_phases(shapes, micro_batches=micro, stream_bytes=ctx.stream_bytes,
+                              device_cast=ctx.device_cast, act_on_gpu=act == "device", hold_bytes=HOLD_BYTES[hold],
+                              loss_chunk=chunk, deferred=True, attn=ctx.attn,
+                              update_state_bytes=ctx.update_state_bytes, boundary_every=k, stream_io=io,
+                              gpu_group_bytes=group_bytes(shapes, groups), resweep=hold == "resweep")
+    need = max(phases.values())
+    p = Placement(micro, act, hold, phases, rows, need, False, seq_tile=shapes.seq_tile, boundary_every=k,
+                  stream_io=io, gpu_groups=groups, gpu_group_params=group_params(shapes, groups), loss_chunk=chunk)
+    p.host_need, p.host_placed = ctx.host_of(p)
+    p.step = ctx.step_of(p)
+    p.fits = (ctx.gpu_usable is None or need <= ctx.gpu_usable) and p.host_need <= ctx.host_usable
+    return p
+
+
+def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
+    """A host hold with as many of its first groups on the GPU (bf16) as the room its peak leaves."""
+    if ctx.gpu_usable is None:
+        return None
+    room = ctx.gpu_usable - base.gpu_need
+    n = 0
+    while n < shapes.layers + 1 and group_bytes(shapes, n + 1) <= room:
+        n += 1
+    for _ in range(4):  # the room is the peak's; another phase may be where the groups do not fit
+        if n <= 0:
+            break
+        p = evaluate(shapes, ctx, micro=base.micro_batches, act=base.activations, hold=base.grad_hold,
+                     k=base.boundary_every, io=base.stream_io, chunk=base.loss_chunk, groups=n)
+        if p.gpu_need <= ctx.gpu_usable:
+            return p
+        n -= max(1, n // 4)
+    return None
+
+
+def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
+    """Every combination of the axes, except smaller loss chunks once one fits (with the other decisions
+    equal, a smaller chunk changes only the loss's GPU bytes and ranks lower)."""
+    closest, every = None, []
+
+    def consider(p: Placement) -> None:
+        nonlocal closest
+        every.append(p)
+        if not p.fits and (closest is None or (shortfall(p, ctx), rank(p)) < (shortfall(closest, ctx), rank(closest))):
+            closest = p
+
+    for micro in axes.micro:
+        for act in axes.activations:
+            for hold in axes.holds:
+                for io in axes.stream_io:
+                    for k in axes.boundary:
+                        if k > 1 and k >= shapes.layers:
+                            continue
+                        found = False  # a smaller chunk changes only the loss's GPU bytes: the first that fits
+                        for chunk in axes.loss_chunks:
+                            p = evaluate(shapes, ctx, micro=micro, act=act, hold=hold, k=k, io=io, chunk=chunk)
+                            consider(p)
+                            if axes.split and hold in HOST_HOLDS:
+                                extra = _split(shapes, ctx, p)
+                                if extra is not None:
+                                    consider(extra)
+                                    found = found or extra.fits
+                            if p.fits or found:
+                                break
+    fitting = [p for p in every if p.fits]
+    return Result(choose(fitting) or closest, len(every), len(fitting), every, shapes=shapes, axes=axes, ctx=ctx)
+
+
+def search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
+    """The fastest fitting candidate over ``axes`` (the closest one where none fits). With
+    ``model.seq_tile=auto`` (``shapes.tile_auto``), where nothing untiled fits or one block's untiled
+    working set is over ``TILE_ABOVE`` of the GPU room, the same search with the blocks tiled
+    (``AUTO_SEQ_TILE`` tokens): XLA takes a block VJP's temporaries as one allocation, and at 131k
+    tokens that one allocation (23.31 GiB) is what ran out of memory (DESIGN.md section 6)."""
+    res = _search(shapes, axes, ctx)
+    if not shapes.tile_auto or shapes.seq <= AUTO_SEQ_TILE:
+        return res
+    ws = block_working_set(shapes, shapes.tokens // res.best.micro_batches)
+    if res.best.fits and (ctx.gpu_usable is None or ws <= TILE_ABOVE * ctx.gpu_usable):
+        return res
+    tiled = _search(replace(shapes, seq_tile=AUTO_SEQ_TILE), axes, ctx)
+    if res.best.fits and not tiled.best.fits:
+        return res
+    tiled.best.notes.append(f"model.seq_tile=auto: blocks run over {AUTO_SEQ_TILE}-token sequence tiles (untiled, "
+                            f"one block's working set would be {ws / 1e9:.1f} GB)")
+    tiled.tried += res.tried
+    tiled.candidates = res.candidates + tiled.candidates
+    return tiled
+
+
+def describe(p: Placement) -> str:
+    """A candidate's decisions as the settings a user types."""
+    parts = [f"train.micro_batches={p.micro_batches}", f"train.activations={p.activations}",
+             f"train.grad_hold={p.grad_hold}", f"train.boundary_every={p.boundary_every}",
+             f"train.stream_io={'true' if p.stream_io else 'false'}", f"train.loss_chunk={p.loss_chunk}"]
+    if p.gpu_groups:
+        parts.append(f"grad_hold_gpu_groups={p.gpu_groups}")
+    if p.seq_tile:
+        parts.append(f"model.seq_tile={p.seq_tile}")
+    return " ".join(parts)
