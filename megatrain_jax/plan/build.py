@@ -16,9 +16,10 @@ from megatrain_jax.plan import decisions as choose
 from megatrain_jax.plan import search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check_one_device
+from megatrain_jax.optim.costs import auto_update_on, update_cost
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS,
                                       HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
-                                      RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_need,
+                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_need,
                                       pinned_pool, usable)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
@@ -155,9 +156,16 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     notes: list[str] = []
     per_dev_batch = train.batch_size // n_dev if train.batch_size % n_dev == 0 else train.batch_size
     shapes = Shapes.of(model, per_dev_batch, cfg.data.seq_len, train.compute_dtype, backend=machine.backend)
-    moment_bytes = 8.0 if optim.kernel == "optax" else MOMENT_BYTES[optim.moments]
+    moment_bytes = MOMENT_BYTES[optim.moments]
     update_on = choose.choose_update_on(train.update_on, on_gpu=on_gpu, devices=n_dev, kernel=optim.kernel,
                                         moments=optim.moments, bf16=bf16, stream_copy=train.stream_copy)
+    if optim.kernel == "optax":  # any optax transformation: its state and device temporaries, from its own init/step
+        cost = _optax_cost(cfg)
+        moment_bytes = cost.host_state
+        shapes = dataclasses.replace(shapes, update_temp=cost.device_temp, update_chunked=cost.chunked)
+        if train.update_on == "auto":
+            update_on = auto_update_on(cost, on_gpu=on_gpu, devices=n_dev, moments=optim.moments,
+                                       bf16_host_copy=bf16 and train.stream_copy == "host")
     asked_keep = 0 if train.keep_residuals == "auto" else min(int(train.keep_residuals), shapes.layers - 1)
     check_one_device(n_dev, update_on=update_on, keep_residuals=asked_keep)
     stream_copy = "device" if (update_on == "device" and bf16) else train.stream_copy
@@ -234,8 +242,6 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         gpu_need = max(phases.values())
 
     # ---- host rows
-    if optim.kernel == "optax":
-        notes.append("optim.kernel=optax: optimizer state estimated as Adam's 8 bytes/param")
     placed.gpu_need = gpu_need  # the pool's table covers the residuals too
     fewest = rows_of(placed, GRAD_SLABS[0])
     slabs = choose.choose_slabs(train.grad_slabs, chunked=chunked, on_gpu=on_gpu, moments=optim.moments,
@@ -267,7 +273,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                             update_on=update_on, keep_residuals=n_keep, devices=train.devices,
                             device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile,
                             grad_hold_gpu_groups=placed.gpu_groups, stream_io=placed.stream_io,
-                            boundary_every=placed.boundary_every)
+                            boundary_every=placed.boundary_every, vocab_chunk=IO_VOCAB_CHUNK)
     plan = Plan(rows=rows + gpu_rows + disk_rows, settings=settings, options=options, host_need=host_need,
                 host_limit=host_limit, host_available=host_avail, host_source=host_source,
                 gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget, gpu_phases=phases,
@@ -294,6 +300,20 @@ def search_summary(found: search.Result) -> dict[str, Any]:
     b = found.best
     return {"tried": found.tried, "fitting": found.fitting, "chosen": search.describe(b), "fits": b.fits,
             "gpu_need": b.gpu_need, "host_need": b.host_need, "predicted_step_s": b.step.get("predicted_step_s")}
+
+
+_OPTAX_COSTS: dict[str, Any] = {}
+
+
+def _optax_cost(cfg: Config):
+    """The configured optax optimizer's ``UpdateCost`` (compiled once per model and optimizer)."""
+    key = repr((cfg.model, cfg.optim))
+    if key not in _OPTAX_COSTS:
+        from megatrain_jax.models.common import abstract_model, streamed_parts
+
+        _OPTAX_COSTS[key] = update_cost(cfg.optim, streamed_parts(abstract_model(cfg.model)).host_trees(),
+                                        cfg.train.steps)
+    return _OPTAX_COSTS[key]
 
 
 def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bool, on_gpu: bool, n_dev: int,
@@ -440,6 +460,8 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
     cast = shapes.params if hold in ("gpu_bf16", "host_bf16") else (p.gpu_group_params if p else 0)
     compute_s += 6.0 * cast / GPU_MEMORY_RATE
+    if io:  # the head's vocabulary chunks gathered from the (H, V) store on the host, twice, on the step's path
+        compute_s += 2 * 4.0 * shapes.vocab * shapes.hidden / IO_GATHER_RATE
     # blocks twice (forward, backward), embedding and head once (stream_io: head twice, the batch's rows)
     out_matrix = shapes.vocab * shapes.hidden + shapes.hidden  # the head's (tied: the embedding) and final norm
     io_bytes = 2 * 4 * out_matrix + 4 * tokens // n_dev * shapes.hidden if io else 4 * (shapes.embed + shapes.head)

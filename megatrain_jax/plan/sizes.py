@@ -52,6 +52,11 @@ SEQ_WS_PER_TOKEN = {"hidden": 2.6, "qkv": 4.0, "q": 8.0, "head": 8.0, "tile": 0.
 WS_BY_BACKEND = {"gpu": (WS_PER_TOKEN, SEQ_WS_PER_TOKEN),
                  "cpu": ({"hidden": 18.0, "qkv": 6.0, "q": 6.0, "mlp": 10.0, "moe_mlp": 16.0, "block": 3.45},
                          {"hidden": 2.0, "qkv": 4.8, "q": 12.4, "head": 8.0, "tile": 0.446, "block": 9.2})}
+# gpu, an upper bound over the shapes measured: the fit above x WS_GPU_SCALE plus WS_GPU_PER_PARAM bytes per block
+# parameter, checked against the H100's compiled block VJP of Llama-2-7B (4k, 16k, 65k tokens) and Llama-3.1-8B
+# (32k, 131k), untiled and tiled: plan/compiled 1.00-1.13 untiled, 1.03-1.32 tiled (RESULTS.md, 2026-11-25 s7;
+# the fit alone was 0.60-0.95 at short sequences: under, and an accepted plan must not run out of memory)
+WS_GPU_SCALE, WS_GPU_PER_PARAM = 1.12, 1.7
 AUTO_SEQ_TILE = 8192  # tokens per tile where the plan tiles by itself: matmuls of 8192 rows keep the H100 busy
 TILE_ABOVE = 0.25  # model.seq_tile=auto tiles where one untiled block's working set is above this share of the GPU
 #                   room (or nothing untiled fits): Llama-2-7B at 65k tokens (16 GB) stays untiled on an H100
@@ -65,6 +70,8 @@ MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
 HOLD_BYTES = {"gpu_fp32": 4, "gpu_bf16": 2, "pinned_host": None, "host_fp32": None, "host_bf16": None,
               "resweep": None}  # GPU bytes/param of each gradient hold
 HOST_HOLD_BYTES = {"pinned_host": 4, "host_fp32": 4, "host_bf16": 2}  # host bytes/param of each host hold
+IO_GATHER_RATE = 3.7e9  # bytes/s of the streamed head's host gather as the step sees it: an 8B (128256 x 4096) head
+# cost 1.13 s more per step than the resident one (experiments/probe_stream_io.py, H100 machine, RESULTS.md s7)
 IO_VOCAB_CHUNK = 16384  # vocabulary rows of the head on the GPU at once with train.stream_io (the engine's chunk)
 PINNED_LIMIT_FACTOR = 1.5  # XLA's pinned-host pool limit over the plan's pinned bytes (+ 2 GiB): fragmentation room
 HOST_COPY_RATE = 10e9  # bytes/s of one host thread's memcpy (a pageable hold's copier; a bf16 conversion)
@@ -105,6 +112,8 @@ class Shapes:
     q_width: int = 0  # heads x head_dim
     seq_tile: int = 0  # tokens per sequence tile of a block (model.seq_tile; 0: untiled)
     tile_auto: bool = False  # model.seq_tile=auto on blocks that can tile: the plan may tile (choose_placement)
+    update_temp: float = 16.0  # a device-side update's temporaries, bytes per value (optim/costs.py UpdateCost)
+    update_chunked: bool = True  # ... per value of one DEVICE_UPDATE_CHUNK slice (else of the whole largest group)
     backend: str = "gpu"  # whose compiled block the working set counts (block_working_set's coefficients)
 
     @classmethod
@@ -150,13 +159,16 @@ def block_working_set(shapes: Shapes, tokens_mb: int, backend: str | None = None
     other = w["hidden"] * shapes.hidden + w["qkv"] * shapes.qkv_width + w["q"] * shapes.q_width
     scale = shapes.dtype_bytes / 2 * (2 if shapes.dtype_bytes == 4 else 1)
     tile = shapes.seq_tile
+    # (a mixture of experts keeps its own calibration: its measured step peaks, tests/test_plan.py)
+    gpu = (backend or shapes.backend) == "gpu" and shapes.mlp_ws != WS_PER_TOKEN["moe_mlp"]
+    bound = (lambda ws: WS_GPU_SCALE * ws + WS_GPU_PER_PARAM * shapes.block) if gpu else (lambda ws: ws)
     if not 0 < tile < shapes.seq:
-        return tokens_mb * (mlp + other) * scale + w["block"] * shapes.block
+        return bound(tokens_mb * (mlp + other) * scale + w["block"] * shapes.block)
     heads = shapes.q_width // max(shapes.head_dim, 1)
     spans = (seq["hidden"] * shapes.hidden + seq["qkv"] * shapes.qkv_width + seq["q"] * shapes.q_width) \
         * shapes.dtype_bytes / 2 + seq["head"] * heads
     tiles = tokens_mb // shapes.seq * tile  # one tile of each sequence
-    return tokens_mb * spans + tiles * (mlp + seq["tile"] * other) * scale + seq["block"] * shapes.block
+    return bound(tokens_mb * spans + tiles * (mlp + seq["tile"] * other) * scale + seq["block"] * shapes.block)
 
 
 def loss_working_set(shapes: Shapes, tokens_mb: int, loss_chunk: int) -> float:
@@ -242,7 +254,8 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         # bytes a value); counted at the loss too, where the H100 measured it (RESULTS.md)
         big = shapes.block if stream_io else max(shapes.embed, shapes.head)
         update = update_state_bytes * (2 * shapes.block + big) + (4 + update_state_bytes) * 3 * shapes.block \
-            + 16.0 * min(DEVICE_UPDATE_CHUNK, max(shapes.embed, shapes.head, shapes.block))
+            + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, max(shapes.embed, shapes.head, shapes.block))
+                                    if shapes.update_chunked else max(shapes.embed, shapes.head, shapes.block))
         rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
                         "train.update_on=device"))
     head_hold = shapes.head * (hold_bytes or 0) if (deferred and not stream_io) else 0
