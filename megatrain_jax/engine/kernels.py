@@ -25,6 +25,10 @@ from megatrain_jax.hoststore import HostStore
 from megatrain_jax.templates import StreamedModel, block_rng
 
 F32 = jnp.float32
+# the memory-bound helpers over whole groups (norms, casts, slices, zeros) are not autotuned: XLA's autotuner
+# profiles a fusion on redzone copies of its operands, a second copy of a 2 GB gradient at the step's peak
+# (an 8B embedding's norm ran out of memory under a 24 GB budget there, RESULTS.md s7); nothing to tune
+NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
 
 
 def local_shard(x: jax.Array, j: int = 0) -> jax.Array:
@@ -96,16 +100,17 @@ class Kernels:
 
             self._aux_total = jax.jit(smap(aux_total, (dat,), (rep, rep)))
         self._stats_zero_fn: Callable | None = None
-        self.sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)))
-        self.to_bf16 = jax.jit(lambda g: g.astype(jnp.bfloat16))
-        self.chunk = jax.jit(lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32), static_argnums=2)
+        self.sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)), compiler_options=NO_AUTOTUNE)
+        self.to_bf16 = jax.jit(lambda g: g.astype(jnp.bfloat16), compiler_options=NO_AUTOTUNE)
+        self.chunk = jax.jit(lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32), static_argnums=2,
+                             compiler_options=NO_AUTOTUNE)
         self.totals = jax.jit(lambda losses, sqs: (sum(losses), sum(sqs)))  # one fetch per step
         # committed to the devices like every other operand, so the first micro-batch's call
         # (fresh zeros) and later ones (accumulated outputs) share one executable
         self.batch_sharding = NamedSharding(mesh, dat)
         n_dev = self.num_devices
         self._zeros_fn = jax.jit(lambda n: jnp.zeros((n * n_dev,), F32), static_argnums=0,
-                                 out_shardings=self.batch_sharding)
+                                 out_shardings=self.batch_sharding, compiler_options=NO_AUTOTUNE)
         self._rng_fn = jax.jit(block_rng, out_shardings=NamedSharding(mesh, rep)) if stack.takes_rng else None
         self.rng_seed, self.rng_step = 0, 0
         self.stats = _Stats()

@@ -185,7 +185,9 @@ def _chunked(step):
     return run
 
 
-_JITS = {mode: jax.jit(_chunked(fn), donate_argnums=(0, 2), static_argnums=(4,))
+# elementwise over whole groups: not autotuned (the autotuner's redzone copies of a 2 GB group: engine/kernels.py)
+_JITS = {mode: jax.jit(_chunked(fn), donate_argnums=(0, 2), static_argnums=(4,),
+                       compiler_options={"xla_gpu_autotune_level": 0})
          for mode, fn in (("float32", _step_f32), ("bfloat16", _step_bf16), ("int8", _step_int8))}
 
 
