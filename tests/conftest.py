@@ -42,6 +42,25 @@ SLOW_TESTS = {"test_happy_path_trains_and_logs", "test_relative_out_dir_saves_re
               "test_module_entry_point_gives_one_line_errors", "test_console_script_help"}
 
 
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n 2 --dist loadfile`` (scripts/test.sh) hands out the slow modules first: xdist's own order (most
+    tests first) left a long module with few tests (data parallel, the 2-process runs) to start last while
+    the other worker idled; the many quick modules now fill the end instead."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SlowModulesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            slow = next((s for s in self.workqueue if os.path.splitext(os.path.basename(s))[0] in SLOW_MODULES), None)
+            if slow is not None:
+                self.workqueue.move_to_end(slow, last=False)  # the next unit handed out
+            super()._assign_work_unit(node)
+
+    return SlowModulesFirst(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in SLOW_MODULES or item.originalname in SLOW_TESTS:
