@@ -9,15 +9,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/cli_runner.py and helpers
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
+# one persistent XLA compilation cache, kept between sessions, for the tests and every process they start
+# (set in the environment before JAX is imported, so subprocesses inherit it): the same kernels compiled by
+# another jit object, worker or process (a resumed trainer, the next test's engine, a CLI run) load instead
+# of compiling again
+_XLA_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla_inproc")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _XLA_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-# one persistent XLA compilation cache for the in-process tests too: the same kernels compiled by another
-# jit object (a resumed trainer, the next test's engine) load instead of compiling again
-_XLA_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla_inproc")
-jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # a hung run can be asked where every thread is: `kill -USR2 <worker pid>` writes all stacks to
 # $TMPDIR/pytest_stacks_<pid>.txt (diagnosis only; nothing else changes)
@@ -74,10 +76,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def cli_env(request, tmp_path_factory) -> dict:
-    """The environment of every CLI subprocess (``tests/cli_runner.py``): CPU, and one persistent
-    XLA compilation cache kept between sessions in .pytest_cache, so a run compiles a shape once."""
+def cli_env() -> dict:
+    """The environment of every CLI subprocess (``tests/cli_runner.py``): CPU, and the tests' persistent
+    XLA compilation cache, so a run compiles a shape once."""
     from cli_runner import cli_env as make_env
 
-    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
-    return make_env(str(cache.mkdir("megatrain_xla_cache") if cache else tmp_path_factory.mktemp("xla_cache")))
+    return make_env(os.environ["JAX_COMPILATION_CACHE_DIR"])
