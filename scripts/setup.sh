@@ -29,8 +29,8 @@ STAMP=.venv/.constraints-stamp
 want=$(cat scripts/constraints.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # pip's status, not grep's
-  quiet .venv/bin/python -m pip install -q -c scripts/constraints.txt --upgrade pip
-  quiet .venv/bin/python -m pip install -q -c scripts/constraints.txt --build-constraint scripts/constraints.txt \
+  quiet .venv/bin/python -m pip install -q --no-compile -c scripts/constraints.txt --upgrade pip
+  quiet .venv/bin/python -m pip install -q --no-compile -c scripts/constraints.txt --build-constraint scripts/constraints.txt \
     -e ".[test,plot]"
   echo "$want" > "$STAMP"
 fi

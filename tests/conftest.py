@@ -9,15 +9,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/cli_runner.py and helpers
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
+# one persistent XLA compilation cache, kept between sessions, for the tests and every process they start
+# (set in the environment before JAX is imported, so subprocesses inherit it): the same kernels compiled by
+# another jit object, worker or process (a resumed trainer, the next test's engine, a CLI run) load instead
+# of compiling again
+_XLA_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla_inproc")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _XLA_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-# one persistent XLA compilation cache for the in-process tests too: the same kernels compiled by another
-# jit object (a resumed trainer, the next test's engine) load instead of compiling again
-_XLA_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla_inproc")
-jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # a hung run can be asked where every thread is: `kill -USR2 <worker pid>` writes all stacks to
 # $TMPDIR/pytest_stacks_<pid>.txt (diagnosis only; nothing else changes)
@@ -42,6 +44,25 @@ SLOW_TESTS = {"test_happy_path_trains_and_logs", "test_relative_out_dir_saves_re
               "test_module_entry_point_gives_one_line_errors", "test_console_script_help"}
 
 
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n 2 --dist loadfile`` (scripts/test.sh) hands out the slow modules first: xdist's own order (most
+    tests first) left a long module with few tests (data parallel, the 2-process runs) to start last while
+    the other worker idled; the many quick modules now fill the end instead."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SlowModulesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            slow = next((s for s in self.workqueue if os.path.splitext(os.path.basename(s))[0] in SLOW_MODULES), None)
+            if slow is not None:
+                self.workqueue.move_to_end(slow, last=False)  # the next unit handed out
+            super()._assign_work_unit(node)
+
+    return SlowModulesFirst(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in SLOW_MODULES or item.originalname in SLOW_TESTS:
@@ -55,10 +76,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def cli_env(request, tmp_path_factory) -> dict:
-    """The environment of every CLI subprocess (``tests/cli_runner.py``): CPU, and one persistent
-    XLA compilation cache kept between sessions in .pytest_cache, so a run compiles a shape once."""
+def cli_env() -> dict:
+    """The environment of every CLI subprocess (``tests/cli_runner.py``): CPU, and the tests' persistent
+    XLA compilation cache, so a run compiles a shape once."""
     from cli_runner import cli_env as make_env
 
-    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
-    return make_env(str(cache.mkdir("megatrain_xla_cache") if cache else tmp_path_factory.mktemp("xla_cache")))
+    return make_env(os.environ["JAX_COMPILATION_CACHE_DIR"])

@@ -120,17 +120,24 @@ def test_the_train_command_as_two_processes_equals_one_process(tmp_path):
     assert os.path.isfile(two / "summary.json") and os.listdir(two / "checkpoints")
 
 
-def test_multi_process_variables_are_checked_in_one_line(tmp_path):
-    repo = os.path.dirname(HERE)
+def test_multi_process_variables_are_checked_in_one_line(tmp_path, capsys, monkeypatch):
+    """In-process (``cli.main``): the variables are refused before any process joins a run."""
+    from cli_runner import run_in_process
+
+    tiny = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
     for env, field in [(dict(MEGATRAIN_COORDINATOR="localhost:1"), "MEGATRAIN_NUM_PROCESSES"),
                        (dict(MEGATRAIN_COORDINATOR="nohostport", MEGATRAIN_NUM_PROCESSES="2",
                              MEGATRAIN_PROCESS_ID="0"), "MEGATRAIN_COORDINATOR"),
                        (dict(MEGATRAIN_COORDINATOR="localhost:1", MEGATRAIN_NUM_PROCESSES="2",
                              MEGATRAIN_PROCESS_ID="2"), "MEGATRAIN_PROCESS_ID")]:
-        p = _cli(["train", "configs/tiny.yaml", "--set", f"train.out_dir={tmp_path / 'x'}"], dict(_env(1), **env), repo)
-        out = p.communicate(timeout=120)[0]
-        assert p.returncode == 2, out
-        assert out.strip().splitlines()[-1].startswith(f"error: {field}"), out
+        with monkeypatch.context() as mp:
+            for k in ("MEGATRAIN_COORDINATOR", "MEGATRAIN_NUM_PROCESSES", "MEGATRAIN_PROCESS_ID"):
+                mp.delenv(k, raising=False)
+            for k, v in env.items():
+                mp.setenv(k, v)
+            res = run_in_process(["train", tiny, "--set", f"train.out_dir={tmp_path / 'x'}"], capsys)
+        assert res.rc == 2, str(res)
+        assert res.stderr.strip().splitlines()[-1].startswith(f"error: {field}"), str(res)
         assert not os.path.exists(tmp_path / "x")
 
 

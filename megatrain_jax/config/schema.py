@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatrain_jax.families import get_family
+
 GRAD_HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep")  # train.grad_hold
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # model.lora.targets: q_proj .. down_proj
 LORA_BASE_DTYPES = ("bfloat16", "int8", "float32")  # model.lora.base_dtype
@@ -28,7 +30,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    """A decoder of one of the registered families (``megatrain_jax/models/registry.py``): llama
+    """A decoder of one of the registered families (``megatrain_jax/families.py``): llama
     (Llama 2/3, Qwen2/2.5 with qkv_bias, Mistral), qwen3, phi3, gemma2, gemma3, and the
     mixture-of-experts mixtral, qwen3_moe."""
 
@@ -55,7 +57,7 @@ class ModelConfig:
     from_hf: str | None = None  # Hugging Face checkpoint directory to load instead of random init; its
     #                            config.json overrides the architecture fields above (see megatrain_jax/hf/)
     pad_token_id: int | None = None  # padding_idx as transformers': its looked-up rows get no gradient (from_hf: its)
-    family: str = "llama"  # llama | qwen3 | phi3 | gemma2 | gemma3 | mixtral | qwen3_moe (models/registry.py); from_hf sets it
+    family: str = "llama"  # llama | qwen3 | phi3 | gemma2 | gemma3 | mixtral | qwen3_moe (families.py); from_hf sets it
     layer_types: list | None = None  # per layer: sliding_attention | full_attention; None: the family's pattern
     #                                 (gemma2: every 2nd layer full, from layer 1; gemma3: every 6th; others: all
     #                                 sliding when sliding_window is set)
@@ -103,8 +105,6 @@ class ModelConfig:
         return self.head_dim or self.hidden_size // self.num_heads
 
     def _family(self):
-        from megatrain_jax.models.registry import get_family
-
         return get_family(self.family)
 
     def resolved_layer_types(self) -> list[str]:
@@ -132,9 +132,7 @@ class ModelConfig:
         """Parameters that the 6·N·T model-FLOPs convention counts (blocks and final norm)."""
         n = self.num_layers * self.block_params() + self.hidden_size
         if self.mlp_only_layers:  # MoE with dense layers: block_params() is a sparse block's
-            from megatrain_jax.models.moe import dense_layer_saving
-
-            n -= len(self.mlp_only_layers) * dense_layer_saving(self)
+            n -= len(self.mlp_only_layers) * self._family().extra["dense_layer_saving"](self)
         return n
 
     def total_params(self) -> int:
@@ -146,10 +144,8 @@ class ModelConfig:
         the same as ``non_embedding_params`` for a dense model."""
         if not self.num_experts:
             return self.non_embedding_params()
-        from megatrain_jax.models.moe import inactive_block_params
-
         sparse = self.num_layers - len(self.mlp_only_layers or ())
-        return self.non_embedding_params() - sparse * inactive_block_params(self)
+        return self.non_embedding_params() - sparse * self._family().extra["inactive_block_params"](self)
 
     def active_params(self) -> int:
         """``total_params`` counting only the experts a token uses (MoE; e.g. OLMoE-1B-7B: ~1.3B of ~6.9B)."""

@@ -2,11 +2,16 @@
 and the fix."""
 from __future__ import annotations
 
+import inspect
 import math
 
 from megatrain_jax.config.schema import (GRAD_HOLDS, LORA_BASE_DTYPES, LORA_TARGETS, OPTIMIZER_FIELDS, Config,
                                          LoraConfig, ModelConfig, OptimConfig)
 from megatrain_jax.errors import UserError
+from megatrain_jax.families import get_family
+
+MOE_IMPLS = ("dense", "sorted")  # model.moe_impl: models/moe.py's two expert computations
+_OPTAX_FIX = "name an optax optimizer function, e.g. lion, adafactor, adabelief"
 
 
 def lora_from_dict(d: dict) -> LoraConfig:
@@ -214,8 +219,6 @@ def _validate_optimizer(o: OptimConfig) -> None:
     if o.name == "sgd" and o.nesterov and o.momentum is None:
         raise UserError("optim.nesterov", "Nesterov needs momentum", "set optim.momentum (e.g. 0.9) or remove optim.nesterov")
     if o.name == "optax":
-        from megatrain_jax.optim.named import check_optax  # imports optax: only for name=optax
-
         check_optax(o)
 
 
@@ -235,10 +238,41 @@ def _validate_lora_run(cfg: Config) -> None:
         raise UserError("train.devices", "LoRA training runs on one GPU", "set train.devices=1")
 
 
+def check_optax(o: OptimConfig) -> None:
+    """``optim.name=optax``: ``optax_name`` names an optax optimizer taking ``learning_rate``;
+    ``optax_kwargs`` are its arguments; a weight decay needs a function that takes one."""
+    import optax  # only for name=optax: validating a config starts no JAX otherwise
+
+    if not o.optax_name:
+        raise UserError("optim.optax_name", "is required with optim.name=optax", _OPTAX_FIX)
+    fn = getattr(optax, str(o.optax_name), None)
+    if not callable(fn) or isinstance(fn, type) or str(o.optax_name).startswith("_"):
+        raise UserError("optim.optax_name", f"{o.optax_name!r} is not an optax optimizer", _OPTAX_FIX)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        raise UserError("optim.optax_name", f"{o.optax_name!r} is not an optax optimizer", _OPTAX_FIX) from None
+    if "learning_rate" not in params:
+        raise UserError("optim.optax_name", f"optax.{o.optax_name} takes no learning_rate", _OPTAX_FIX)
+    if o.weight_decay and "weight_decay" not in params:
+        raise UserError("optim.weight_decay", f"optax.{o.optax_name} takes no weight_decay",
+                        "set optim.weight_decay=0, or name an optimizer that decays weights")
+    kw = o.optax_kwargs
+    if kw is None:
+        return
+    if not isinstance(kw, dict):
+        raise UserError("optim.optax_kwargs", f"must be a mapping, got {kw!r}", "write e.g. {b1: 0.9}")
+    for k in kw:
+        if k in ("learning_rate", "weight_decay"):
+            raise UserError(f"optim.optax_kwargs.{k}", "is set by its own field",
+                            f"use optim.{'lr' if k == 'learning_rate' else k} instead")
+        if k not in params:
+            raise UserError(f"optim.optax_kwargs.{k}", f"optax.{o.optax_name} takes no argument {k!r}",
+                            f"use one of: {', '.join(p for p in params if p not in ('learning_rate', 'weight_decay'))}")
+
+
 def validate_model(m: ModelConfig) -> None:
     """The family and its feature fields (also called on configs read from checkpoints)."""
-    from megatrain_jax.models.registry import get_family
-
     fam = get_family(m.family)  # UserError naming model.family and the families
     for name, v in [("model.attn_softcap", m.attn_softcap), ("model.final_softcap", m.final_softcap),
                     ("model.query_pre_attn_scalar", m.query_pre_attn_scalar),
@@ -280,8 +314,6 @@ def validate_model(m: ModelConfig) -> None:
 
 def _validate_moe(m: ModelConfig, fam) -> None:
     """The mixture-of-experts fields: only on MoE families, sizes positive, top-k <= experts."""
-    from megatrain_jax.models.moe import MOE_IMPLS
-
     moe = bool(fam.extra.get("moe"))
     for name in ("num_experts", "experts_per_token", "moe_intermediate_size"):
         v = getattr(m, name)

@@ -47,13 +47,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megatrain_jax.config import ModelConfig
+from megatrain_jax.config.validate import MOE_IMPLS  # noqa: F401 (checked there)
 from megatrain_jax.errors import UserError
 from megatrain_jax.models import hfconfig
 from megatrain_jax.models.hfnames import default_hf_name
 from megatrain_jax.models.common import MLP, Attention, Aux, RMSNorm, dense_block_params
 from megatrain_jax.models.registry import Family, register
 
-MOE_IMPLS = ("dense", "sorted")
 
 
 # ------------------------------------------------------------------------------- the MoE layer
@@ -378,14 +378,17 @@ def mixtral_validate(cfg: ModelConfig) -> None:
                         "set model.mlp_only_layers: null (dense layers: family qwen3_moe)")
 
 
+# ModelConfig's parameter counts read these through the family (the config does not import the models)
+_MOE_EXTRA = {"moe": True, "dense_layer_saving": dense_layer_saving, "inactive_block_params": inactive_block_params}
+
 register(Family(
     name="mixtral", architectures=("MixtralForCausalLM",), model_types=("mixtral",), block=MixtralBlock,
     block_params=lambda cfg: block_params(cfg, qk_norm=False), config_from_hf=mixtral_from_hf,
     config_to_hf=mixtral_to_hf, validate=mixtral_validate, hf_name=lambda g, l: _hf_name(g, l, True),
-    aux_loss=aux_loss_of, extra={"moe": True}))
+    aux_loss=aux_loss_of, extra=_MOE_EXTRA))
 
 register(Family(
     name="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), model_types=("qwen3_moe",), block=Qwen3MoeBlock,
     block_params=lambda cfg: block_params(cfg, qk_norm=True), config_from_hf=qwen3_moe_from_hf,
     config_to_hf=qwen3_moe_to_hf, validate=_validate, hf_name=lambda g, l: _hf_name(g, l, False),
-    aux_loss=aux_loss_of, extra={"moe": True}))
+    aux_loss=aux_loss_of, extra=_MOE_EXTRA))

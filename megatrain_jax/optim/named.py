@@ -1,5 +1,5 @@
-"""Named optimizers (``optim.name``): the optax transformation of each, its host optimizer, and the
-bytes per parameter of its state.
+"""Named optimizers (``optim.name``): the optax transformation of each and its host optimizer (the
+bytes of its state: ``build.state_bytes``; ``optax_name``'s check: ``config.validate.check_optax``).
 
 Each name is one optax transformation built from ``OptimConfig`` (fields left null take the values in
 ``config.OPTIMIZER_FIELDS``). The streamed engine runs it per group through ``OptaxHostOptimizer``,
@@ -12,18 +12,17 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 
 from megatrain_jax.config import OPTIMIZER_FIELDS, OptimConfig
+from megatrain_jax.config.validate import _OPTAX_FIX, check_optax
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim.host import Unflatten, _ScheduleOnCpu
 from megatrain_jax.optim.optax_flat import OptaxHostOptimizer
 
 # optimizers whose update of a leaf depends on its shape: they must see the group's pytree
 SHAPE_AWARE = frozenset({"adafactor", "muon", "optax"})
-_OPTAX_FIX = "name an optax optimizer function, e.g. lion, adafactor, adabelief"
 
 
 def resolved(o: OptimConfig) -> dict[str, Any]:
@@ -36,37 +35,6 @@ def state_label(o: OptimConfig) -> str:
     if o.name == "optax":
         return f"optax.{o.optax_name}"
     return o.name if o.moments == "float32" else f"{o.name}.{o.moments}"
-
-
-def check_optax(o: OptimConfig) -> None:
-    """``optim.name=optax``: ``optax_name`` names an optax optimizer taking ``learning_rate``;
-    ``optax_kwargs`` are its arguments; a weight decay needs a function that takes one."""
-    if not o.optax_name:
-        raise UserError("optim.optax_name", "is required with optim.name=optax", _OPTAX_FIX)
-    fn = getattr(optax, str(o.optax_name), None)
-    if not callable(fn) or isinstance(fn, type) or str(o.optax_name).startswith("_"):
-        raise UserError("optim.optax_name", f"{o.optax_name!r} is not an optax optimizer", _OPTAX_FIX)
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        raise UserError("optim.optax_name", f"{o.optax_name!r} is not an optax optimizer", _OPTAX_FIX) from None
-    if "learning_rate" not in params:
-        raise UserError("optim.optax_name", f"optax.{o.optax_name} takes no learning_rate", _OPTAX_FIX)
-    if o.weight_decay and "weight_decay" not in params:
-        raise UserError("optim.weight_decay", f"optax.{o.optax_name} takes no weight_decay",
-                        "set optim.weight_decay=0, or name an optimizer that decays weights")
-    kw = o.optax_kwargs
-    if kw is None:
-        return
-    if not isinstance(kw, dict):
-        raise UserError("optim.optax_kwargs", f"must be a mapping, got {kw!r}", "write e.g. {b1: 0.9}")
-    for k in kw:
-        if k in ("learning_rate", "weight_decay"):
-            raise UserError(f"optim.optax_kwargs.{k}", "is set by its own field",
-                            f"use optim.{'lr' if k == 'learning_rate' else k} instead")
-        if k not in params:
-            raise UserError(f"optim.optax_kwargs.{k}", f"optax.{o.optax_name} takes no argument {k!r}",
-                            f"use one of: {', '.join(p for p in params if p not in ('learning_rate', 'weight_decay'))}")
 
 
 def named_tx(o: OptimConfig, lr: float | optax.Schedule) -> optax.GradientTransformation:
@@ -155,48 +123,3 @@ class NamedOptaxOptimizer(OptaxHostOptimizer):
             held = ", ".join(sorted(arrays)[:2]) + (", ..." if len(arrays) > 2 else "")
             raise ValueError(f"the checkpoint's optimizer state ({held or 'none'}) is not {self.label} state "
                              f"(optimizer state keys do not match: {str(e)[:120]})") from None
-
-
-# --------------------------------------------------------------------------------- state bytes
-
-
-def state_bytes(optim_cfg: OptimConfig, group_tree: Any, total_steps: int | None = None) -> dict[str, int]:
-    """Bytes of the optimizer state of one group, by dtype, from ``jax.eval_shape`` of its ``init``
-    (nothing is allocated). ``group_tree``: the group's pytree of arrays or ``ShapeDtypeStruct``s."""
-    from megatrain_jax.optim import build_host_optimizer
-
-    steps = total_steps or optim_cfg.schedule.warmup_steps + 2  # any horizon: the state's shape is the same
-    opt = build_host_optimizer(optim_cfg, steps)
-    if not isinstance(opt, OptaxHostOptimizer):  # the fused kernels' own formats
-        n = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(group_tree))
-        total = int(round(opt.bytes_per_param() * n))
-        if opt.moments == "int8":  # codes, and one fp32 absmax per block and moment
-            return {"uint8": 2 * n, "float32": total - 2 * n}
-        return {"float32" if opt.moments == "float32" else "uint16": total}
-    shapes = jax.eval_shape(opt.tx.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), group_tree))
-    out: dict[str, int] = {}
-    for leaf in jax.tree.leaves(shapes):
-        key = np.dtype(leaf.dtype).name
-        out[key] = out.get(key, 0) + int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-    return out
-
-
-def state_bytes_per_param(optim_cfg: OptimConfig, group_tree: Any, total_steps: int | None = None) -> float:
-    """Host bytes of optimizer state per parameter of ``group_tree`` (e.g. one transformer block):
-    8.0 for AdamW in fp32, 4.0 for Lion, ~0.0x for factored Adafactor on matrices."""
-    n = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(group_tree))
-    return sum(state_bytes(optim_cfg, group_tree, total_steps).values()) / max(n, 1)
-
-
-def model_state_bytes(optim_cfg: OptimConfig, group_trees: dict[str, Any], total_steps: int | None = None) -> int:
-    """Host bytes of the whole model's optimizer state: ``state_bytes`` summed over the groups
-    (``streamed_parts(abstract_model(cfg)).host_trees()``), evaluated once per distinct group shape."""
-    seen: dict[Any, int] = {}
-    total = 0
-    for tree in group_trees.values():
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        key = (treedef, tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in leaves))
-        if key not in seen:
-            seen[key] = sum(state_bytes(optim_cfg, tree, total_steps).values())
-        total += seen[key]
-    return total
