@@ -28,6 +28,7 @@ from megatrain_jax import checkpoint as ck
 from megatrain_jax.config import Config, OptimConfig
 from megatrain_jax.distributed import run_devices
 from megatrain_jax.engine import Batch, StepResult, StreamedTrainer
+from megatrain_jax.engine.step import as_batch  # noqa: F401 (its public home was here)
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim import HostOptimizer, OptaxHostOptimizer, build_host_optimizer
 from megatrain_jax.plan.options import EngineOptions
@@ -60,21 +61,6 @@ def _plan(cfg: Config, plan):
     from megatrain_jax.plan import plan_or_refuse  # refuses what does not fit
 
     return plan_or_refuse(cfg, lambda _: None)
-
-
-def as_batch(batch: Any) -> Batch:
-    """``Batch``; ``(tokens, labels[, loss_mask])``; a dict with those keys; or one (B, S + 1) token
-    array (inputs ``[:, :-1]``, labels ``[:, 1:]``)."""
-    if isinstance(batch, Batch):
-        return batch
-    if isinstance(batch, dict):
-        return Batch(**{k: (None if v is None else np.asarray(v)) for k, v in batch.items()})
-    if isinstance(batch, (tuple, list)):
-        return Batch(*[None if v is None else np.asarray(v) for v in batch])
-    toks = np.asarray(batch)
-    if toks.ndim != 2 or toks.shape[1] < 2:
-        raise UserError("batch", f"a token array of shape {toks.shape}", "give (B, S + 1) tokens or a Batch")
-    return Batch(toks[:, :-1], toks[:, 1:])
 
 
 @dataclass

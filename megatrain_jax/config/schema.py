@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatrain_jax.errors import UserError
 from megatrain_jax.families import get_family
 
 GRAD_HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep")  # train.grad_hold
@@ -85,8 +86,6 @@ class ModelConfig:
 
     def __post_init__(self):
         if isinstance(self.lora, dict):  # from YAML / --set / a checkpoint's config
-            from megatrain_jax.config.validate import lora_from_dict
-
             self.lora = lora_from_dict(self.lora)
 
     @property
@@ -263,3 +262,14 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def lora_from_dict(d: dict) -> LoraConfig:
+    """``model.lora`` as written in YAML: unknown keys refused (its fields are checked with the rest of the
+    config: ``validate.validate_lora``)."""
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    for key in d:
+        if key not in known:
+            raise UserError(f"model.lora.{key}", "unknown config key", f"use one of: {', '.join(sorted(known))}")
+    lora = LoraConfig(**{k: v for k, v in d.items() if v is not None or k not in ("targets", "base_dtype")})
+    return lora

@@ -14,19 +14,6 @@ MOE_IMPLS = ("dense", "sorted")  # model.moe_impl: models/moe.py's two expert co
 _OPTAX_FIX = "name an optax optimizer function, e.g. lion, adafactor, adabelief"
 
 
-def lora_from_dict(d: dict) -> LoraConfig:
-    """``model.lora`` as written in YAML: unknown keys refused, each field checked (``validate_lora``)."""
-    import dataclasses
-
-    known = {f.name for f in dataclasses.fields(LoraConfig)}
-    for key in d:
-        if key not in known:
-            raise UserError(f"model.lora.{key}", "unknown config key", f"use one of: {', '.join(sorted(known))}")
-    lora = LoraConfig(**{k: v for k, v in d.items() if v is not None or k not in ("targets", "base_dtype")})
-    validate_lora(lora)
-    return lora
-
-
 def validate_lora(lora: LoraConfig) -> None:
     """The adapter's own fields (the family's part: ``validate_model``)."""
     r = lora.rank

@@ -124,7 +124,7 @@ class LoraTrainer:
     # ------------------------------------------------------------------------------ the loop's interface
 
     def step(self, batch: Any):
-        from megatrain_jax.trainer import as_batch
+        from megatrain_jax.engine.step import as_batch
 
         return self.engine.step(as_batch(batch))
 

@@ -38,6 +38,7 @@ from megatrain_jax.engine.io import make_io
 from megatrain_jax.engine.kernels import F32, Kernels, KeepResiduals, Recompute, local_shard
 from megatrain_jax.engine.updaters import Groups, make_updates
 from megatrain_jax.engine.weights import Boundaries, WeightStream
+from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
 from megatrain_jax.plan.options import EngineOptions
@@ -53,6 +54,21 @@ class Batch(NamedTuple):
     loss_mask: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
     positions: np.ndarray | None = None
+
+
+def as_batch(batch: Any) -> Batch:
+    """``Batch``; ``(tokens, labels[, loss_mask])``; a dict with those keys; or one (B, S + 1) token
+    array (inputs ``[:, :-1]``, labels ``[:, 1:]``)."""
+    if isinstance(batch, Batch):
+        return batch
+    if isinstance(batch, dict):
+        return Batch(**{k: (None if v is None else np.asarray(v)) for k, v in batch.items()})
+    if isinstance(batch, (tuple, list)):
+        return Batch(*[None if v is None else np.asarray(v) for v in batch])
+    toks = np.asarray(batch)
+    if toks.ndim != 2 or toks.shape[1] < 2:
+        raise UserError("batch", f"a token array of shape {toks.shape}", "give (B, S + 1) tokens or a Batch")
+    return Batch(toks[:, :-1], toks[:, 1:])
 
 
 @dataclass
