@@ -60,7 +60,7 @@ class LoraTrainer:
     store = None  # no trainable host store: ``save_adapter`` exports
 
     def __init__(self, cfg: Config, plan: Any = None, adapters: list[Any] | None = None, log=print):
-        from megatrain_jax.optim import _learning_rate
+        from megatrain_jax.optim.build import _learning_rate
         from megatrain_jax.optim.named import named_tx
 
         if cfg.model.from_hf:
