@@ -39,6 +39,6 @@ quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # pip's stat
 quiet "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" --upgrade pip
 quiet "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" "$WHEEL"
 # torch is already satisfied by the CPU wheel (and pinned to +cpu), so this never pulls the CUDA build
-quiet "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" "transformers>=4.46,<6" safetensors numpy
+quiet "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" "transformers>=4.46,<6" safetensors numpy "peft==0.21.2" "accelerate==1.15.0"
 "$VENV/bin/python" -c "import torch, transformers, safetensors, numpy; assert '+cpu' in torch.__version__, torch.__version__; print('torch reference ready: torch', torch.__version__, 'transformers', transformers.__version__)"
 echo "$STAMP" > "$VENV/.ready"  # tests/test_hf.py rebuilds an environment without this marker

@@ -39,7 +39,8 @@ def has_gpu() -> bool:
 SLOW_MODULES = {"test_engine", "test_stream", "test_named_optimizers", "test_families", "test_moe", "test_hf",
                 "test_train", "test_data_parallel", "test_seq_tiling", "test_device_update", "test_compact_adamw",
                 "test_checkpoint", "test_finetune_hf", "test_trainer", "test_templates", "test_chat",
-                "test_attention", "test_constraints"}
+                "test_attention", "test_constraints", "test_device_optax", "test_lora", "test_grad_hold",
+                "test_stream_io", "test_boundary_every", "test_long_context"}
 SLOW_TESTS = {"test_happy_path_trains_and_logs", "test_relative_out_dir_saves_resumes_and_exports",
               "test_module_entry_point_gives_one_line_errors", "test_console_script_help"}
 
