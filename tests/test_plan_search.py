@@ -230,3 +230,23 @@ def test_each_placement_pays_its_cost_in_the_predicted_step():
     assert step(hold="host_fp32")["host_copy_s"] > 0 and step(hold="host_bf16")["host_copy_s"] > 0  # bf16: + widening
     assert step(hold="pinned_host")["host_copy_s"] == 0
     assert step(io=True)["h2d_s"] > s1["h2d_s"] and step(act="pinned_host")["d2h_s"] > s1["d2h_s"]
+
+
+def test_an_optax_update_on_the_gpu_keeps_no_residuals():
+    """H100, Llama-3.2-3B shape: with the room filled by kept residuals the optax updates on the GPU ran out
+    of memory, and without them they ran as fast (RESULTS.md, seventh session): ``auto`` keeps none there,
+    and the fused AdamW keeps its own."""
+    import dataclasses
+
+    from megatrain_jax.config import load_config
+    from megatrain_jax.plan import make_plan, target_machine
+
+    m = target_machine(gpu_memory_gb=80, host_memory_gb=137)
+    fused = make_plan(load_config("configs/3b.yaml", []), m, _modes=False)
+    lion = make_plan(load_config("configs/3b.yaml", ["optim.kernel=optax", "optim.name=lion"]), m, _modes=False)
+    assert lion.options.update_on == "device" and lion.options.keep_residuals == 0
+    assert any("keep_residuals=auto: 0" in n for n in lion.notes)
+    assert fused.options.keep_residuals > 0
+    asked = make_plan(load_config("configs/3b.yaml", ["optim.kernel=optax", "optim.name=lion",
+                                                      "train.keep_residuals=2"]), m, _modes=False)
+    assert asked.options.keep_residuals == 2  # a number the user set is kept

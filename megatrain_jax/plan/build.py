@@ -234,6 +234,11 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         act_on_gpu=placed.activations == "device" and placed.boundary_every == 1 and placed.grad_hold != "resweep",
         moments=optim.moments, need=gpu_need, budget=gpu_budget, gpu_usable=gpu_usable,
         moe=bool(getattr(model, "num_experts", None)))
+    if optim.kernel == "optax" and update_on == "device" and train.keep_residuals == "auto" and n_keep:
+        # an optax update on the GPU works on whole groups (no chunking): with the room filled by kept residuals
+        # the 3B shape ran out of memory, and without them it was as fast (RESULTS.md s7, H100): none kept
+        notes.append(f"train.keep_residuals=auto: 0 with an optax update on the GPU (the room would keep {n_keep})")
+        n_keep = 0
     if n_keep:
         gpu_rows.append(Row("gpu", f"forward residuals of the last {n_keep} blocks", n_keep * per_block,
                             "their backward does not recompute them (train.keep_residuals)"))
