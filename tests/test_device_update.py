@@ -190,8 +190,8 @@ def test_plan_for_a_device_side_update():
     h100 = Machine("gpu", 128 * GiB, 125 * GiB, "MemTotal", 81559 * 2 ** 20, "test", 1, "H100", 16, {})
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "qwen2.5-18b.yaml")
     # (the plan's search now finds a device-side placement for the whole H100, a smaller loss chunk among
-    # them: a 24 GB budget is where the device-side update's memory leaves nothing that fits)
-    over = ["train.final_checkpoint=false", "train.gpu_memory_gb=24"]
+    # them: a 32 GB budget is where the device-side update's memory leaves nothing that fits)
+    over = ["train.final_checkpoint=false", "train.gpu_memory_gb=32"]
     p = make_plan(load_config(path, over), h100)
     assert p.decisions["update_on"] == "host" and p.verdict() is None
     p = make_plan(load_config(path, over + ["train.update_on=device"]), h100)
