@@ -13,6 +13,7 @@ Both give the updater the same two calls: ``read`` (fp32 values, for a host upda
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,27 @@ import numpy as np
 from megatrain_jax.engine.kernels import NO_AUTOTUNE, local_shard
 from megatrain_jax.optim.host import alloc_aligned
 from megatrain_jax.transfer import Transfers
+
+# host copies of a slab (its landing in the pageable buffer, bf16 widened to fp32 for the update) split over
+# threads: numpy's copies release the GIL, and one thread moved ~4 GB/s, which made an 8B step's 16 GB of
+# bf16 gradients seconds of serial work (RESULTS.md s7: the 24 GB budget ran at 0.42x)
+_COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+_COPIERS = ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="hold-copy")
+_SPLIT_ABOVE = 1 << 22  # values: smaller slices are copied by the calling thread
+
+
+def _copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    parallel(lambda a, b: np.copyto(dst[a:b], src[a:b]), len(dst))
+
+
+def parallel(fn: Callable[[int, int], Any], n: int) -> None:
+    """``fn(lo, hi)`` over ``n`` values in pieces, on the copier threads (here when small)."""
+    if n <= _SPLIT_ABOVE or _COPY_THREADS == 1:
+        fn(0, n)
+        return
+    step = -(-n // _COPY_THREADS)
+    for f in [_COPIERS.submit(fn, lo, min(lo + step, n)) for lo in range(0, n, step)]:
+        f.result()
 
 
 class PinnedHeld:
@@ -86,7 +108,8 @@ class PageableHeld:
         if part.dtype == np.float32:
             return part
         out = self.hold.scratch(hi - lo)
-        np.left_shift(part.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)  # bf16 -> fp32, exact
+        src, dst = part.view(np.uint16), out.view(np.uint32)
+        parallel(lambda a, b: np.left_shift(src[a:b], 16, out=dst[a:b], dtype=np.uint32), hi - lo)  # bf16 -> fp32
         return out
 
     def to_device(self) -> jax.Array:
@@ -191,7 +214,7 @@ class PageableHold:
         try:
             if c.after is not None:
                 c.after.result()  # a device-side update's transfer of this buffer has completed
-            np.copyto(c.held.buf[c.lo:c.hi], self.xfer.host_view(c.arr))
+            _copy_into(c.held.buf[c.lo:c.hi], self.xfer.host_view(c.arr))  # (no view of the slab outlives it)
         except BaseException as e:  # noqa: BLE001 - surfaced where the held gradient is read
             self.error = self.error or e
         finally:
