@@ -21,10 +21,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_dtypes
-import numba
 import numpy as np
 from numba import njit, prange
 
+from megatrain_jax.hoststore import _fill_uniform  # the store's fast init, the same draws
 from megatrain_jax.optim.fused_adamw import launch, to_bf16_bits_
 from megatrain_jax.optim.host import alloc_aligned
 from megatrain_jax.templates import Layout
@@ -165,18 +165,6 @@ def _quantise(w, q, scale):
                 for j in range(lo, hi):
                     v = np.rint(w[k, i, j] * inv[j - lo])
                     q[k, i, j] = np.int8(min(max(v, -127.0), 127.0))
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _fill_uniform(out, seed, half_width):
-    """out[i] = uniform(-w, w) from a splitmix64 hash of (seed, i) (as hoststore's fast init)."""
-    for i in prange(out.shape[0]):
-        z = numba.uint64(seed) * numba.uint64(0x9E3779B97F4A7C15) + numba.uint64(i)
-        z = (z ^ (z >> numba.uint64(30))) * numba.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> numba.uint64(27))) * numba.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> numba.uint64(31))
-        u = np.float32(z >> numba.uint64(40)) * np.float32(1.0 / (1 << 24))
-        out[i] = (np.float32(2.0) * u - np.float32(1.0)) * half_width
 
 
 class FrozenStore:
