@@ -352,6 +352,8 @@ def test_loading_writes_nothing(tmp_path, monkeypatch):
     ("optim.schedule.end_lr_ratio=2", "optim.schedule.end_lr_ratio"), ("model.rms_norm_eps=0", "model.rms_norm_eps"),
     ("train.log_every=0", "train.log_every"), ("train.grad_slabs=1", "train.grad_slabs"),
     ("train.gpu_memory_gb=-4", "train.gpu_memory_gb"), ("train.micro_batches=zero", "train.micro_batches"),
+    ("train.boundary_every=0", "train.boundary_every"), ("train.boundary_every=two", "train.boundary_every"),
+    ("train.stream_io=sometimes", "train.stream_io"), ("train.grad_hold=disk", "train.grad_hold"),
 ])
 def test_numeric_fields_are_validated(override, field):
     from megatrain_jax.errors import UserError

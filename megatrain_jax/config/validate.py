@@ -94,7 +94,7 @@ def validate(cfg: Config) -> None:
                                  ("train.activations", t.activations, ("auto", "device", "pinned_host")),
                                  ("train.update_on", t.update_on, ("auto", "host", "device"))]:
         if value not in allowed:
-            raise UserError(name, f"{value!r} is not supported", f"use one of: {', '.join(allowed)}")
+            raise UserError(name, f"{value!r} is not supported", f"use one of: {', '.join(str(a).lower() if isinstance(a, bool) else a for a in allowed)}")
     for name, value in [("train.host_memory_gb", t.host_memory_gb), ("train.gpu_memory_gb", t.gpu_memory_gb)]:
         if value is not None and not value > 0:
             raise UserError(name, f"must be positive, got {value}", f"set {name} to a size in GB, or null for the machine's")
