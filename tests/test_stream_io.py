@@ -54,6 +54,11 @@ CASES = {
     "pinned_slabs": (dict(vocab_size=256), 1, 0.5, 64,
                      dict(grad_hold="pinned_host", grad_slab_elems=3000, transfer_mode="pinned",
                           activations="pinned_host"), None),
+    # blocks updated on the device, the embedding and head (gradients in host memory) by the host kernel
+    "device_update_host_hold": (dict(vocab_size=256), 2, 0.5, 64,
+                                dict(update_on="device", grad_hold="host_fp32", grad_slab_elems=3000), None),
+    "device_update_tied": (dict(vocab_size=250, tie_embeddings=True), 1, 0.5, 64,
+                           dict(update_on="device", grad_hold="gpu_fp32"), 30),
 }
 
 
@@ -102,10 +107,6 @@ def test_only_the_batch_rows_and_a_chunk_reach_the_device():
     st.close()
 
 
-def test_device_updates_are_refused_with_stream_io():
-    from megatrain_jax.plan.options import EngineOptions
-    with pytest.raises(UserError, match="train.stream_io"):
-        EngineOptions(stream_io=True, update_on="device")
 
 
 def test_bf16_stream_io_tracks_the_resident_head():

@@ -95,9 +95,6 @@ class StreamIO:
 
     def __init__(self, trainer: Any):
         parts, o = trainer.parts, trainer.options
-        if o.update_on == "device":
-            raise UserError("train.stream_io", "runs with host-side updates only",
-                            "set train.update_on=host (or train.stream_io=false)")
         hs = jax.eval_shape(parts.embed_fn, parts.embed_weights, _probe_inputs(parts))
         H = int(hs.shape[-1])
         out = jax.eval_shape(lambda hw, h, ew: parts.head_fn(hw, h, ew)[1], parts.head_weights, hs,

@@ -4,7 +4,9 @@
   updates the group in place slab by slab as each lands (``update_on=host``).
 - ``DeviceUpdates``: the group's fp32 master and optimizer state cross PCIe instead, the update runs on
   the accelerator when the next forward fetches the group, and a write-back thread puts the new
-  state straight into the host store (``update_on=device``).
+  state straight into the host store (``update_on=device``). A gradient that is complete in host
+  memory already (``stream_io``'s embedding and head) is applied there by the host kernel instead:
+  those groups never sit on the accelerator, and crossing PCIe twice would only add traffic.
 
 Without clipping (or the NaN check) a host update starts as soon as its group's gradient lands. With
 them every update waits for the step's norm: the gradients are *held* (fp32 or bf16 on the device, in
@@ -424,6 +426,7 @@ class DeviceUpdates(_Updates):
         self._done: dict[str, Future] = {}  # per group: its queued update is in the store
         self._resident: dict[str, jax.Array] = {}  # current weights already on the device
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h-writeback")
+        self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")  # stream_io's groups
 
     def register(self, g: Any) -> None:
         for k, a in self.opt.state_to_arrays(g.opt_state).items():  # the optimizer state crosses PCIe too
@@ -439,6 +442,10 @@ class DeviceUpdates(_Updates):
         (the next forward then fetches the updated weights from the host store)."""
         if name == HEAD:
             self.count += 1
+        if isinstance(grad, np.ndarray):  # complete in host memory (stream_io): updated there
+            self.pending[name] = self._host.submit(self._host_update, name, HostArray(grad, self.xfer), scale,
+                                                   self.count)
+            return
         self._queued[name] = (grad, scale, self.count)
         self._done[name] = Future()
         self.dispatch(self.load(name))
@@ -452,9 +459,25 @@ class DeviceUpdates(_Updates):
             return
         self.count += 1
         for name in self.groups.order:
-            self._queued[name] = (held.pop(name), scale, self.count)
+            grad = held.pop(name)
+            if isinstance(grad, HostArray):  # complete in host memory (stream_io): updated there, now
+                self.pending[name] = self._host.submit(self._host_update, name, grad, scale, self.count)
+                continue
+            self._queued[name] = (grad, scale, self.count)
             self._done[name] = Future()  # set once this update is back in the host store
         self._resident = dict(resident)
+
+    def _host_update(self, name: str, grad: HostArray, scale: float, count: int) -> None:
+        """On the host-optimizer thread: a group whose gradient is in host memory, updated in place by the
+        optimizer's host kernel (the same step as its device one: tests compare both with the reference)."""
+        g = self.store[name]
+        if self.before_update is not None:
+            self.before_update(name, count)
+        t0 = time.perf_counter()
+        self.opt.update(g.master, grad.read(0, g.size), g.opt_state, count, scale, g.stream_bits, g.layout.unflatten)
+        self.xfer.host_written(name, g.stream_view())
+        if self.tracer is not None:
+            self.tracer.interval("optimizer", name, t0, time.perf_counter())
 
     def load(self, name: str) -> DeviceUpdate | None:
         """Put the group's fp32 master and optimizer state in flight to the device; the update itself
@@ -528,6 +551,7 @@ class DeviceUpdates(_Updates):
         self.finish()
         self._close_hold()
         self._writer.shutdown()
+        self._host.shutdown()
 
 
 def make_updates(store: HostStore, opt: HostOptimizer, xfer: Transfers, kernels: Kernels, options: EngineOptions,

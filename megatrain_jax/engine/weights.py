@@ -12,6 +12,7 @@ import jax
 
 from megatrain_jax.engine.updaters import DeviceUpdate, Groups, _Updates
 from megatrain_jax.hoststore import HostStore
+from megatrain_jax.plan.sizes import PINNED_ACT_LAYERS_ON_GPU
 from megatrain_jax.transfer import Transfers
 
 
@@ -79,10 +80,12 @@ class Boundaries:
         self._saved: dict[int, list[jax.Array]] = {}  # block -> its inputs (device, or pinned host)
         self._back: dict[int, list[jax.Array]] = {}  # block -> its inputs back on the device
         self._count = 0
+        self._landing: list[list[jax.Array]] = []
 
     def start(self, forward: Callable[[int, list], list] | None = None) -> None:
         """A new step; ``forward(b, hs)``: block b's forward of this step's micro-batches, again."""
         self._saved, self._back, self._count, self.forward = {}, {}, 0, forward
+        self._landing = []  # parked layers whose copies to the host may still be in flight
 
     def kept(self, i: int) -> bool:
         """Whether the forward keeps block ``i``'s input."""
@@ -136,7 +139,17 @@ class Boundaries:
         return max(b for b in self._saved if b <= i)
 
     def _park(self, hs: list[jax.Array]) -> list[jax.Array]:
-        return [self.xfer.offload(h) for h in hs] if self.offload else hs
+        """To pinned host memory. At most ``PINNED_ACT_LAYERS_ON_GPU`` layers' copies are in flight (their
+        device buffers live until they land): the dispatching thread waits for the oldest beyond that,
+        which has had a whole block's compute to land, so the GPU's queue does not run dry. Unbounded, async
+        dispatch ran ~4 layers ahead and the 8B at 10 GB ran out of memory (RESULTS.md s8)."""
+        if not self.offload:
+            return hs
+        parked = [self.xfer.offload(h) for h in hs]
+        self._landing.append(parked)
+        while len(self._landing) > PINNED_ACT_LAYERS_ON_GPU - 1:
+            jax.block_until_ready(self._landing.pop(0))
+        return parked
 
     def _unpark(self, hs: list[jax.Array]) -> list[jax.Array]:
         return [self.xfer.reload(h) for h in hs] if self.offload else hs

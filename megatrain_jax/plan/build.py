@@ -18,7 +18,7 @@ from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check_one_device
 from megatrain_jax.optim.costs import auto_update_on, update_cost
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS,
-                                      HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
+                                      HOST_COPY_PARALLEL_RATE, HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
                                       IO_VOCAB_CHUNK, IO_GATHER_RATE, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_need,
                                       pinned_pool, usable)
 
@@ -474,16 +474,19 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     if hold == "resweep":
         h2d_bytes += shapes.layers * shapes.block * stream_bytes
     opt_rate = RATES["adamw_elems"]["optax" if optim.kernel == "optax" else optim.moments] * min(cpu_cores, 16) / 16
+    copy_rate = max(HOST_COPY_RATE, HOST_COPY_PARALLEL_RATE * min(cpu_cores, 16) / 16)
     h2d_s = max(h2d_bytes / rates["h2d"], n_dev * h2d_bytes / rates["host_read"])
     grad_d2h = 4.0 * shapes.params
-    extra_h2d = extra_d2h = copy_bytes = 0.0
+    extra_h2d = extra_d2h = copy_bytes = widen_bytes = 0.0
     if p is not None and p.activations == "pinned_host":
         act = shapes.layers * shapes.tokens * shapes.hidden * shapes.dtype_bytes * (-(-shapes.layers // k)) \
             / shapes.layers
         extra_d2h += act
         extra_h2d += act * (2 if hold == "resweep" else 1)
+    # stream_io with a device-side update: the embedding and head (gradients in host memory) update on the host
+    host_params = (shapes.embed + shapes.head) if (io and update_on == "device") else 0
     if hold in HOST_HOLD_BYTES:
-        held = HOST_HOLD_BYTES[hold] * (shapes.params - (p.gpu_group_params if p else 0))
+        held = HOST_HOLD_BYTES[hold] * (shapes.params - host_params - (p.gpu_group_params if p else 0))
         if update_on == "device":  # out for the norm, back for the update
             extra_d2h += held
             extra_h2d += held
@@ -492,16 +495,27 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         if hold != "pinned_host":  # the copier moves each landed slab into the pageable hold
             copy_bytes += held * (2 if update_on == "device" else 1)
             if hold == "host_bf16" and update_on == "host":
-                copy_bytes += 2 * held  # widened to fp32 for the host update
+                widen_bytes = 2 * held  # widened to fp32 for the host update, after the norm
     step = {"compute_s": compute_s, "h2d_s": h2d_s + extra_h2d / rates["h2d"],
             "d2h_s": grad_d2h / (rates["d2h"] * n_dev) + extra_d2h / rates["d2h"],
-            "optimizer_s": shapes.params / opt_rate, "host_copy_s": copy_bytes / HOST_COPY_RATE}
-    if update_on == "device":  # the state crosses PCIe both ways instead of the gradient; no host kernel
-        step["h2d_s"] = (h2d_bytes + moment_bytes * shapes.params + extra_h2d) / rates["h2d"]
-        step["d2h_s"] = ((4 + moment_bytes) * shapes.params + extra_d2h) / rates["d2h"]
-        step["optimizer_s"] = 0.0
+            "optimizer_s": shapes.params / opt_rate, "host_copy_s": (copy_bytes + widen_bytes) / copy_rate}
+    if update_on == "device":  # the state crosses PCIe both ways instead of the gradient; the host kernel only
+        dev_params = shapes.params - host_params  # for what stays in host memory (stream_io's embedding, head)
+        step["h2d_s"] = (h2d_bytes + moment_bytes * dev_params + extra_h2d) / rates["h2d"]
+        step["d2h_s"] = ((4 + moment_bytes) * dev_params + 4.0 * host_params + extra_d2h) / rates["d2h"]
+        step["optimizer_s"] = host_params / opt_rate
     terms = ("compute_s", "h2d_s", "d2h_s", "optimizer_s", "host_copy_s")
-    step["predicted_step_s"] = max(step[t] for t in terms)
+    # updates wait for the step's norm (clipping, the NaN check): the next forward is the only compute they can
+    # hide behind. A host update chain (widening a bf16 hold, the kernel) longer than the forward is exposed;
+    # a device-side one runs inside the forward, except the embedding's host update (stream_io) at its start
+    fwd_s = fwd_blocks / rate  # the forward sweep alone (a segment's recompute runs in the backward)
+    if update_on == "host":
+        chain = step["optimizer_s"] + widen_bytes / copy_rate
+        step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, chain)
+    else:
+        step["updates_after_norm_s"] = compute_s + (shapes.embed / opt_rate if host_params else 0.0)
     step["work_s"] = sum(step[t] for t in terms)
+    terms = terms + ("updates_after_norm_s",)
+    step["predicted_step_s"] = max(step[t] for t in terms)
     step["binding"] = max(terms, key=lambda t: step[t])
     return step

@@ -90,9 +90,6 @@ class EngineOptions:
         if self.stream_io and self.grad_hold == "resweep" and (self.clip_norm is not None or self.skip_nonfinite):
             bad("train.stream_io", "is not combined with grad_hold=resweep yet",
                 "set train.grad_hold to a host hold (host_bf16, host_fp32) or train.stream_io=false")
-        if self.stream_io and self.update_on == "device":
-            bad("train.stream_io", "runs with host-side updates only",
-                "set train.update_on=host (or train.stream_io=false)")
         if int(self.boundary_every) < 1:
             bad("train.boundary_every", f"must be >= 1, got {self.boundary_every}", "set 1 (keep every input) or more")
         if self.stream_copy not in ("host", "device"):

@@ -63,8 +63,6 @@ def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, updat
     acts = ("device", "pinned_host") if train.activations == "auto" else (train.activations,)
     boundary = BOUNDARY_EVERY if train.boundary_every == "auto" else (int(train.boundary_every),)
     io = (False, True) if train.stream_io == "auto" else (bool(train.stream_io),)
-    if update_on == "device" and train.stream_io == "auto":  # streamed embedding/head: host updates only
-        io = (False,)
     if not on_gpu or devices > 1:  # one-GPU mechanisms: a CPU or data-parallel run takes them only when asked for
         holds = tuple(h for h in holds if h in ("gpu_fp32", "gpu_bf16", "pinned_host")) or holds
         boundary = (1,) if train.boundary_every == "auto" else boundary

@@ -74,7 +74,11 @@ IO_GATHER_RATE = 3.7e9  # bytes/s of the streamed head's host gather as the step
 # cost 1.13 s more per step than the resident one (experiments/probe_stream_io.py, H100 machine, RESULTS.md s7)
 IO_VOCAB_CHUNK = 16384  # vocabulary rows of the head on the GPU at once with train.stream_io (the engine's chunk)
 PINNED_LIMIT_FACTOR = 1.5  # XLA's pinned-host pool limit over the plan's pinned bytes (+ 2 GiB): fragmentation room
+PINNED_ACT_LAYERS_ON_GPU = 3  # layers of parked activations on the GPU at once while their copies run (the engine
+#                               waits for the oldest beyond it: weights.Boundaries)
 HOST_COPY_RATE = 10e9  # bytes/s of one host thread's memcpy (a pageable hold's copier; a bf16 conversion)
+HOST_COPY_PARALLEL_RATE = 40e9  # the same split over 8 threads (holds.parallel) on the H100 machine's 16 cores:
+#                                 its 8B host update widened 30 GB of held bf16 in ~0.65 s (RESULTS.md s8)
 
 
 @dataclass
@@ -209,10 +213,12 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
     act_layer = shapes.batch * shapes.seq * shapes.hidden * dt
     kept_layers = -(-shapes.layers // k)
     segment = (k - 1) * act_layer  # the inputs of one segment, recomputed in the backward
-    acts = (kept_layers * act_layer if act_on_gpu else 2 * act_layer) + segment
+    # parked in pinned host memory: the copies of the last layers out are still in flight (the engine bounds them;
+    # unbounded, the H100 held 31 micro-batch inputs of 64 MiB at once at 8 x 8192 tokens, ~4 layers: RESULTS.md s8)
+    acts = (kept_layers * act_layer if act_on_gpu else PINNED_ACT_LAYERS_ON_GPU * act_layer) + segment
     rows.append(Row("gpu", "boundary activations", acts,
                     (f"{kept_layers} layers x {shapes.tokens} tokens" if act_on_gpu
-                     else "in pinned host memory; 2 layers reloaded")
+                     else f"in pinned host memory; {PINNED_ACT_LAYERS_ON_GPU} layers in flight")
                     + (f"; every {k}th block input, {k - 1} recomputed per segment" if k > 1 else "")))
     ws = block_working_set(shapes, tok_mb)
     rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"
@@ -252,10 +258,11 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         # the state of the two blocks in flight and of the embedding or head being updated, three updated
         # blocks (master + state) being written back, and one slice of the update's temporaries (up to 16
         # bytes a value); counted at the loss too, where the H100 measured it (RESULTS.md)
+        # (stream_io: the embedding and head update on the host: blocks only)
         big = shapes.block if stream_io else max(shapes.embed, shapes.head)
+        largest = shapes.block if stream_io else max(shapes.embed, shapes.head, shapes.block)
         update = update_state_bytes * (2 * shapes.block + big) + (4 + update_state_bytes) * 3 * shapes.block \
-            + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, max(shapes.embed, shapes.head, shapes.block))
-                                    if shapes.update_chunked else max(shapes.embed, shapes.head, shapes.block))
+            + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, largest) if shapes.update_chunked else largest)
         rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
                         "train.update_on=device"))
     head_hold = shapes.head * (hold_bytes or 0) if (deferred and not stream_io) else 0
