@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megatrain_jax.engine.kernels import NO_AUTOTUNE, local_shard
+from megatrain_jax.engine.kernels import NO_AUTOTUNE, local_shard, named
 from megatrain_jax.optim.host import alloc_aligned
 from megatrain_jax.transfer import Transfers
 
@@ -147,9 +147,10 @@ class PageableHold:
         self._lock = threading.Lock()
         self._scratch: np.ndarray | None = None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-hold")
-        self._slice = jax.jit(lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n), static_argnums=2,
+        self._slice = jax.jit(named("hold_slab_slice", lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n)),
+                              static_argnums=2,
                               compiler_options=NO_AUTOTUNE)
-        self._to_bf16 = jax.jit(lambda g: g.astype(jnp.bfloat16), compiler_options=NO_AUTOTUNE)
+        self._to_bf16 = jax.jit(named("hold_to_bf16", lambda g: g.astype(jnp.bfloat16)), compiler_options=NO_AUTOTUNE)
 
     @staticmethod
     def buffer_name(name: str) -> str:

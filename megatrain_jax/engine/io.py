@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from megatrain_jax.engine.kernels import F32, local_shard
+from megatrain_jax.engine.kernels import F32, local_shard, named
 from megatrain_jax.engine.loss import capped
 from megatrain_jax.engine.updaters import EMBED, HEAD
 from megatrain_jax.errors import UserError
@@ -190,7 +190,7 @@ class EmbedRows:
         self._dirty: np.ndarray | None = None  # rows of ``dense_table`` written last step
         self._bufs: list[np.ndarray] = []  # staging buffers (registered; kept alive until close)
         self._fns: dict[int, tuple] = {}  # per padded row count: (layout, forward, backward)
-        self._zero_slot = jax.jit(lambda g, lo, n: jax.lax.dynamic_update_slice(g, jnp.zeros((n,), F32), (lo,)),
+        self._zero_slot = jax.jit(named("embed_zero_pad_row", lambda g, lo, n: jax.lax.dynamic_update_slice(g, jnp.zeros((n,), F32), (lo,))),
                                   static_argnums=2, donate_argnums=0)
         self.copy = _Copier()
 
@@ -432,8 +432,8 @@ class HeadStream:
         self._finish = jax.jit(smap(finish, (rep, dat, dat, dat), (dat, dat)), donate_argnums=(2, 3))
         self._loss = jax.jit(smap(loss_of, (dat, dat, dat, dat, rep), (rep, dat)))
         sh = NamedSharding(k.mesh, dat)
-        self._fill = jax.jit(lambda x, v: jnp.full(x.shape, v, F32), static_argnums=1, out_shardings=sh)
-        self._fill_h = jax.jit(lambda x: jnp.zeros(x.shape, F32), out_shardings=sh)
+        self._fill = jax.jit(named("loss_stat_fill", lambda x, v: jnp.full(x.shape, v, F32)), static_argnums=1, out_shardings=sh)
+        self._fill_h = jax.jit(named("loss_dx_zeros", lambda x: jnp.zeros(x.shape, F32)), out_shardings=sh)
 
     # ---- the step
 

@@ -40,6 +40,13 @@ def local_shard(x: jax.Array, j: int = 0) -> jax.Array:
     return shards[j % len(shards)].data
 
 
+
+def named(name: str, fn: Callable) -> Callable:
+    """``fn`` under ``name``: XLA names its executable ``jit_<name>``, so an out-of-memory error says which
+    helper asked (a lambda's is ``jit__lambda``, which an 8B run at 10 GB could not be traced to)."""
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
 class Kernels:
     """Jits the step's pieces for ``parts`` over ``mesh``; ``layers[i]`` is layer i's variant."""
 
@@ -100,16 +107,17 @@ class Kernels:
 
             self._aux_total = jax.jit(smap(aux_total, (dat,), (rep, rep)))
         self._stats_zero_fn: Callable | None = None
-        self.sqnorm = jax.jit(lambda g: jnp.sum(jnp.square(g)), compiler_options=NO_AUTOTUNE)
-        self.to_bf16 = jax.jit(lambda g: g.astype(jnp.bfloat16), compiler_options=NO_AUTOTUNE)
-        self.chunk = jax.jit(lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32), static_argnums=2,
+        self.sqnorm = jax.jit(named("grad_sqnorm", lambda g: jnp.sum(jnp.square(g))), compiler_options=NO_AUTOTUNE)
+        self.to_bf16 = jax.jit(named("grad_to_bf16", lambda g: g.astype(jnp.bfloat16)), compiler_options=NO_AUTOTUNE)
+        self.chunk = jax.jit(named("grad_slab_slice", lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32)),
+                             static_argnums=2,
                              compiler_options=NO_AUTOTUNE)
-        self.totals = jax.jit(lambda losses, sqs: (sum(losses), sum(sqs)))  # one fetch per step
+        self.totals = jax.jit(named("step_totals", lambda losses, sqs: (sum(losses), sum(sqs))))  # one fetch per step
         # committed to the devices like every other operand, so the first micro-batch's call
         # (fresh zeros) and later ones (accumulated outputs) share one executable
         self.batch_sharding = NamedSharding(mesh, dat)
         n_dev = self.num_devices
-        self._zeros_fn = jax.jit(lambda n: jnp.zeros((n * n_dev,), F32), static_argnums=0,
+        self._zeros_fn = jax.jit(named("grad_accumulator_zeros", lambda n: jnp.zeros((n * n_dev,), F32)), static_argnums=0,
                                  out_shardings=self.batch_sharding, compiler_options=NO_AUTOTUNE)
         self._rng_fn = jax.jit(block_rng, out_shardings=NamedSharding(mesh, rep)) if stack.takes_rng else None
         self.rng_seed, self.rng_step = 0, 0
