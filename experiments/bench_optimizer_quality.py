@@ -37,7 +37,8 @@ OPTIMIZERS = {
     "adafactor": ["optim.name=adafactor", "optim.kernel=optax", "optim.lr=1e-2", "optim.momentum=0.9"],
     "sgd": ["optim.name=sgd", "optim.kernel=optax", "optim.lr=0.3", "optim.momentum=0.9"],
     "muon": ["optim.name=muon", "optim.kernel=optax", "optim.lr=0.02", "optim.adam_lr=3e-4"],
-    "lean": ["optim.name=adafactor", "optim.kernel=optax", "optim.lr=1e-2", "optim.factored=true"],
+    "lean": ["optim.name=adafactor", "optim.kernel=optax", "optim.lr=1e-2", "optim.factored=true",
+             "optim.weight_decay=0.0"],  # configs/lean-22b.yaml's optimizer
     "lion_int8": ["optim.name=lion", "optim.kernel=optax", "optim.moments=int8", "optim.lr=1e-4",
                   "optim.weight_decay=0.1"],
 }
