@@ -50,7 +50,8 @@ OPTIMIZERS = {
     "lion": dict(name="lion", kernel="optax"),
     "adafactor": dict(name="adafactor", kernel="optax"),
     "sgd_momentum": dict(name="sgd", kernel="optax", momentum=0.9),
-    "muon": dict(name="muon", kernel="optax"),
+    "muon": dict(name="muon", kernel="optax"),  # Newton-Schulz in bf16 on the block's matrices; the embedding: AdamW
+    "muon_fp32": dict(name="muon", kernel="optax", ns_dtype="float32"),  # the iterations in fp32 (TF32 on the GPU)
     "lion_int8": dict(name="lion", kernel="optax", moments="int8"),
 }
 ELEMENTWISE = ("adamw_optax", "lion", "sgd_momentum")  # a flat buffer is as good as the tree for these
@@ -101,8 +102,15 @@ def bench(fields: dict, tree: dict, reps: int, warmup: int, path: str = "host") 
 
         times = _timed(step, reps, warmup)
     med = statistics.median(times)
-    return {"elements": n, "median_s": med, "times_s": times, "elements_per_s": n / med, "path": path,
-            "state_bytes_per_param": state_bytes_per_param(cfg, tree, 1000)}
+    out = {"elements": n, "median_s": med, "times_s": times, "elements_per_s": n / med, "path": path,
+           "state_bytes_per_param": state_bytes_per_param(cfg, tree, 1000)}
+    if fields["name"] == "muon":  # the Newton-Schulz matmuls' rate
+        from megatrain_jax.optim.muon import muon_dims, newton_schulz_flops
+
+        dims = jax.tree.leaves(muon_dims(tree), is_leaf=lambda d: d is None)
+        flops = sum(newton_schulz_flops(x.shape, 5) for x, d in zip(jax.tree.leaves(tree), dims) if d is not None)
+        out.update(ns_flops=flops, ns_tflops=flops / med / 1e12)
+    return out
 
 
 def bench_sharded(fields: dict, tree: dict, reps: int, warmup: int) -> dict:
@@ -169,7 +177,8 @@ def main() -> None:
             for k, fn in runs:
                 r = results[k] = fn()
                 print(f"{k:24s} {r['elements_per_s'] / 1e6:9.1f} M elements/s  ({r['median_s'] * 1e3:8.1f} ms per "
-                      f"{r['elements'] / 1e6:.1f}M-element {gname})", flush=True)
+                      f"{r['elements'] / 1e6:.1f}M-element {gname})"
+                      + (f", Newton-Schulz at {r['ns_tflops']:.0f} TFLOP/s" if r.get("ns_flops") else ""), flush=True)
     base = results.get("adamw_fused", {}).get("elements_per_s")
     if base:
         for k, r in results.items():

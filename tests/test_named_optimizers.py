@@ -28,7 +28,7 @@ NAMED = {
     "lion": (3e-4, dict(b1=0.85, b2=0.98)),
     "adafactor": (1e-2, dict(min_dim_size_to_factor=32, decay_rate=0.75, momentum=0.9)),  # 64 x 96 matrices factor
     "sgd": (0.05, dict(momentum=0.9, nesterov=True)),
-    "muon": (2e-2, dict(momentum=0.9, ns_steps=4, b2=0.99)),
+    "muon": (2e-2, dict(momentum=0.9, ns_steps=4, b2=0.99, ns_dtype="float32", adam_lr=3e-3)),  # bf16: tests/test_muon.py
     "optax": (3e-3, dict(optax_name="lamb", optax_kwargs={"b2": 0.99})),  # layer-wise trust ratio: per leaf
 }
 
@@ -218,7 +218,7 @@ def test_a_field_of_another_optimizer_is_refused(name):
     optimizers that do."""
     values = {"b1": 0.9, "b2": 0.9, "eps": 1e-8, "momentum": 0.9, "nesterov": True, "ns_steps": 5, "factored": True,
               "decay_rate": 0.8, "min_dim_size_to_factor": 8, "multiply_by_parameter_scale": False,
-              "optax_name": "lamb", "optax_kwargs": {}}
+              "optax_name": "lamb", "optax_kwargs": {}, "adam_lr": 1e-3, "ns_dtype": "float32"}
     assert set(values) == {k for fields in OPTIMIZER_FIELDS.values() for k in fields}
     base = {"optax_name": "lamb"} if name == "optax" else {}
     for f, v in values.items():
@@ -233,14 +233,17 @@ def test_good_fields_build_the_optax_transformation_with_them():
     rng = np.random.default_rng(0)
     params = {"w": rng.standard_normal((40, 48)).astype(np.float32), "b": rng.standard_normal(48).astype(np.float32)}
     grads = jax.tree.map(lambda x: (rng.standard_normal(x.shape) * 0.1).astype(np.float32), params)
-    from optax.contrib import muon
+    import jax.numpy as jnp
+
+    from megatrain_jax.optim.muon import muon
 
     by_hand = {
         "lion": optax.lion(3e-4, b1=0.85, b2=0.98, weight_decay=0.01),
         "adafactor": optax.adafactor(1e-2, min_dim_size_to_factor=32, decay_rate=0.75, momentum=0.9,
                                      weight_decay_rate=0.01),
         "sgd": optax.chain(optax.add_decayed_weights(0.01), optax.sgd(0.05, momentum=0.9, nesterov=True)),
-        "muon": muon(2e-2, ns_steps=4, beta=0.9, weight_decay=0.01, adam_b2=0.99, adam_weight_decay=0.01),
+        "muon": muon(2e-2, ns_steps=4, beta=0.9, weight_decay=0.01, adam_b2=0.99, adam_weight_decay=0.01,
+                     adam_learning_rate=3e-3, ns_dtype=jnp.float32),
         "optax": optax.lamb(3e-3, b2=0.99, weight_decay=0.01),
     }
     for name, want_tx in by_hand.items():

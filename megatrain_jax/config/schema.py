@@ -168,7 +168,8 @@ OPTIMIZER_FIELDS: dict[str, dict[str, Any]] = {
     "adafactor": {"eps": 1e-30, "decay_rate": 0.8, "factored": True, "min_dim_size_to_factor": 128,
                   "multiply_by_parameter_scale": True, "momentum": None},
     "sgd": {"momentum": None, "nesterov": False},
-    "muon": {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "eps": 1e-8, "b1": 0.9, "b2": 0.999},
+    "muon": {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "eps": 1e-8, "b1": 0.9, "b2": 0.999, "adam_lr": None,
+             "ns_dtype": "bfloat16"},
     "optax": {"optax_name": None, "optax_kwargs": None},
 }
 
@@ -189,6 +190,8 @@ class OptimConfig:
     momentum: float | None = None  # sgd: null (none) | muon: 0.95 (its beta) | adafactor: null (none)
     nesterov: bool | None = None  # sgd false | muon true
     ns_steps: int | None = None  # muon: Newton-Schulz iterations, 5
+    ns_dtype: str | None = None  # muon: the iterations' matmul dtype, bfloat16 (Keller Jordan's) | float32
+    adam_lr: float | None = None  # muon: the learning rate of its AdamW (embedding, head, norms); null: lr
     factored: bool | None = None  # adafactor: factor the second moment of matrices, true
     decay_rate: float | None = None  # adafactor: second-moment decay exponent, 0.8
     min_dim_size_to_factor: int | None = None  # adafactor: factor only dimensions at least this large, 128

@@ -195,6 +195,11 @@ def _validate_optimizer(o: OptimConfig) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                               or not ok(v)):
             raise UserError(f"optim.{f}", f"must be {rule}, got {v!r}", f"set optim.{f} to a number {rule}, or null")
+    if o.adam_lr is not None and (isinstance(o.adam_lr, bool) or not isinstance(o.adam_lr, (int, float))
+                                  or not math.isfinite(o.adam_lr) or o.adam_lr <= 0):
+        raise UserError("optim.adam_lr", f"must be > 0, got {o.adam_lr!r}", "set optim.adam_lr > 0, or null (optim.lr)")
+    if o.ns_dtype is not None and o.ns_dtype not in ("bfloat16", "float32"):
+        raise UserError("optim.ns_dtype", f"{o.ns_dtype!r} is not a Newton-Schulz dtype", "use bfloat16 or float32")
     for f in ("ns_steps", "min_dim_size_to_factor"):
         v = getattr(o, f)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -34,6 +34,9 @@ class UpdateCost:
     - ``runs_on_device``: the optimizer can run with ``update_on=device``.
     - ``host_fast``: its host update is a parallel numba kernel (fused AdamW); otherwise the host update
       runs through XLA on the jax CPU device and is far slower than the device one (prefer the device).
+    - ``device_flops`` / ``device_bytes``: the whole model's update per step on the device (every group's
+      compiled step, XLA's cost analysis): time on the compute stream, which the step's compute waits
+      for (Muon's Newton-Schulz matmuls, in ``matmul_dtype``; the elementwise updates' memory passes).
     """
 
     host_state: float
@@ -42,6 +45,9 @@ class UpdateCost:
     runs_on_device: bool
     chunked: bool
     host_fast: bool
+    device_flops: float = 0.0
+    device_bytes: float = 0.0
+    matmul_dtype: str = "bfloat16"
 
 
 def update_cost(optim_cfg: OptimConfig, group_trees: dict[str, Any], total_steps: int | None = None) -> UpdateCost:
@@ -59,32 +65,55 @@ def update_cost(optim_cfg: OptimConfig, group_trees: dict[str, Any], total_steps
         return UpdateCost(host_state=s, device_temp=16.0, device_group=4 + 4 + s + 16.0, runs_on_device=True,
                           chunked=True, host_fast=True)
     host_state = model_state_bytes(optim_cfg, group_trees, steps) / max(n_total, 1)
-    temp, group = 0.0, 0.0
-    for tree in _distinct(group_trees):
-        t, g = _compiled_bytes(opt, tree, repr(optim_cfg))
-        temp, group = max(temp, t), max(group, g)
+    temp, group, flops, nbytes = 0.0, 0.0, 0.0, 0.0
+    for tree, count in _distinct(group_trees):
+        t, g, f, b = _compiled_bytes(opt, tree, repr(optim_cfg))
+        temp, group, flops, nbytes = max(temp, t), max(group, g), flops + count * f, nbytes + count * b
+    _trim()
+    matmul = "float32" if optim_cfg.name == "muon" and optim_cfg.ns_dtype == "float32" else "bfloat16"
     return UpdateCost(host_state=host_state, device_temp=temp, device_group=group,
-                      runs_on_device=bool(opt.runs_on_device), chunked=False, host_fast=False)
+                      runs_on_device=bool(opt.runs_on_device), chunked=False, host_fast=False,
+                      device_flops=flops, device_bytes=nbytes, matmul_dtype=matmul)
+
+
+def device_update_s(cost: UpdateCost, matmul_flops_s: float, memory_bytes_s: float) -> float:
+    """Seconds of the device-side update per step at these rates (the plan's ``compute_s`` adds them): the
+    larger of its matmuls' and its memory passes' floors (the CPU compile's byte count, where bf16 matmuls
+    are widened, overstates the GPU's memory traffic of matmuls; an elementwise update has no matmuls)."""
+    return max(cost.device_flops / matmul_flops_s, cost.device_bytes / memory_bytes_s)
+
+
+def _trim() -> None:
+    """Give the heap that the compilations above freed back to the system (glibc keeps it otherwise: 0.1 GB
+    of the training process's RSS that the plan does not count, measured on the CPU)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _size(tree) -> int:
     return sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(tree))
 
 
-def _distinct(group_trees: dict[str, Any]) -> list[Any]:
-    seen = {}
+def _distinct(group_trees: dict[str, Any]) -> list[tuple[Any, int]]:
+    """One tree per distinct group structure, with how many groups have it."""
+    seen: dict[Any, list] = {}
     for tree in group_trees.values():
         leaves, treedef = jax.tree.flatten(tree)
-        seen.setdefault((treedef, tuple(tuple(x.shape) for x in leaves)), tree)
-    return list(seen.values())
+        seen.setdefault((treedef, tuple(tuple(x.shape) for x in leaves)), [tree, 0])[1] += 1
+    return [(t, c) for t, c in seen.values()]
 
 
-_CACHE: dict[Any, tuple[float, float]] = {}  # (optimizer config, group structure) -> bytes: a plan compiles once
+_CACHE: dict[Any, tuple[float, float, float, float]] = {}  # (optimizer config, group structure) -> costs
 _LOCK = threading.Lock()
 
 
-def _compiled_bytes(opt, tree, config_key: str) -> tuple[float, float]:
-    """(temporaries, everything) per parameter of the device step of a group shaped like ``tree``."""
+def _compiled_bytes(opt, tree, config_key: str) -> tuple[float, float, float, float]:
+    """(temporaries, everything) per parameter of the device step of a group shaped like ``tree``, and the
+    step's flops and bytes accessed (whole group)."""
     from megatrain_jax.templates import Layout
 
     layout = Layout(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), tree))
@@ -98,17 +127,20 @@ def _compiled_bytes(opt, tree, config_key: str) -> tuple[float, float]:
     return hit
 
 
-def _measure(opt, layout) -> tuple[float, float]:
+def _measure(opt, layout) -> tuple[float, float, float, float]:
     n = layout.size
     spec = opt._spec(n, layout.unflatten)
     _, device = opt._step_fn(spec)
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     f32 = jax.ShapeDtypeStruct((n,), np.float32, sharding=cpu)
     state = {opt.key_prefix + dt: jax.ShapeDtypeStruct((k,), np.dtype(dt), sharding=cpu) for dt, k in spec.sizes}
-    m = device.lower(f32, f32, state, jax.ShapeDtypeStruct((), np.float32, sharding=cpu)).compile().memory_analysis()
+    compiled = device.lower(f32, f32, state, jax.ShapeDtypeStruct((), np.float32, sharding=cpu)).compile()
+    m = compiled.memory_analysis()
     temp = float(m.temp_size_in_bytes)
     everything = float(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) + temp
-    return temp / max(n, 1), everything / max(n, 1)
+    ca = compiled.cost_analysis()
+    ca = (ca[0] if ca else {}) if isinstance(ca, (list, tuple)) else (ca or {})
+    return temp / max(n, 1), everything / max(n, 1), float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
 
 
 def auto_update_on(cost: UpdateCost, *, on_gpu: bool, devices: int, moments: str, bf16_host_copy: bool) -> str:

@@ -5,13 +5,14 @@ Each name is one optax transformation built from ``OptimConfig`` (fields left nu
 ``config.OPTIMIZER_FIELDS``). The streamed engine runs it per group through ``OptaxHostOptimizer``,
 which hands optax the group's pytree with every leaf in its real shape (``layout.unflatten``), so an
 update that depends on a parameter's shape (Adafactor's factored moments, Muon's Newton-Schulz on
-matrices, Muon's Adam for the others) equals the same transformation on the whole model.
+matrices, AdamW for the others: ``muon.labels``) equals the same transformation on the whole model.
 """
 from __future__ import annotations
 
 import inspect
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -56,11 +57,16 @@ def named_tx(o: OptimConfig, lr: float | optax.Schedule) -> optax.GradientTransf
                                multiply_by_parameter_scale=h["multiply_by_parameter_scale"],
                                momentum=h["momentum"], eps=h["eps"], factored=h["factored"],
                                weight_decay_rate=wd or None)
-    if o.name == "muon":
-        from optax.contrib import muon
+    if o.name == "muon":  # Muon on the blocks' matrices, AdamW on the embedding, head, norms (optim/muon.py)
+        from megatrain_jax.optim.muon import muon
 
+        adam_lr = None
+        if h["adam_lr"] is not None:  # the same schedule, scaled to adam_lr
+            ratio = float(h["adam_lr"]) / float(o.lr)
+            adam_lr = (lambda c: lr(c) * ratio) if callable(lr) else float(h["adam_lr"])
         return muon(lr, ns_steps=h["ns_steps"], beta=h["momentum"], eps=h["eps"], weight_decay=wd,
-                    nesterov=h["nesterov"], adam_b1=h["b1"], adam_b2=h["b2"], adam_weight_decay=wd)
+                    nesterov=h["nesterov"], adam_b1=h["b1"], adam_b2=h["b2"], adam_weight_decay=wd,
+                    adam_learning_rate=adam_lr, ns_dtype=jnp.dtype(h["ns_dtype"]))
     if o.name == "optax":
         check_optax(o)
         fn = getattr(optax, o.optax_name)

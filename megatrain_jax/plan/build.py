@@ -16,7 +16,7 @@ from megatrain_jax.plan import decisions as choose
 from megatrain_jax.plan import search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check_one_device
-from megatrain_jax.optim.costs import auto_update_on, update_cost
+from megatrain_jax.optim.costs import auto_update_on, device_update_s, update_cost
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS,
                                       HOST_COPY_PARALLEL_RATE, HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
                                       IO_VOCAB_CHUNK, IO_GATHER_RATE, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_need,
@@ -504,6 +504,12 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         step["h2d_s"] = (h2d_bytes + moment_bytes * dev_params + extra_h2d) / rates["h2d"]
         step["d2h_s"] = ((4 + moment_bytes) * dev_params + 4.0 * host_params + extra_d2h) / rates["d2h"]
         step["optimizer_s"] = host_params / opt_rate
+        if optim.kernel == "optax":  # its update runs on the compute stream (Muon: Newton-Schulz matmuls)
+            cost = _optax_cost(cfg)
+            step["update_s"] = device_update_s(cost, rates["matmul_bf16" if cost.matmul_dtype == "bfloat16"
+                                                         else "matmul_fp32"], GPU_MEMORY_RATE)
+            step["compute_s"] += step["update_s"]
+    compute_s = step["compute_s"]
     terms = ("compute_s", "h2d_s", "d2h_s", "optimizer_s", "host_copy_s")
     # updates wait for the step's norm (clipping, the NaN check): the next forward is the only compute they can
     # hide behind. A host update chain (widening a bf16 hold, the kernel) longer than the forward is exposed;

@@ -60,6 +60,7 @@ def plan_table(p: Plan) -> str:
     lines.append(f"predicted step ({p.step_basis}): {st['predicted_step_s']:.2f} s, bound by {st['binding'][:-2]} "
                  f"(compute {st['compute_s']:.2f} s, host->GPU {st['h2d_s']:.2f} s, GPU->host {st['d2h_s']:.2f} s, "
                  f"optimizer {st['optimizer_s']:.2f} s"
+                 + (f", of the compute the update on the GPU {st['update_s']:.2f} s" if st.get("update_s") else "")
                  + (f", host copies {st['host_copy_s']:.2f} s" if st.get("host_copy_s") else "")
                  + (f"; with the updates waiting for the norm {st['updates_after_norm_s']:.2f} s"
                     if st.get("updates_after_norm_s") else "") + ")")
