@@ -44,7 +44,11 @@ def plain_config(cfg: ModelConfig) -> ModelConfig:
 
 class LoraModel:
     """A config's model as LoRA training sees it: per layer kind the LoRA block's graph and dropout
-    key tree; the embedding, head and aux functions; the base's group layouts; adapter shapes."""
+    key tree (``apply(kind)``: the block as a function of base, adapters, hidden, aux and key); the
+    embedding, head and aux functions; the base's group layouts; adapter shapes. ``lora_stream.
+    StreamLoraModel`` answers the same for a user's model streamed by ``stream()``."""
+
+    embed_takes_positions = False
 
     def __init__(self, cfg: ModelConfig):
         from megatrain_jax.models.common import abstract_model, streamed_parts
@@ -67,6 +71,15 @@ class LoraModel:
                 self.graphs.append((graph, rngs))
             self.kinds.append(k)
             self.adapter_shapes.append(ad)
+
+    @property
+    def num_kinds(self) -> int:
+        return len(self.graphs)
+
+    def apply(self, kind: int):
+        """``f(base, adapters, h, aux, key) -> h`` of one layer kind (base and adapters as pure dicts)."""
+        graph, rngs = self.graphs[kind]
+        return lambda base, adapters, h, aux, key: merge_block(graph, adapters, rngs, base, key)(h, aux)
 
     def init_adapters(self, seed: int, device: jax.Device | None = None) -> list[Any]:
         """Every layer's adapters as ``models.lora.add_adapters`` draws them (A peft-uniform, B 0)."""
@@ -126,7 +139,7 @@ class LoraEngine:
 
         # ---- forward sweep: block i + 1 in flight while block i computes
         inflight = {0: self._fetch("block_0")}
-        hs = [k._embed(emb, mb["tokens"]) for mb in mbs]
+        hs = [k._embed(emb, mb["embed_in"]) for mb in mbs]
         if self._nan:
             hs = [h * jnp.nan for h in hs]
         saved = []
@@ -196,9 +209,9 @@ class LoraEngine:
         self._embed = jax.jit(embed)
         self._head_loss = jax.jit(head_loss)
         self._fwd, self._bwd, self._zeros = {}, {}, {}
-        for kind, (graph, rngs) in enumerate(m.graphs):
+        for kind in range(m.num_kinds):
             group = store[f"block_{m.kinds.index(kind)}"]
-            fwd, bwd = _block_fns(graph, rngs, group, dt)
+            fwd, bwd = _block_fns(m.apply(kind), group, dt)
             self._fwd[kind] = jax.jit(fwd)
             self._bwd[kind] = jax.jit(bwd, donate_argnums=(5, 6))
             shapes = m.adapter_shapes[m.kinds.index(kind)]
@@ -238,7 +251,8 @@ class LoraEngine:
             sl = slice(part * b // m, (part + 1) * b // m)
             seg = None if batch.segment_ids is None else put(batch.segment_ids[sl], np.int32)
             positions = put(pos[sl], np.int32)
-            out.append({"tokens": put(batch.tokens[sl], np.int32), "labels": put(batch.labels[sl], np.int32),
+            tokens = put(batch.tokens[sl], np.int32)
+            out.append({"embed_in": (tokens, positions) if self.model.embed_takes_positions else tokens, "labels": put(batch.labels[sl], np.int32),
                         "mask": put(mask[sl], np.float32), "mask_sum": float(np.asarray(mask[sl], np.float64).sum()),
                         "aux": self._aux(positions, seg)})
         return out
@@ -281,12 +295,12 @@ def _own(tree: Any, device: jax.Device) -> Any:
     return jax.tree_util.tree_map(lambda x: jnp.array(jax.device_put(x, device), copy=True), tree)
 
 
-def _block_fns(graph: Any, rngs: Any, group, dt):
-    """(forward, backward) of one layer kind over the frozen group's device buffers."""
+def _block_fns(block_apply, group, dt):
+    """(forward, backward) of one layer kind (``block_apply``: ``LoraModel.apply``) over the frozen
+    group's device buffers."""
 
     def apply(base, adapters, h, aux, key):
-        cast = jax.tree_util.tree_map(lambda a: a.astype(dt), adapters)
-        return merge_block(graph, cast, rngs, base, key)(h, aux)
+        return block_apply(base, jax.tree_util.tree_map(lambda a: a.astype(dt), adapters), h, aux, key)
 
     def fwd(w, adapters, h, aux, key):
         return apply(group.dequantise(w, dt), adapters, h, aux, key)
@@ -313,13 +327,11 @@ def reference_lora_loss(model: LoraModel, store: FrozenStore, compute_dtype: str
     cast = lambda t: jax.tree_util.tree_map(lambda a: a.astype(dt), t)  # noqa: E731
 
     def loss(adapters, tokens, labels, mask, step, seed):
-        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        aux = make_aux(pos, model.cfg, None)
-        h = model.embed_fn(cast(trees["embed"]), tokens).astype(dt)
+        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        aux = make_aux(pos, model.cfg, None) if isinstance(model, LoraModel) else model.aux_fn(pos, None)
+        h = model.embed_fn(cast(trees["embed"]), (tokens, pos) if model.embed_takes_positions else tokens).astype(dt)
         for i in range(L):
-            graph, rngs = model.graphs[model.kinds[i]]
-            blk = merge_block(graph, cast(adapters[i]), rngs, cast(blocks[i]), block_rng(seed, step, i, 0))
-            h = blk(h, aux)
+            h = model.apply(model.kinds[i])(cast(blocks[i]), cast(adapters[i]), h, aux, block_rng(seed, step, i, 0))
         normed, out = model.head_fn(cast(trees["head"]), h, cast(trees["embed"]) if model.tied else None)
         logits = jnp.einsum("bsh,hv->bsv", normed, out, preferred_element_type=F32)
         if model.softcap is not None:

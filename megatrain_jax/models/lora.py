@@ -104,6 +104,36 @@ def add_adapters(block: nnx.Module, cfg: ModelConfig, layer: int, seed: int | No
     return block
 
 
+def target_names(targets: list[str]) -> set[str]:
+    """Attribute names a user's block is matched with: each entry is a ``Linear`` attribute's own name
+    (peft's ``target_modules`` rule); a short name (``q`` .. ``down``) also matches its projection's
+    (``q_proj`` .. ``down_proj``)."""
+    return set(targets) | {LORA_MODULES[t][1] for t in targets if t in LORA_MODULES}
+
+
+def add_named_adapters(block: nnx.Module, names: set[str], rank: int, scale: float, layer: int, seed: int) -> int:
+    """Make every ``nnx.Linear`` of ``block`` whose attribute name is in ``names`` a ``LoraLinear`` (in
+    place; no dropout). The ``j``-th match in graph order draws A from ``fold_in(adapter_key(seed, layer), j)``.
+    Returns the number of projections adapted."""
+    found = []
+    for path, node in nnx.iter_graph(block):
+        if path and isinstance(node, nnx.Linear) and not isinstance(node, LoraLinear) and str(path[-1]) in names:
+            found.append(path)
+    base = adapter_key(seed, layer)
+    for j, path in enumerate(found):
+        parent = block
+        for p in path[:-1]:
+            parent = parent[p] if isinstance(p, int) else getattr(parent, p)
+        last = path[-1]
+        new = attach(parent[last] if isinstance(last, int) else getattr(parent, last), rank, scale, 0.0,
+                     jax.random.fold_in(base, j))
+        if isinstance(last, int):
+            parent[last] = new
+        else:
+            setattr(parent, last, new)
+    return len(found)
+
+
 def lora_decoder(cfg: ModelConfig, seed: int, adapter_seed: int | None = None):
     """The whole decoder (``common.Decoder``, base from ``seed``) with adapters (from ``adapter_seed``,
     default ``seed``): the in-memory LoRA model of tests and the reference."""
