@@ -225,6 +225,18 @@ def test_config_refuses_expert_targets():
     assert e.value.field == "model.lora.targets"
 
 
+def test_data_parallel_is_refused(capsys):
+    """LoRA runs on one device: train.devices > 1 and ``plan --devices 2`` are refused in one line."""
+    from megatrain_jax.cli import main as cli_main
+
+    with pytest.raises(UserError) as e:
+        load_config(str(ROOT / "configs" / "lora-tiny.yaml"), ["train.devices=2"])
+    assert e.value.field == "train.devices"
+    assert cli_main(["plan", str(ROOT / "configs" / "lora-tiny.yaml"), "--devices", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--devices" in err
+
+
 # ---------------------------------------------------------------------------------------- the training loop
 
 
