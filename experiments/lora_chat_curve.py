@@ -179,7 +179,7 @@ def plot(path: Path, a: list[float], b: list[float]) -> None:
     ax.set_title("LoRA rank 8 on every projection, 4-layer Llama-shaped base, chat data from prepare")
     ax.legend()
     bx.semilogy(steps, np.maximum(rel, 1e-9))
-    bx.set_ylabel("|ours - peft| / peft")
+    bx.set_ylabel("|ours - peft| / peft\n(equal: drawn at 1e-9)", fontsize=8)
     bx.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -190,10 +190,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--work", default="/tmp/lora_chat_curve")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "lora_chat_curve_cpu_2026-11-25"))
+    ap.add_argument("--plot-only", action="store_true", help="redraw curve.png from --out's curves.json")
     ap.add_argument("--torch-side", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_side:
         return torch_side(Path(args.torch_side))
+    if args.plot_only:
+        r = json.loads((Path(args.out) / "curves.json").read_text())
+        return plot(Path(args.out) / "curve.png", r["loss"]["megatrain_jax"], r["loss"]["peft"])
     work, out = Path(args.work), Path(args.out)
     t0 = time.time()
     info = setup(work, args.steps)
@@ -203,6 +207,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     plot(out / "curve.png", la, lb)
     res = {"device": "cpu", "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+           "env": {"LORA_PEFT_PATH": os.environ.get("LORA_PEFT_PATH"), "cores": os.cpu_count(),
+                   "load_avg_at_end": os.getloadavg()[0]},
            "prepare_command": "megatrain-jax " + info.pop("prepare"), "train_command": "megatrain-jax " + train_cmd.split(" ", 2)[2],
            "model": {**SHAPE, "family": "llama", "base": "random init (seed 1234), fp32 HF checkpoint"},
            "setup": info, "steps": args.steps,
