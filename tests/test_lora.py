@@ -262,6 +262,11 @@ def test_train_resume_exact_and_export(tmp_path):
     assert set(x) == set(y) and len(x) == 2 * 7 * 2
     for k in x:
         np.testing.assert_array_equal(x[k], y[k])
+    from megatrain_jax.cli import main as cli_main  # the run merged into its base: a plain HF directory
+
+    assert cli_main(["export", f"{tmp_path}/b", f"{tmp_path}/m", "--merge-lora", "--dtype", "float32"]) == 0
+    merged = load_file(f"{tmp_path}/m/model.safetensors")
+    assert "model.layers.1.mlp.down_proj.weight" in merged and not any("lora" in k for k in merged)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])

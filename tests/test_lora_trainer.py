@@ -30,43 +30,52 @@ def _kwargs(model):
 
 
 def _reference(model, lora, seed, tx, clip, batches):
-    """The model with the same adapters attached, trained in memory: jax.grad over the adapters only."""
+    """The model with the same adapters attached, trained in memory: jax.grad over the adapters only;
+    with dropout, block i of step s reseeded with ``block_rng(seed, s, i, 0)`` (the engine's key)."""
+    from megatrain_jax.templates import block_rng
+
     ref = nnx.clone(model)
     for i, blk in enumerate(ref.layers):
-        add_named_adapters(blk, target_names(lora.targets), lora.rank, lora.scale, i, seed)
+        add_named_adapters(blk, target_names(lora.targets), lora.rank, lora.scale, i, seed, lora.dropout)
     graph, ad, rest = nnx.split(ref, LoraParam, ...)
-    ad = nnx.to_pure_dict(ad)
+    ad, rest = nnx.to_pure_dict(ad), nnx.to_pure_dict(rest)
     full_tx = optax.chain(optax.clip_by_global_norm(clip), tx)
     state = full_tx.init(ad)
 
     @jax.jit
-    def step(ad, state, toks):
+    def step(ad, state, toks, s):
         def loss(a):
-            return ce_mean(nnx.merge(graph, a, rest)(toks[:, :-1]), toks[:, 1:])
+            mdl = nnx.merge(graph, a, rest)
+            if lora.dropout:
+                for i, blk in enumerate(mdl.layers):
+                    nnx.reseed(blk, dropout=block_rng(seed, s, i, 0))
+            return ce_mean(mdl(toks[:, :-1]), toks[:, 1:])
 
         val, g = jax.value_and_grad(loss)(ad)
         upd, state = full_tx.update(g, state, ad)
         return optax.apply_updates(ad, upd), state, val, optax.global_norm(g)
 
     losses, norms = [], []
-    for toks in batches:
-        ad, state, val, norm = step(ad, state, jnp.asarray(toks))
+    for s, toks in enumerate(batches):
+        ad, state, val, norm = step(ad, state, jnp.asarray(toks), jnp.asarray(s, jnp.uint32))
         losses.append(float(val))
         norms.append(float(norm))
     return losses, norms, ad
 
 
 @pytest.mark.slow  # compiles the stream check, the LoRA engine and the reference (~15 s idle CPU)
-def test_trainer_lora_equals_in_memory(base_dtype="float32", micro=2):
+@pytest.mark.parametrize("dropout,micro", [(0.0, 2), (0.3, 1)])
+def test_trainer_lora_equals_in_memory(dropout, micro, base_dtype="float32"):
     """5 steps of ``Trainer(..., lora=)`` = the in-memory LoRA model (clipping triggers on every step,
     AdamW with weight decay): losses, norms and every adapter; the base is untouched."""
     model = RoPEDecoder(vocab=64, d=32, heads=2, layers=2, seed=0)
     before = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     tx, clip = optax.adamw(3e-3, b1=0.9, b2=0.95, weight_decay=0.01), 0.02
     batches = [np.random.default_rng(s).integers(0, 64, (4, 17)) for s in range(5)]
-    lora = LoraConfig(**{**vars(LORA), "base_dtype": base_dtype})
+    lora = LoraConfig(**{**vars(LORA), "base_dtype": base_dtype, "dropout": dropout})
     tr = Trainer(model, tx, lora=lora, clip_norm=clip, compute_dtype="float32", micro_batches=micro, loss_chunk=16,
-                 **_kwargs(model))
+                 seed=0, **_kwargs(model))
+    assert tr.parts.blocks.takes_rng == (dropout > 0)
     assert isinstance(tr, LoraStreamTrainer) and isinstance(tr, Trainer)
     got = [tr.step(b) for b in batches]
     losses, norms, ad = _reference(model, lora, 0, tx, clip, batches)
@@ -90,7 +99,9 @@ def test_trainer_lora_equals_in_memory(base_dtype="float32", micro=2):
     assert isinstance(model.layers[0].qkv, LoraLinear)
     graph, _, rest = nnx.split(model, LoraParam, ...)
     toks = jnp.asarray(batches[0][:, :-1])
-    np.testing.assert_allclose(np.asarray(model(toks)), np.asarray(nnx.merge(graph, ad, rest)(toks)), atol=1e-5)
+    want = nnx.merge(graph, ad, rest)
+    want.eval(), model.eval()  # adapter dropout off
+    np.testing.assert_allclose(np.asarray(model(toks)), np.asarray(want(toks)), atol=1e-5)
     tr.close()
 
 
@@ -104,7 +115,7 @@ def test_split_merge_adapters_round_trip():
 
 @pytest.mark.parametrize("lora,field", [
     (dict(rank=4, targets=["nope"]), "lora.targets"), (dict(rank=0, targets=["qkv"]), "lora.rank"),
-    (dict(rank=4, dropout=0.1, targets=["qkv"]), "lora.dropout"), (dict(rank=4, bogus=1), "model.lora.bogus")])
+    (dict(rank=4, dropout=1.5, targets=["qkv"]), "lora.dropout"), (dict(rank=4, bogus=1), "model.lora.bogus")])
 def test_trainer_lora_errors(lora, field):
     model = RoPEDecoder(vocab=64, d=32, heads=2, layers=2, seed=0)
     with pytest.raises(UserError) as e:

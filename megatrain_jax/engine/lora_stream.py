@@ -14,8 +14,11 @@ then splits as usual: its block template reads the adapters as two more leaves. 
 separated from the frozen rest: the base goes to a ``FrozenStore`` (``lora.base_dtype``), the adapters
 to ``LoraEngine``, whose backward differentiates only with respect to the adapters and the hidden state.
 
-Not here yet: adapter dropout (``lora.dropout`` > 0 is refused), Linen modules, checkpoints
-(``save``/``restore``), the memory plan, several devices.
+Adapter dropout (``lora.dropout``) is an ``nnx.Dropout`` on each adapter's input, so the block draws
+from the key the engine gives it per (step, layer, micro-batch), as any dropout in a streamed block
+(``stream`` docstring); the backward's recompute sees the same mask.
+
+Not here yet: Linen modules, checkpoints (``save``/``restore``), the memory plan, several devices.
 """
 from __future__ import annotations
 
@@ -110,9 +113,8 @@ def _lora_config(lora: Any) -> LoraConfig:
         raise UserError("lora.rank", f"must be an integer >= 1, got {lora.rank!r}", "e.g. rank=8")
     if not lora.alpha > 0:
         raise UserError("lora.alpha", f"must be > 0, got {lora.alpha!r}", "e.g. alpha=16")
-    if lora.dropout:
-        raise UserError("lora.dropout", "adapter dropout is not implemented for Trainer(..., lora=)",
-                        "set dropout=0 (model.lora in a config has it for the registry's families)")
+    if not 0 <= lora.dropout < 1:
+        raise UserError("lora.dropout", f"must be a number in [0, 1), got {lora.dropout!r}", "e.g. dropout=0.05")
     if lora.base_dtype not in ("bfloat16", "int8", "float32"):
         raise UserError("lora.base_dtype", f"{lora.base_dtype!r} is not supported", "use bfloat16, int8 or float32")
     if not lora.targets or not all(isinstance(t, str) for t in lora.targets):
@@ -151,7 +153,7 @@ class LoraStreamTrainer(Trainer):
         clone = nnx.clone(model)  # shares the weight arrays; the user's model is left as it is
         attr, blocks = _find_blocks(clone, stream_kwargs.get("blocks"))
         for i, blk in enumerate(blocks):
-            if add_named_adapters(blk, names, lora.rank, lora.scale, i, seed) == 0:
+            if add_named_adapters(blk, names, lora.rank, lora.scale, i, seed, lora.dropout) == 0:
                 raise UserError("lora.targets", f"{attr}[{i}] has no nnx.Linear named {sorted(names)}",
                                 "name the blocks' Linear attributes (e.g. targets=['qkv', 'out'])")
         self.lora, self.optimizer_spec, self.steps, self._blocks = lora, optimizer, steps, attr
@@ -238,7 +240,8 @@ class LoraStreamTrainer(Trainer):
 
         _, blocks = _find_blocks(model, self._blocks)
         for i, blk in enumerate(blocks):
-            add_named_adapters(blk, target_names(self.lora.targets), self.lora.rank, self.lora.scale, i, 0)
+            add_named_adapters(blk, target_names(self.lora.targets), self.lora.rank, self.lora.scale, i, 0,
+                               self.lora.dropout)
         nnx.update(model, nnx.State(self.params()))
         return model
 
