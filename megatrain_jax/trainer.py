@@ -96,10 +96,10 @@ class Trainer:
     """
 
     def __new__(cls, *args: Any, lora: Any = None, **kwargs: Any):
-        if lora is not None and cls is Trainer:  # adapters on a frozen base: engine/lora_stream.py
+        if lora is not None:  # adapters on a frozen base: engine/lora_stream.py (its own trainer object)
             from megatrain_jax.engine.lora_stream import LoraStreamTrainer
 
-            return super().__new__(LoraStreamTrainer)
+            return LoraStreamTrainer(*args, lora=lora, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, model: Any, optimizer: Any = None, *, options: EngineOptions | None = None,
@@ -108,7 +108,7 @@ class Trainer:
                  loss_chunk: int | None = None, seed: int | None = None, skip_nonfinite: bool | None = None,
                  device: jax.Device | None = None, devices: list[jax.Device] | None = None, lora: Any = None,
                  **stream_kwargs: Any):
-        del lora  # None here (a LoRA config makes __new__ return a LoraStreamTrainer)
+        del lora  # None here (with a LoRA config, __new__ returns a LoraStreamTrainer instead)
         if isinstance(model, StreamedModel):
             if params is not None or stream_kwargs:
                 raise UserError("params", "a StreamedModel is already split", "pass params/stream options to stream()")

@@ -153,3 +153,24 @@ def export_merged(checkpoint: str, out: str, dtype: str = "bfloat16", *, archite
     log(f"export: {path} (step {state.get('step')}) merged with its adapter (scale {cfg.lora.scale:g}) -> {out}: "
         f"Hugging Face {dtype} in {time.perf_counter() - t0:.1f}s")
     return out
+
+
+def lora_export_main(argv: list[str]) -> int | None:
+    """``megatrain-jax export`` where it concerns LoRA (``cli.main`` asks here first): ``--merge-lora``
+    exports; a LoRA run without it is refused in one line; None: not a LoRA export (``hf.export_main``)."""
+    from megatrain_jax.hf.commands import export_parser
+
+    args = export_parser().parse_args(list(argv))
+    if not args.merge_lora:
+        if find_lora_checkpoint(args.checkpoint, lambda _: None) is not None:
+            raise UserError("--merge-lora", f"{args.checkpoint} is a LoRA run: a frozen base and an adapter (PEFT "
+                            "format, in step_N/adapter)", "pass --merge-lora for merged weights, or load the "
+                            "adapter with peft.PeftModel.from_pretrained")
+        return None
+    if args.format != "hf":
+        raise UserError("--format", "--merge-lora writes a Hugging Face directory", "drop --format mt")
+    if not args.max_shard_gb > 0:
+        raise UserError("--max-shard-gb", "must be positive", "give e.g. 5")
+    export_merged(args.checkpoint, args.out, args.dtype, architecture=args.architecture, overwrite=args.overwrite,
+                  max_shard_bytes=int(args.max_shard_gb * 1e9))
+    return 0

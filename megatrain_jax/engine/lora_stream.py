@@ -34,7 +34,6 @@ from megatrain_jax.engine.lora_base import FrozenStore
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import Layout
-from megatrain_jax.trainer import Trainer
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
@@ -123,8 +122,10 @@ def _lora_config(lora: Any) -> LoraConfig:
     return lora
 
 
-class LoraStreamTrainer(Trainer):
-    """What ``Trainer(model, optimizer, lora=...)`` returns (see the module docstring)."""
+class LoraStreamTrainer:
+    """What ``Trainer(model, optimizer, lora=...)`` returns (see the module docstring): the ``Trainer``
+    interface (``step``, ``step_count``, ``lr_at``, ``params``, ``update_model``, ``close``) over a
+    ``LoraEngine``; not a ``Trainer`` subclass (trainer.py imports this module, not the reverse)."""
 
     def __init__(self, model: Any, optimizer: Any = None, *, lora: Any, options: EngineOptions | None = None,
                  store: Any = None, params: Any = None, steps: int | None = None, micro_batches: int | None = None,
@@ -244,6 +245,19 @@ class LoraStreamTrainer(Trainer):
                                self.lora.dropout)
         nnx.update(model, nnx.State(self.params()))
         return model
+
+    @property
+    def step_count(self) -> int:
+        return self.engine.count
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LoraStreamTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _unsupported(self, what: str):
         raise UserError(what, "is not implemented for Trainer(..., lora=) yet",

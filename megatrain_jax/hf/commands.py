@@ -220,6 +220,19 @@ class _ExportParser(argparse.ArgumentParser):
 
 def export_main(argv: Iterable[str]) -> int:
     """``megatrain-jax export CHECKPOINT_DIR OUT [--format hf|mt] [--dtype ...] [--overwrite]``."""
+    args = export_parser().parse_args(list(argv))
+    if not args.max_shard_gb > 0:
+        raise UserError("--max-shard-gb", "must be positive", "give e.g. 5")
+    if args.merge_lora:  # engine/lora_export.py writes it (cli.main sends it there: hf never imports engine)
+        raise UserError("--merge-lora", "a merged LoRA export runs through the command line",
+                        "run `megatrain-jax export RUN OUT --merge-lora`")
+    export_checkpoint(args.checkpoint, args.out, args.dtype, args.format, architecture=args.architecture,
+                      overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    return 0
+
+
+def export_parser() -> argparse.ArgumentParser:
+    """``export``'s arguments (also read by ``engine/lora_export.lora_export_main``)."""
     p = _ExportParser(prog="megatrain-jax export",
                       description="Export a training checkpoint's weights: a Hugging Face directory (default) "
                                   "or the per-group mt format.")
@@ -234,21 +247,4 @@ def export_main(argv: Iterable[str]) -> int:
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--merge-lora", action="store_true",
                    help="a LoRA run: its base with the adapter merged in (hf only; engine/lora_export.py)")
-    args = p.parse_args(list(argv))
-    if not args.max_shard_gb > 0:
-        raise UserError("--max-shard-gb", "must be positive", "give e.g. 5")
-    from megatrain_jax.engine.lora_export import export_merged, find_lora_checkpoint
-
-    if args.merge_lora:
-        if args.format != "hf":
-            raise UserError("--format", "--merge-lora writes a Hugging Face directory", "drop --format mt")
-        export_merged(args.checkpoint, args.out, args.dtype, architecture=args.architecture,
-                      overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1e9))
-        return 0
-    if find_lora_checkpoint(args.checkpoint, lambda _: None) is not None:
-        raise UserError("--merge-lora", f"{args.checkpoint} is a LoRA run: a frozen base and an adapter (PEFT "
-                        "format, in step_N/adapter)", "pass --merge-lora for merged weights, or load the "
-                        "adapter with peft.PeftModel.from_pretrained")
-    export_checkpoint(args.checkpoint, args.out, args.dtype, args.format, architecture=args.architecture,
-                      overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1e9))
-    return 0
+    return p
