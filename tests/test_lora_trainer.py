@@ -128,3 +128,41 @@ def test_trainer_lora_refuses_several_devices():
     with pytest.raises(UserError) as e:
         Trainer(model, optax.adamw(1e-3), lora=LORA, devices=[jax.devices()[0]] * 2, **_kwargs(model))
     assert e.value.field == "devices"
+
+
+@pytest.mark.slow  # compiles the LoRA engine and the reference (~10 s idle CPU)
+def test_trainer_lora_on_a_registry_model():
+    """``Trainer(Decoder, tx, lora=)``: a registry model's own LoRA blocks (q .. down, as model.lora), 4
+    clipped steps = the in-memory ``lora_decoder`` trained with jax.grad over its adapters."""
+    import dataclasses
+
+    from megatrain_jax.models.common import Decoder
+    from megatrain_jax.models.lora import LoraRng, lora_decoder
+
+    from tests.test_lora import tiny
+
+    cfg = tiny("qwen2", layers=2)
+    base = Decoder(dataclasses.replace(cfg, lora=None), 0)
+    tx, clip = optax.adamw(3e-3, weight_decay=0.01), 0.02
+    tr = Trainer(base, tx, lora=dataclasses.replace(cfg.lora, base_dtype="float32"), clip_norm=clip,
+                 compute_dtype="float32", loss_chunk=16, seed=0)
+    graph, ad, rngs, rest = nnx.split(lora_decoder(cfg, 0), LoraParam, LoraRng, ...)
+    ad, rest = nnx.to_pure_dict(ad), nnx.to_pure_dict(rest)
+    full_tx = optax.chain(optax.clip_by_global_norm(clip), tx)
+    state = full_tx.init(ad)
+    grad = jax.jit(jax.value_and_grad(lambda a, t: ce_mean(nnx.merge(graph, a, rngs, rest)(t[:, :-1]), t[:, 1:])))
+    for s in range(4):
+        toks = np.random.default_rng(s).integers(0, 64, (4, 17))
+        res = tr.step(toks)
+        loss, g = grad(ad, jnp.asarray(toks))
+        assert optax.global_norm(g) > clip and abs(res.loss - float(loss)) <= 1e-5 * float(loss)
+        upd, state = full_tx.update(g, state, ad)
+        ad = optax.apply_updates(ad, upd)
+    for i, mine in enumerate(tr.adapters()):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, np.asarray(b), atol=2e-6, rtol=0), mine,
+                     ad["layers"][i])
+    tr.update_model(base)
+    assert isinstance(base.layers[0].self_attn.q_proj, LoraLinear)
+    toks = jnp.asarray(np.random.default_rng(9).integers(0, 64, (2, 8)))
+    np.testing.assert_allclose(np.asarray(base(toks)), np.asarray(nnx.merge(graph, ad, rngs, rest)(toks)), atol=1e-5)
+    tr.close()

@@ -32,6 +32,8 @@ from megatrain_jax.config.schema import LoraConfig, lora_from_dict
 from megatrain_jax.engine.lora import LoraEngine
 from megatrain_jax.engine.lora_base import FrozenStore
 from megatrain_jax.errors import UserError
+from megatrain_jax.models.common import Decoder
+from megatrain_jax.models.lora import LoraLinear
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import Layout
 
@@ -150,17 +152,21 @@ class LoraStreamTrainer:
             raise UserError("devices", "LoRA through Trainer runs on one device", "pass one device (device=...)")
         o = options or EngineOptions()
         seed = o.rng_seed if seed is None else int(seed)
-        names = target_names(lora.targets)
-        clone = nnx.clone(model)  # shares the weight arrays; the user's model is left as it is
-        attr, blocks = _find_blocks(clone, stream_kwargs.get("blocks"))
-        for i, blk in enumerate(blocks):
-            if add_named_adapters(blk, names, lora.rank, lora.scale, i, seed, lora.dropout) == 0:
-                raise UserError("lora.targets", f"{attr}[{i}] has no nnx.Linear named {sorted(names)}",
-                                "name the blocks' Linear attributes (e.g. targets=['qkv', 'out'])")
-        self.lora, self.optimizer_spec, self.steps, self._blocks = lora, optimizer, steps, attr
-        self.parts = stream(clone, **stream_kwargs)
-        self.model = StreamLoraModel(self.parts)
-        frozen = FrozenStore.from_trees(self.model.trees, lora.base_dtype)
+        self.lora, self.optimizer_spec, self.steps = lora, optimizer, steps
+        if isinstance(model, Decoder):  # a registry model: its own LoRA blocks (models/lora.py), as model.lora
+            frozen = self._registry(model, lora, stream_kwargs)
+        else:
+            names = target_names(lora.targets)
+            clone = nnx.clone(model)  # shares the weight arrays; the user's model is left as it is
+            attr, blocks = _find_blocks(clone, stream_kwargs.get("blocks"))
+            for i, blk in enumerate(blocks):
+                if add_named_adapters(blk, names, lora.rank, lora.scale, i, seed, lora.dropout) == 0:
+                    raise UserError("lora.targets", f"{attr}[{i}] has no nnx.Linear named {sorted(names)}",
+                                    "name the blocks' Linear attributes (e.g. targets=['qkv', 'out'])")
+            self._blocks = attr
+            self.parts = stream(clone, **stream_kwargs)
+            self.model = StreamLoraModel(self.parts)
+            frozen = FrozenStore.from_trees(self.model.trees, lora.base_dtype)
         if clip_norm == "auto":
             clip_norm = optimizer.clip_norm if isinstance(optimizer, OptimConfig) else o.clip_norm
         self._lr = None
@@ -180,6 +186,21 @@ class LoraStreamTrainer:
         self.engine = LoraEngine(self.model, frozen, tx, seed=seed, compute_dtype=compute_dtype or o.compute_dtype,
                                  micro_batches=micro_batches or o.micro_batches, clip_norm=clip_norm,
                                  loss_chunk=loss_chunk or o.loss_chunk, device=device)
+
+    def _registry(self, model: Any, lora: LoraConfig, stream_kwargs: dict) -> FrozenStore:
+        """A ``models.common.Decoder``: ``LoraModel`` of its config with ``lora`` (targets: q .. down)."""
+        import dataclasses
+
+        from megatrain_jax.config.validate import validate_lora
+        from megatrain_jax.engine.lora import LoraModel
+        from megatrain_jax.models.common import streamed_parts
+
+        if stream_kwargs:
+            raise UserError(sorted(stream_kwargs)[0], "a registry model is split by its family", "leave it unset")
+        validate_lora(dataclasses.replace(lora, targets=list(lora.targets)))
+        self._blocks, self.parts = "layers", None
+        self.model = LoraModel(dataclasses.replace(model.cfg, lora=lora))
+        return FrozenStore.from_trees(streamed_parts(model).host_trees(), lora.base_dtype)
 
     @property
     def options(self) -> EngineOptions:
@@ -229,6 +250,9 @@ class LoraStreamTrainer:
         trees = {g.name: jax.tree.map(np.array, g.tree()) for g in self.engine.store}
         for i, a in enumerate(ad):
             trees[f"block_{i}"] = merge_adapters(a, trees[f"block_{i}"])
+        if self.parts is None:  # a registry Decoder's own tree
+            return {"embed": trees["embed"], "layers": {i: trees[f"block_{i}"] for i in range(len(ad))},
+                    "head": trees["head"]}
         return self.parts.assemble(trees)
 
     def update_model(self, model: Any) -> Any:
@@ -239,11 +263,19 @@ class LoraStreamTrainer:
         from megatrain_jax.models.lora import add_named_adapters, target_names
         from megatrain_jax.stream.from_nnx import _find_blocks
 
+        from megatrain_jax.models.lora import add_adapters
+
         _, blocks = _find_blocks(model, self._blocks)
         for i, blk in enumerate(blocks):
-            add_named_adapters(blk, target_names(self.lora.targets), self.lora.rank, self.lora.scale, i, 0,
-                               self.lora.dropout)
-        nnx.update(model, nnx.State(self.params()))
+            if self.parts is None:
+                if not any(isinstance(n, LoraLinear) for _, n in nnx.iter_graph(blk)):
+                    add_adapters(blk, self.model.cfg, i, 0)
+            else:
+                add_named_adapters(blk, target_names(self.lora.targets), self.lora.rank, self.lora.scale, i, 0,
+                                   self.lora.dropout)
+        state = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(state, self.params())
+        nnx.update(model, state)
         return model
 
     @property
