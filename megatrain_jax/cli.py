@@ -45,9 +45,9 @@ def _plan(args: argparse.Namespace) -> int:
     if cfg.model.lora is not None:  # adapters on a frozen base: their own plan (engine/lora_plan.py)
         from megatrain_jax.engine.lora_plan import make_lora_plan
 
-        if (args.devices or 1) != 1 or args.scaling:
-            raise UserError("--devices" if (args.devices or 1) != 1 else "--scaling", "LoRA training runs on one GPU "
-                            "(no data parallel for adapters yet)", "plan it without --devices/--scaling")
+        if args.scaling:
+            raise UserError("--scaling", "no multi-GPU prediction for LoRA (each GPU runs the one-GPU plan on its "
+                            "slice of the batch)", "plan it without --scaling")
         p = make_lora_plan(cfg, machine)
         print(json.dumps(p.to_dict(), indent=1, default=str) if args.json else p.table)
         err = p.verdict()

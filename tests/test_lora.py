@@ -225,16 +225,14 @@ def test_config_refuses_expert_targets():
     assert e.value.field == "model.lora.targets"
 
 
-def test_data_parallel_is_refused(capsys):
-    """LoRA runs on one device: train.devices > 1 and ``plan --devices 2`` are refused in one line."""
+def test_plan_scaling_is_refused(capsys):
+    """LoRA data parallel (tests/test_lora_dp.py) has no multi-GPU prediction: ``plan --scaling`` is refused."""
     from megatrain_jax.cli import main as cli_main
 
-    with pytest.raises(UserError) as e:
-        load_config(str(ROOT / "configs" / "lora-tiny.yaml"), ["train.devices=2"])
-    assert e.value.field == "train.devices"
-    assert cli_main(["plan", str(ROOT / "configs" / "lora-tiny.yaml"), "--devices", "2"]) == 2
+    assert load_config(str(ROOT / "configs" / "lora-tiny.yaml"), ["train.devices=2"]).train.devices == 2
+    assert cli_main(["plan", str(ROOT / "configs" / "lora-tiny.yaml"), "--scaling"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--devices" in err
+    assert err.count("\n") == 1 and "--scaling" in err
 
 
 # ---------------------------------------------------------------------------------------- the training loop

@@ -123,11 +123,6 @@ def test_trainer_lora_errors(lora, field):
     assert e.value.field == field
 
 
-def test_trainer_lora_refuses_several_devices():
-    model = RoPEDecoder(vocab=64, d=32, heads=2, layers=2, seed=0)
-    with pytest.raises(UserError) as e:
-        Trainer(model, optax.adamw(1e-3), lora=LORA, devices=[jax.devices()[0]] * 2, **_kwargs(model))
-    assert e.value.field == "devices"
 
 
 @pytest.mark.slow  # compiles the LoRA engine and the reference (~10 s idle CPU)

@@ -109,19 +109,31 @@ class LoraEngine:
     def __init__(self, model: LoraModel, store: FrozenStore, tx: optax.GradientTransformation, *,
                  adapters: list[Any] | None = None, seed: int = 0, compute_dtype: str = "bfloat16",
                  micro_batches: int = 1, clip_norm: float | None = 1.0, loss_chunk: int = 1024,
-                 activations: str = "device", device: jax.Device | None = None, transfer_mode: str = "auto"):
+                 activations: str = "device", device: jax.Device | None = None, transfer_mode: str = "auto",
+                 devices: list[jax.Device] | None = None):
         self.model, self.store, self.tx = model, store, tx
-        self.device = device or jax.local_devices()[0]
+        devices = list(devices) if devices else [device or jax.local_devices()[0]]
+        if any(d.process_index != jax.process_index() for d in devices):
+            raise ValueError("LoRA data parallel runs in one process: give this process's devices")
+        self.device, self.num_devices = devices[0], len(devices)
         self.dtype = jnp.dtype(compute_dtype)
         self.micro_batches, self.clip_norm, self.loss_chunk, self.seed = int(micro_batches), clip_norm, loss_chunk, seed
         self.num_layers = store.num_blocks
-        self.xfer = Transfers(self.device, transfer_mode)
+        # data parallel (several local devices): each device streams the base over its own link, takes a
+        # slice of every micro-batch's sequences; adapters, their state and gradients are replicated, and
+        # XLA sums the gradients over the devices inside the backward (the batch axis is contracted)
+        mesh = jax.sharding.Mesh(np.array(devices), ("data",)) if len(devices) > 1 else None
+        self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None \
+            else jax.sharding.SingleDeviceSharding(self.device)
+        self.batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")) \
+            if mesh is not None else self.replicated
+        self.xfer = Transfers(devices if mesh is not None else self.device, transfer_mode, mesh=mesh)
         for g in store:
             for j, buf in enumerate(g.buffers()):
                 self.xfer.register(f"{g.name}/{j}", buf)
         self.offload = activations == "pinned_host" and self.xfer.host_sharding is not None
-        self.adapters = [_own(a, self.device) for a in (adapters if adapters is not None else model.init_adapters(seed))]
-        self.opt_state = jax.device_put(tx.init(self.adapters), self.device)
+        self.adapters = [_own(a, self.replicated) for a in (adapters if adapters is not None else model.init_adapters(seed))]
+        self.opt_state = _own(tx.init(self.adapters), self.replicated)
         self.count = 0
         self.tracer = None
         self._nan = False
@@ -216,7 +228,7 @@ class LoraEngine:
             self._bwd[kind] = jax.jit(bwd, donate_argnums=(5, 6))
             shapes = m.adapter_shapes[m.kinds.index(kind)]
             self._zeros[kind] = jax.jit(lambda s=shapes: jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, F32), s),
-                                        out_shardings=jax.sharding.SingleDeviceSharding(self.device))
+                                        out_shardings=self.replicated)
 
         def totals(losses, grads):
             return sum(losses), sum(jnp.sum(jnp.square(x)) for x in jax.tree_util.tree_leaves(grads))
@@ -241,11 +253,12 @@ class LoraEngine:
     def _micro_batches(self, batch: Batch) -> list[dict]:
         b, s = batch.tokens.shape
         m = self.micro_batches
-        if b % m:
-            raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
+        if b % (m * self.num_devices):
+            raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches x "
+                             f"{self.num_devices} devices")
         mask = batch.loss_mask if batch.loss_mask is not None else np.ones((b, s), np.float32)
         pos = batch.positions if batch.positions is not None else np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
-        put = lambda x, dt: jax.device_put(np.ascontiguousarray(x, dt), self.device)  # noqa: E731
+        put = lambda x, dt: jax.device_put(np.ascontiguousarray(x, dt), self.batch_sharding)  # noqa: E731
         out = []
         for part in range(m):
             sl = slice(part * b // m, (part + 1) * b // m)
@@ -264,9 +277,9 @@ class LoraEngine:
         return jax.tree_util.tree_map(np.asarray, jax.device_get(self.adapters))
 
     def set_state(self, adapters: list[Any], opt_state: Any | None, count: int) -> None:
-        self.adapters = [_own(a, self.device) for a in adapters]
+        self.adapters = [_own(a, self.replicated) for a in adapters]
         if opt_state is not None:
-            self.opt_state = _own(opt_state, self.device)
+            self.opt_state = _own(opt_state, self.replicated)
         self.count = int(count)
 
     @contextlib.contextmanager
@@ -290,9 +303,9 @@ class LoraEngine:
         return {"adapters": nb(self.adapters), "opt_state": nb(self.opt_state), "embed_head": nb(self._resident)}
 
 
-def _own(tree: Any, device: jax.Device) -> Any:
-    """A copy of ``tree`` on ``device`` that the engine may donate (never the caller's arrays)."""
-    return jax.tree_util.tree_map(lambda x: jnp.array(jax.device_put(x, device), copy=True), tree)
+def _own(tree: Any, sharding: Any) -> Any:
+    """A copy of ``tree`` placed by ``sharding`` that the engine may donate (never the caller's arrays)."""
+    return jax.tree_util.tree_map(lambda x: jnp.array(jax.device_put(x, sharding), copy=True), tree)
 
 
 def _block_fns(block_apply, group, dt):

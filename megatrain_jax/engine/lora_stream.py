@@ -18,7 +18,10 @@ Adapter dropout (``lora.dropout``) is an ``nnx.Dropout`` on each adapter's input
 from the key the engine gives it per (step, layer, micro-batch), as any dropout in a streamed block
 (``stream`` docstring); the backward's recompute sees the same mask.
 
-Not here yet: Linen modules, checkpoints (``save``/``restore``), the memory plan, several devices.
+``devices=[...]`` (this process's): data parallel, each device a slice of every micro-batch (``LoraEngine``).
+A registry ``models.common.Decoder`` takes its family's own LoRA blocks (``targets``: q .. down).
+
+Not here yet: Linen modules, checkpoints (``save``/``restore``), the memory plan.
 """
 from __future__ import annotations
 
@@ -148,8 +151,8 @@ class LoraStreamTrainer:
         for name, v in (("store", store), ("params", params), ("skip_nonfinite", skip_nonfinite)):
             if v is not None:
                 raise UserError(name, "is not used with lora=", f"leave {name} unset")
-        if devices is not None and len(devices) > 1:
-            raise UserError("devices", "LoRA through Trainer runs on one device", "pass one device (device=...)")
+        if devices is not None and any(d.process_index != jax.process_index() for d in devices):
+            raise UserError("devices", "LoRA data parallel runs in one process", "pass this process's devices")
         o = options or EngineOptions()
         seed = o.rng_seed if seed is None else int(seed)
         self.lora, self.optimizer_spec, self.steps = lora, optimizer, steps
@@ -185,7 +188,7 @@ class LoraStreamTrainer:
         self.opt = tx
         self.engine = LoraEngine(self.model, frozen, tx, seed=seed, compute_dtype=compute_dtype or o.compute_dtype,
                                  micro_batches=micro_batches or o.micro_batches, clip_norm=clip_norm,
-                                 loss_chunk=loss_chunk or o.loss_chunk, device=device)
+                                 loss_chunk=loss_chunk or o.loss_chunk, device=device, devices=devices)
 
     def _registry(self, model: Any, lora: LoraConfig, stream_kwargs: dict) -> FrozenStore:
         """A ``models.common.Decoder``: ``LoraModel`` of its config with ``lora`` (targets: q .. down)."""
