@@ -14,6 +14,10 @@ master), their gradients and the optax state live on the device throughout.
 - **Update**: the global norm over every adapter gradient, one host fetch (loss and norm), the clip
   factor as ``optax.clip_by_global_norm`` applies it, and one jitted optax update over all adapters.
   A non-finite loss or norm skips the update (adapters and state untouched).
+
+Data parallel (``devices``: several of this process's devices): every device streams the base over
+its own link and takes a slice of each micro-batch's sequences; adapters and state are replicated, and
+the adapter gradients are summed over the devices by XLA inside the backward (tests/test_lora_dp.py).
 """
 from __future__ import annotations
 
@@ -104,7 +108,7 @@ class LoraModel:
 
 class LoraEngine:
     """Trains LoRA adapters of ``model`` over the frozen ``store`` with ``tx`` (an optax
-    transformation, no clipping: ``clip_norm`` applies globally), on one device."""
+    transformation, no clipping: ``clip_norm`` applies globally), on ``device`` or over ``devices``."""
 
     def __init__(self, model: LoraModel, store: FrozenStore, tx: optax.GradientTransformation, *,
                  adapters: list[Any] | None = None, seed: int = 0, compute_dtype: str = "bfloat16",
