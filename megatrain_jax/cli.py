@@ -45,6 +45,9 @@ def _plan(args: argparse.Namespace) -> int:
     if cfg.model.lora is not None:  # adapters on a frozen base: their own plan (engine/lora_plan.py)
         from megatrain_jax.engine.lora_plan import make_lora_plan
 
+        if args.scaling:
+            raise UserError("--scaling", "no multi-GPU prediction for LoRA (each GPU runs the one-GPU plan on its "
+                            "slice of the batch)", "plan it without --scaling")
         p = make_lora_plan(cfg, machine)
         print(json.dumps(p.to_dict(), indent=1, default=str) if args.json else p.table)
         err = p.verdict()
@@ -110,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return convert_main(argv[1:])
         if argv and argv[0] == "export":  # a training checkpoint -> Hugging Face (or mt) directory
+            from megatrain_jax.engine.lora_export import lora_export_main  # LoRA runs: --merge-lora
+
+            rc = lora_export_main(argv[1:])
+            if rc is not None:
+                return rc
             from megatrain_jax.hf import export_main
 
             return export_main(argv[1:])

@@ -89,15 +89,26 @@ class Trainer:
     ``compute_dtype``, ``loss_chunk``, ``seed`` (dropout keys: ``templates.block_rng(seed, step,
     layer, micro_batch)``) and ``skip_nonfinite`` set its fields. ``steps``: the run's length, for
     schedules that decay over it. ``store``: an already-filled ``HostStore`` for the model.
+    ``lora``: a ``LoraConfig`` (or dict): train LoRA adapters on the model's targeted ``nnx.Linear``
+    modules over a frozen base instead (``engine/lora_stream.LoraStreamTrainer``).
 
     From a ``Config`` (what ``megatrain-jax train`` does): ``from_config`` or ``resume``.
     """
+
+    def __new__(cls, *args: Any, lora: Any = None, **kwargs: Any):
+        if lora is not None:  # adapters on a frozen base: engine/lora_stream.py (its own trainer object)
+            from megatrain_jax.engine.lora_stream import LoraStreamTrainer
+
+            return LoraStreamTrainer(*args, lora=lora, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, model: Any, optimizer: Any = None, *, options: EngineOptions | None = None,
                  store: Any = None, params: Any = None, steps: int | None = None, micro_batches: int | None = None,
                  clip_norm: float | None | str = "auto", compute_dtype: str | None = None,
                  loss_chunk: int | None = None, seed: int | None = None, skip_nonfinite: bool | None = None,
-                 device: jax.Device | None = None, devices: list[jax.Device] | None = None, **stream_kwargs: Any):
+                 device: jax.Device | None = None, devices: list[jax.Device] | None = None, lora: Any = None,
+                 **stream_kwargs: Any):
+        del lora  # None here (with a LoRA config, __new__ returns a LoraStreamTrainer instead)
         if isinstance(model, StreamedModel):
             if params is not None or stream_kwargs:
                 raise UserError("params", "a StreamedModel is already split", "pass params/stream options to stream()")

@@ -6,6 +6,11 @@
         AutoModelForCausalLM.from_pretrained, the adapter with PeftModel.from_pretrained(is_trainable=
         True), and writes DIR/ref.npz: ``logits`` (fp32), ``loss`` (mean token cross-entropy on the
         labels) and ``grad:<peft tensor name>`` for every adapter weight after ``loss.backward()``.
+
+    python tests/lora_reference.py --merged DIR
+        DIR holds ``hf/`` (the base), ``adapter/``, ``merged/`` (our merged export) and ``inputs.npz``;
+        writes DIR/merged_ref.npz: ``peft`` (logits of peft's ``merge_and_unload()``) and ``merged``
+        (logits of ``merged/`` loaded by AutoModelForCausalLM alone), both fp32.
 """
 from __future__ import annotations
 
@@ -36,5 +41,18 @@ def main(dirs: list[str]) -> None:
         np.savez(f"{d}/ref.npz", **out)
 
 
+def merged(d: str) -> None:
+    tokens = torch.from_numpy(np.load(f"{d}/inputs.npz")["tokens"]).long()
+    base = AutoModelForCausalLM.from_pretrained(f"{d}/hf", torch_dtype=torch.float32, attn_implementation="eager")
+    folded = PeftModel.from_pretrained(base, f"{d}/adapter").merge_and_unload().eval()
+    ours = AutoModelForCausalLM.from_pretrained(f"{d}/merged", torch_dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        np.savez(f"{d}/merged_ref.npz", peft=folded(input_ids=tokens).logits.float().numpy(),
+                 merged=ours.eval()(input_ids=tokens).logits.float().numpy())
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1] == "--merged":
+        merged(sys.argv[2])
+    else:
+        main(sys.argv[1:])

@@ -225,6 +225,16 @@ def test_config_refuses_expert_targets():
     assert e.value.field == "model.lora.targets"
 
 
+def test_plan_scaling_is_refused(capsys):
+    """LoRA data parallel (tests/test_lora_dp.py) has no multi-GPU prediction: ``plan --scaling`` is refused."""
+    from megatrain_jax.cli import main as cli_main
+
+    assert load_config(str(ROOT / "configs" / "lora-tiny.yaml"), ["train.devices=2"]).train.devices == 2
+    assert cli_main(["plan", str(ROOT / "configs" / "lora-tiny.yaml"), "--scaling"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--scaling" in err
+
+
 # ---------------------------------------------------------------------------------------- the training loop
 
 
@@ -250,6 +260,11 @@ def test_train_resume_exact_and_export(tmp_path):
     assert set(x) == set(y) and len(x) == 2 * 7 * 2
     for k in x:
         np.testing.assert_array_equal(x[k], y[k])
+    from megatrain_jax.cli import main as cli_main  # the run merged into its base: a plain HF directory
+
+    assert cli_main(["export", f"{tmp_path}/b", f"{tmp_path}/m", "--merge-lora", "--dtype", "float32"]) == 0
+    merged = load_file(f"{tmp_path}/m/model.safetensors")
+    assert "model.layers.1.mlp.down_proj.weight" in merged and not any("lora" in k for k in merged)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])

@@ -215,7 +215,7 @@ def _validate_optimizer(o: OptimConfig) -> None:
 
 
 def _validate_lora_run(cfg: Config) -> None:
-    """What LoRA training (engine/lora.py: optax on the GPU, one device) does not do."""
+    """What LoRA training (engine/lora.py: optax on the GPU; data parallel over one process's GPUs) does not do."""
     m, o, t = cfg.model, cfg.optim, cfg.train
     if o.moments != "float32":
         raise UserError("optim.moments", f"{o.moments} moments are the host kernel's; LoRA keeps its optimizer state "
@@ -226,8 +226,6 @@ def _validate_lora_run(cfg: Config) -> None:
     if m.lora.dropout > 0 and m.seq_tile_tokens > 0:
         raise UserError("model.lora.dropout", "adapter dropout over sequence tiles would repeat one mask per tile",
                         "set model.lora.dropout=0, or model.seq_tile=0")
-    if t.devices not in ("all", 1):
-        raise UserError("train.devices", "LoRA training runs on one GPU", "set train.devices=1")
 
 
 def check_optax(o: OptimConfig) -> None:

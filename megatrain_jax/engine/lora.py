@@ -14,6 +14,10 @@ master), their gradients and the optax state live on the device throughout.
 - **Update**: the global norm over every adapter gradient, one host fetch (loss and norm), the clip
   factor as ``optax.clip_by_global_norm`` applies it, and one jitted optax update over all adapters.
   A non-finite loss or norm skips the update (adapters and state untouched).
+
+Data parallel (``devices``: several of this process's devices): every device streams the base over
+its own link and takes a slice of each micro-batch's sequences; adapters and state are replicated, and
+the adapter gradients are summed over the devices by XLA inside the backward (tests/test_lora_dp.py).
 """
 from __future__ import annotations
 
@@ -44,7 +48,11 @@ def plain_config(cfg: ModelConfig) -> ModelConfig:
 
 class LoraModel:
     """A config's model as LoRA training sees it: per layer kind the LoRA block's graph and dropout
-    key tree; the embedding, head and aux functions; the base's group layouts; adapter shapes."""
+    key tree (``apply(kind)``: the block as a function of base, adapters, hidden, aux and key); the
+    embedding, head and aux functions; the base's group layouts; adapter shapes. ``lora_stream.
+    StreamLoraModel`` answers the same for a user's model streamed by ``stream()``."""
+
+    embed_takes_positions = False
 
     def __init__(self, cfg: ModelConfig):
         from megatrain_jax.models.common import abstract_model, streamed_parts
@@ -67,6 +75,15 @@ class LoraModel:
                 self.graphs.append((graph, rngs))
             self.kinds.append(k)
             self.adapter_shapes.append(ad)
+
+    @property
+    def num_kinds(self) -> int:
+        return len(self.graphs)
+
+    def apply(self, kind: int):
+        """``f(base, adapters, h, aux, key) -> h`` of one layer kind (base and adapters as pure dicts)."""
+        graph, rngs = self.graphs[kind]
+        return lambda base, adapters, h, aux, key: merge_block(graph, adapters, rngs, base, key)(h, aux)
 
     def init_adapters(self, seed: int, device: jax.Device | None = None) -> list[Any]:
         """Every layer's adapters as ``models.lora.add_adapters`` draws them (A peft-uniform, B 0)."""
@@ -91,24 +108,36 @@ class LoraModel:
 
 class LoraEngine:
     """Trains LoRA adapters of ``model`` over the frozen ``store`` with ``tx`` (an optax
-    transformation, no clipping: ``clip_norm`` applies globally), on one device."""
+    transformation, no clipping: ``clip_norm`` applies globally), on ``device`` or over ``devices``."""
 
     def __init__(self, model: LoraModel, store: FrozenStore, tx: optax.GradientTransformation, *,
                  adapters: list[Any] | None = None, seed: int = 0, compute_dtype: str = "bfloat16",
                  micro_batches: int = 1, clip_norm: float | None = 1.0, loss_chunk: int = 1024,
-                 activations: str = "device", device: jax.Device | None = None, transfer_mode: str = "auto"):
+                 activations: str = "device", device: jax.Device | None = None, transfer_mode: str = "auto",
+                 devices: list[jax.Device] | None = None):
         self.model, self.store, self.tx = model, store, tx
-        self.device = device or jax.local_devices()[0]
+        devices = list(devices) if devices else [device or jax.local_devices()[0]]
+        if any(d.process_index != jax.process_index() for d in devices):
+            raise ValueError("LoRA data parallel runs in one process: give this process's devices")
+        self.device, self.num_devices = devices[0], len(devices)
         self.dtype = jnp.dtype(compute_dtype)
         self.micro_batches, self.clip_norm, self.loss_chunk, self.seed = int(micro_batches), clip_norm, loss_chunk, seed
         self.num_layers = store.num_blocks
-        self.xfer = Transfers(self.device, transfer_mode)
+        # data parallel (several local devices): each device streams the base over its own link, takes a
+        # slice of every micro-batch's sequences; adapters, their state and gradients are replicated, and
+        # XLA sums the gradients over the devices inside the backward (the batch axis is contracted)
+        mesh = jax.sharding.Mesh(np.array(devices), ("data",)) if len(devices) > 1 else None
+        self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None \
+            else jax.sharding.SingleDeviceSharding(self.device)
+        self.batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")) \
+            if mesh is not None else self.replicated
+        self.xfer = Transfers(devices if mesh is not None else self.device, transfer_mode, mesh=mesh)
         for g in store:
             for j, buf in enumerate(g.buffers()):
                 self.xfer.register(f"{g.name}/{j}", buf)
         self.offload = activations == "pinned_host" and self.xfer.host_sharding is not None
-        self.adapters = [_own(a, self.device) for a in (adapters if adapters is not None else model.init_adapters(seed))]
-        self.opt_state = jax.device_put(tx.init(self.adapters), self.device)
+        self.adapters = [_own(a, self.replicated) for a in (adapters if adapters is not None else model.init_adapters(seed))]
+        self.opt_state = _own(tx.init(self.adapters), self.replicated)
         self.count = 0
         self.tracer = None
         self._nan = False
@@ -126,7 +155,7 @@ class LoraEngine:
 
         # ---- forward sweep: block i + 1 in flight while block i computes
         inflight = {0: self._fetch("block_0")}
-        hs = [k._embed(emb, mb["tokens"]) for mb in mbs]
+        hs = [k._embed(emb, mb["embed_in"]) for mb in mbs]
         if self._nan:
             hs = [h * jnp.nan for h in hs]
         saved = []
@@ -196,14 +225,14 @@ class LoraEngine:
         self._embed = jax.jit(embed)
         self._head_loss = jax.jit(head_loss)
         self._fwd, self._bwd, self._zeros = {}, {}, {}
-        for kind, (graph, rngs) in enumerate(m.graphs):
+        for kind in range(m.num_kinds):
             group = store[f"block_{m.kinds.index(kind)}"]
-            fwd, bwd = _block_fns(graph, rngs, group, dt)
+            fwd, bwd = _block_fns(m.apply(kind), group, dt)
             self._fwd[kind] = jax.jit(fwd)
             self._bwd[kind] = jax.jit(bwd, donate_argnums=(5, 6))
             shapes = m.adapter_shapes[m.kinds.index(kind)]
             self._zeros[kind] = jax.jit(lambda s=shapes: jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, F32), s),
-                                        out_shardings=jax.sharding.SingleDeviceSharding(self.device))
+                                        out_shardings=self.replicated)
 
         def totals(losses, grads):
             return sum(losses), sum(jnp.sum(jnp.square(x)) for x in jax.tree_util.tree_leaves(grads))
@@ -228,17 +257,19 @@ class LoraEngine:
     def _micro_batches(self, batch: Batch) -> list[dict]:
         b, s = batch.tokens.shape
         m = self.micro_batches
-        if b % m:
-            raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
+        if b % (m * self.num_devices):
+            raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches x "
+                             f"{self.num_devices} devices")
         mask = batch.loss_mask if batch.loss_mask is not None else np.ones((b, s), np.float32)
         pos = batch.positions if batch.positions is not None else np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
-        put = lambda x, dt: jax.device_put(np.ascontiguousarray(x, dt), self.device)  # noqa: E731
+        put = lambda x, dt: jax.device_put(np.ascontiguousarray(x, dt), self.batch_sharding)  # noqa: E731
         out = []
         for part in range(m):
             sl = slice(part * b // m, (part + 1) * b // m)
             seg = None if batch.segment_ids is None else put(batch.segment_ids[sl], np.int32)
             positions = put(pos[sl], np.int32)
-            out.append({"tokens": put(batch.tokens[sl], np.int32), "labels": put(batch.labels[sl], np.int32),
+            tokens = put(batch.tokens[sl], np.int32)
+            out.append({"embed_in": (tokens, positions) if self.model.embed_takes_positions else tokens, "labels": put(batch.labels[sl], np.int32),
                         "mask": put(mask[sl], np.float32), "mask_sum": float(np.asarray(mask[sl], np.float64).sum()),
                         "aux": self._aux(positions, seg)})
         return out
@@ -250,9 +281,9 @@ class LoraEngine:
         return jax.tree_util.tree_map(np.asarray, jax.device_get(self.adapters))
 
     def set_state(self, adapters: list[Any], opt_state: Any | None, count: int) -> None:
-        self.adapters = [_own(a, self.device) for a in adapters]
+        self.adapters = [_own(a, self.replicated) for a in adapters]
         if opt_state is not None:
-            self.opt_state = _own(opt_state, self.device)
+            self.opt_state = _own(opt_state, self.replicated)
         self.count = int(count)
 
     @contextlib.contextmanager
@@ -276,17 +307,17 @@ class LoraEngine:
         return {"adapters": nb(self.adapters), "opt_state": nb(self.opt_state), "embed_head": nb(self._resident)}
 
 
-def _own(tree: Any, device: jax.Device) -> Any:
-    """A copy of ``tree`` on ``device`` that the engine may donate (never the caller's arrays)."""
-    return jax.tree_util.tree_map(lambda x: jnp.array(jax.device_put(x, device), copy=True), tree)
+def _own(tree: Any, sharding: Any) -> Any:
+    """A copy of ``tree`` placed by ``sharding`` that the engine may donate (never the caller's arrays)."""
+    return jax.tree_util.tree_map(lambda x: jnp.array(jax.device_put(x, sharding), copy=True), tree)
 
 
-def _block_fns(graph: Any, rngs: Any, group, dt):
-    """(forward, backward) of one layer kind over the frozen group's device buffers."""
+def _block_fns(block_apply, group, dt):
+    """(forward, backward) of one layer kind (``block_apply``: ``LoraModel.apply``) over the frozen
+    group's device buffers."""
 
     def apply(base, adapters, h, aux, key):
-        cast = jax.tree_util.tree_map(lambda a: a.astype(dt), adapters)
-        return merge_block(graph, cast, rngs, base, key)(h, aux)
+        return block_apply(base, jax.tree_util.tree_map(lambda a: a.astype(dt), adapters), h, aux, key)
 
     def fwd(w, adapters, h, aux, key):
         return apply(group.dequantise(w, dt), adapters, h, aux, key)
@@ -313,13 +344,11 @@ def reference_lora_loss(model: LoraModel, store: FrozenStore, compute_dtype: str
     cast = lambda t: jax.tree_util.tree_map(lambda a: a.astype(dt), t)  # noqa: E731
 
     def loss(adapters, tokens, labels, mask, step, seed):
-        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        aux = make_aux(pos, model.cfg, None)
-        h = model.embed_fn(cast(trees["embed"]), tokens).astype(dt)
+        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        aux = make_aux(pos, model.cfg, None) if isinstance(model, LoraModel) else model.aux_fn(pos, None)
+        h = model.embed_fn(cast(trees["embed"]), (tokens, pos) if model.embed_takes_positions else tokens).astype(dt)
         for i in range(L):
-            graph, rngs = model.graphs[model.kinds[i]]
-            blk = merge_block(graph, cast(adapters[i]), rngs, cast(blocks[i]), block_rng(seed, step, i, 0))
-            h = blk(h, aux)
+            h = model.apply(model.kinds[i])(cast(blocks[i]), cast(adapters[i]), h, aux, block_rng(seed, step, i, 0))
         normed, out = model.head_fn(cast(trees["head"]), h, cast(trees["embed"]) if model.tied else None)
         logits = jnp.einsum("bsh,hv->bsv", normed, out, preferred_element_type=F32)
         if model.softcap is not None:

@@ -167,6 +167,20 @@ def _quantise(w, q, scale):
                     q[k, i, j] = np.int8(min(max(v, -127.0), 127.0))
 
 
+def fill_fast_group(layout: Layout, gi: int, seed: int, std: float, master: np.ndarray) -> None:
+    """Group ``gi``'s fp32 values under ``model.init: fast`` (``FrozenStore.fill_fast``) into ``master``."""
+    for li, leaf in enumerate(layout.leaves):
+        view = master[leaf.offset:leaf.offset + leaf.size]
+        last = leaf.path.rsplit("/", 1)[-1]
+        if last == "scale":
+            view[:] = 1.0
+        elif last == "bias":
+            view[:] = 0.0
+        else:
+            with launch:
+                _fill_uniform(view, (seed << 32) + (gi << 12) + li, np.float32(std * np.sqrt(3.0)))
+
+
 class FrozenStore:
     """Ordered frozen groups: ``embed``, ``block_0`` .. ``block_{L-1}``, ``head``."""
 
@@ -186,16 +200,7 @@ class FrozenStore:
         scales 1, biases 0), one group's fp32 at a time."""
         for gi, g in enumerate(self):
             master = np.empty(g.layout.size, np.float32)
-            for li, leaf in enumerate(g.layout.leaves):
-                view = master[leaf.offset:leaf.offset + leaf.size]
-                last = leaf.path.rsplit("/", 1)[-1]
-                if last == "scale":
-                    view[:] = 1.0
-                elif last == "bias":
-                    view[:] = 0.0
-                else:
-                    with launch:
-                            _fill_uniform(view, (seed << 32) + (gi << 12) + li, np.float32(std * np.sqrt(3.0)))
+            fill_fast_group(g.layout, gi, seed, std, master)
             g.load_flat(master)
 
     def __getitem__(self, name: str) -> FrozenGroup:

@@ -54,6 +54,21 @@ def build_frozen_store(cfg: Config, model: LoraModel, log=print) -> FrozenStore:
     return store
 
 
+def lora_devices(cfg: Config, micro: int) -> list:
+    """``train.devices`` of this process (LoRA data parallel: one process, its local GPUs, each streaming
+    the base over its own link; the memory plan is one device's with the whole batch: conservative)."""
+    from megatrain_jax.distributed import run_devices
+
+    if jax.process_count() > 1:
+        raise UserError("MEGATRAIN_NUM_PROCESSES", "LoRA data parallel runs in one process (its local GPUs)",
+                        "launch one process; train.devices picks its GPUs")
+    devices = run_devices(cfg.train.devices)
+    if cfg.train.batch_size % (micro * len(devices)):
+        raise UserError("train.batch_size", f"{cfg.train.batch_size} sequences do not split into {micro} "
+                        f"micro-batches x {len(devices)} devices", f"use a multiple of {micro * len(devices)}")
+    return devices
+
+
 class LoraTrainer:
     """A LoRA run of ``cfg`` (``from_config`` / ``resume``)."""
 
@@ -75,10 +90,10 @@ class LoraTrainer:
         tx = named_tx(cfg.optim, self._lr)
         micro = plan.micro_batches if plan is not None else (t.micro_batches if t.micro_batches != "auto" else 1)
         acts = plan.activations if plan is not None else ("device" if t.activations == "auto" else t.activations)
-        devices = jax.local_devices()
+        devices = lora_devices(cfg, micro)
         self.engine = LoraEngine(self.model, store, tx, adapters=adapters, seed=t.seed, compute_dtype=t.compute_dtype,
                                  micro_batches=micro, clip_norm=cfg.optim.clip_norm, loss_chunk=t.loss_chunk,
-                                 activations=acts, device=devices[0])
+                                 activations=acts, devices=devices)
 
     @classmethod
     def from_config(cls, cfg: Config, plan: Any = None) -> "LoraTrainer":

@@ -220,6 +220,19 @@ class _ExportParser(argparse.ArgumentParser):
 
 def export_main(argv: Iterable[str]) -> int:
     """``megatrain-jax export CHECKPOINT_DIR OUT [--format hf|mt] [--dtype ...] [--overwrite]``."""
+    args = export_parser().parse_args(list(argv))
+    if not args.max_shard_gb > 0:
+        raise UserError("--max-shard-gb", "must be positive", "give e.g. 5")
+    if args.merge_lora:  # engine/lora_export.py writes it (cli.main sends it there: hf never imports engine)
+        raise UserError("--merge-lora", "a merged LoRA export runs through the command line",
+                        "run `megatrain-jax export RUN OUT --merge-lora`")
+    export_checkpoint(args.checkpoint, args.out, args.dtype, args.format, architecture=args.architecture,
+                      overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1e9))
+    return 0
+
+
+def export_parser() -> argparse.ArgumentParser:
+    """``export``'s arguments (also read by ``engine/lora_export.lora_export_main``)."""
     p = _ExportParser(prog="megatrain-jax export",
                       description="Export a training checkpoint's weights: a Hugging Face directory (default) "
                                   "or the per-group mt format.")
@@ -232,9 +245,6 @@ def export_main(argv: Iterable[str]) -> int:
     p.add_argument("--architecture", default=None, choices=list(supported()), help="hf only (default: the model's)")
     p.add_argument("--max-shard-gb", type=float, default=SHARD_BYTES / 1e9, help="hf shard size limit (default 5)")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    args = p.parse_args(list(argv))
-    if not args.max_shard_gb > 0:
-        raise UserError("--max-shard-gb", "must be positive", "give e.g. 5")
-    export_checkpoint(args.checkpoint, args.out, args.dtype, args.format, architecture=args.architecture,
-                      overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1e9))
-    return 0
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA run: its base with the adapter merged in (hf only; engine/lora_export.py)")
+    return p

@@ -47,7 +47,9 @@ class LoraLinear(nnx.Linear):
     def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
         y = super().__call__(x, out_sharding)
         xa = x
-        if self.dropout > 0:
+        if self.dropout > 0 and getattr(self, "lora_dropout", None) is not None:
+            xa = self.lora_dropout(x)  # Trainer(lora=): an nnx.Dropout that stream() reseeds per block call
+        elif self.dropout > 0:
             key = jax.random.wrap_key_data(self.lora_rng[...])
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
             xa = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
@@ -102,6 +104,40 @@ def add_adapters(block: nnx.Module, cfg: ModelConfig, layer: int, seed: int | No
         key = None if base is None else jax.random.fold_in(base, TARGET_ORDER.index(t))
         setattr(parent, name, attach(getattr(parent, name), lora.rank, lora.scale, lora.dropout, key))
     return block
+
+
+def target_names(targets: list[str]) -> set[str]:
+    """Attribute names a user's block is matched with: each entry is a ``Linear`` attribute's own name
+    (peft's ``target_modules`` rule); a short name (``q`` .. ``down``) also matches its projection's
+    (``q_proj`` .. ``down_proj``)."""
+    return set(targets) | {LORA_MODULES[t][1] for t in targets if t in LORA_MODULES}
+
+
+def add_named_adapters(block: nnx.Module, names: set[str], rank: int, scale: float, layer: int, seed: int,
+                       dropout: float = 0.0) -> int:
+    """Make every ``nnx.Linear`` of ``block`` whose attribute name is in ``names`` a ``LoraLinear`` (in
+    place). The ``j``-th match in graph order draws A from ``fold_in(adapter_key(seed, layer), j)``.
+    Dropout on the adapter's input is an ``nnx.Dropout`` (stream: the block's key, reseeded per call).
+    Returns the number of projections adapted."""
+    found = []
+    for path, node in nnx.iter_graph(block):
+        if path and isinstance(node, nnx.Linear) and not isinstance(node, LoraLinear) and str(path[-1]) in names:
+            found.append(path)
+    base = adapter_key(seed, layer)
+    for j, path in enumerate(found):
+        parent = block
+        for p in path[:-1]:
+            parent = parent[p] if isinstance(p, int) else getattr(parent, p)
+        last = path[-1]
+        new = attach(parent[last] if isinstance(last, int) else getattr(parent, last), rank, scale, 0.0,
+                     jax.random.fold_in(base, j))
+        if dropout > 0:
+            new.dropout, new.lora_dropout = float(dropout), nnx.Dropout(dropout, rngs=nnx.Rngs(dropout=0))
+        if isinstance(last, int):
+            parent[last] = new
+        else:
+            setattr(parent, last, new)
+    return len(found)
 
 
 def lora_decoder(cfg: ModelConfig, seed: int, adapter_seed: int | None = None):

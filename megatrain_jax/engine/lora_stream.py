@@ -1,0 +1,311 @@
+"""LoRA through ``Trainer``/``stream()`` for a user's own NNX model: ``Trainer(model, tx, lora=...)``.
+
+    tr = Trainer(model, optax.adamw(1e-3), lora=LoraConfig(rank=8, alpha=16, targets=["qkv", "out"]),
+                 clip_norm=1.0)
+    for tokens in batches:
+        tr.step(tokens)
+    adapters = tr.adapters()          # per block: {path...: {"lora_a": (in, r), "lora_b": (r, out)}}
+    tr.update_model(model)            # the model's targeted Linears become LoraLinear with these values
+
+The targeted ``nnx.Linear`` modules of every block (matched by attribute name: ``q`` .. ``down`` mean
+``q_proj`` .. ``down_proj``, anything else is a ``Linear``'s own name, peft's ``target_modules`` rule)
+become ``LoraLinear`` in a clone of the model (the clone shares the weight arrays), which ``stream()``
+then splits as usual: its block template reads the adapters as two more leaves. Here those leaves are
+separated from the frozen rest: the base goes to a ``FrozenStore`` (``lora.base_dtype``), the adapters
+to ``LoraEngine``, whose backward differentiates only with respect to the adapters and the hidden state.
+
+Adapter dropout (``lora.dropout``) is an ``nnx.Dropout`` on each adapter's input, so the block draws
+from the key the engine gives it per (step, layer, micro-batch), as any dropout in a streamed block
+(``stream`` docstring); the backward's recompute sees the same mask.
+
+``devices=[...]`` (this process's): data parallel, each device a slice of every micro-batch (``LoraEngine``).
+A registry ``models.common.Decoder`` takes its family's own LoRA blocks (``targets``: q .. down).
+
+Not here yet: Linen modules, checkpoints (``save``/``restore``), the memory plan.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from megatrain_jax.config.schema import LoraConfig, lora_from_dict
+from megatrain_jax.engine.lora import LoraEngine
+from megatrain_jax.engine.lora_base import FrozenStore
+from megatrain_jax.errors import UserError
+from megatrain_jax.models.common import Decoder
+from megatrain_jax.models.lora import LoraLinear
+from megatrain_jax.plan.options import EngineOptions
+from megatrain_jax.templates import Layout
+
+ADAPTER_LEAVES = ("lora_a", "lora_b")
+
+
+def split_adapters(tree: dict) -> tuple[dict, dict]:
+    """A block's pure-dict weights -> (adapter leaves only, the rest), both nested as ``tree``."""
+    ad, rest = {}, {}
+    for k, v in tree.items():
+        if k in ADAPTER_LEAVES:
+            ad[k] = v
+        elif isinstance(v, dict):
+            a, r = split_adapters(v)
+            if a:
+                ad[k] = a
+            if r or not a:
+                rest[k] = r
+        else:
+            rest[k] = v
+    return ad, rest
+
+
+def merge_adapters(adapters: dict, rest: dict) -> dict:
+    """The inverse of ``split_adapters``."""
+    out = dict(rest)
+    for k, v in adapters.items():
+        out[k] = merge_adapters(v, rest.get(k, {})) if isinstance(v, dict) else v
+    return out
+
+
+class StreamLoraModel:
+    """``engine.lora.LoraModel``'s interface over ``stream()``'s parts of a model with adapters attached."""
+
+    def __init__(self, parts: Any):
+        stack = parts.blocks
+        if stack.aux_loss is not None:
+            raise UserError("lora", "blocks that add an auxiliary loss (a router's) train every weight",
+                            "stream a model without aux_loss for LoRA")
+        self.parts = parts
+        self.embed_fn, self.head_fn, self.aux_fn = parts.embed_fn, parts.head_fn, parts.aux_fn
+        self.tied, self.softcap = parts.tied, parts.logit_softcap
+        self.embed_takes_positions = bool(parts.embed_takes_positions)
+        order = list(dict.fromkeys(stack.kinds))
+        self.kinds = [order.index(k) for k in stack.kinds]
+        self.templates = [stack.templates[k] for k in order]
+        self.takes_rng = stack.takes_rng
+        split = [split_adapters(w) for w in stack.weights]
+        self.initial = [jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), a) for a, _ in split]
+        self.adapter_shapes = [jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.float32), a)
+                               for a in self.initial]
+        self.trees = {"embed": parts.embed_weights, **{f"block_{i}": r for i, (_, r) in enumerate(split)},
+                      "head": parts.head_weights}
+        self.layouts = {n: Layout(t) for n, t in self.trees.items()}
+
+    @property
+    def num_kinds(self) -> int:
+        return len(self.templates)
+
+    def apply(self, kind: int):
+        t = self.templates[kind]
+        if self.takes_rng:
+            return lambda base, adapters, h, aux, key: t(merge_adapters(adapters, base), h, aux, key)
+        return lambda base, adapters, h, aux, key: t(merge_adapters(adapters, base), h, aux)
+
+    def init_adapters(self, seed: int = 0) -> list[Any]:
+        """The adapters as attached (A peft-uniform from ``adapter_key(seed, layer)``, B zeros)."""
+        return self.initial
+
+
+def _lora_config(lora: Any) -> LoraConfig:
+    if isinstance(lora, dict):
+        lora = lora_from_dict(lora)
+    if not isinstance(lora, LoraConfig):
+        raise UserError("lora", f"a {type(lora).__name__} is not a LoRA config",
+                        "pass lora=LoraConfig(rank=..., alpha=..., targets=[...]) or a dict of those fields")
+    if not isinstance(lora.rank, int) or lora.rank < 1:
+        raise UserError("lora.rank", f"must be an integer >= 1, got {lora.rank!r}", "e.g. rank=8")
+    if not lora.alpha > 0:
+        raise UserError("lora.alpha", f"must be > 0, got {lora.alpha!r}", "e.g. alpha=16")
+    if not 0 <= lora.dropout < 1:
+        raise UserError("lora.dropout", f"must be a number in [0, 1), got {lora.dropout!r}", "e.g. dropout=0.05")
+    if lora.base_dtype not in ("bfloat16", "int8", "float32"):
+        raise UserError("lora.base_dtype", f"{lora.base_dtype!r} is not supported", "use bfloat16, int8 or float32")
+    if not lora.targets or not all(isinstance(t, str) for t in lora.targets):
+        raise UserError("lora.targets", f"must be a non-empty list of Linear attribute names, got {lora.targets!r}",
+                        "e.g. targets=['q_proj', 'v_proj'] (or q, k, v, o, gate, up, down)")
+    return lora
+
+
+class LoraStreamTrainer:
+    """What ``Trainer(model, optimizer, lora=...)`` returns (see the module docstring): the ``Trainer``
+    interface (``step``, ``step_count``, ``lr_at``, ``params``, ``update_model``, ``close``) over a
+    ``LoraEngine``; not a ``Trainer`` subclass (trainer.py imports this module, not the reverse)."""
+
+    def __init__(self, model: Any, optimizer: Any = None, *, lora: Any, options: EngineOptions | None = None,
+                 store: Any = None, params: Any = None, steps: int | None = None, micro_batches: int | None = None,
+                 clip_norm: float | None | str = "auto", compute_dtype: str | None = None,
+                 loss_chunk: int | None = None, seed: int | None = None, skip_nonfinite: bool | None = None,
+                 device: jax.Device | None = None, devices: list | None = None, **stream_kwargs: Any):
+        from flax import nnx
+
+        from megatrain_jax.config import OptimConfig
+        from megatrain_jax.models.lora import add_named_adapters, target_names
+        from megatrain_jax.stream import stream
+        from megatrain_jax.stream.from_nnx import _find_blocks
+
+        lora = _lora_config(lora)
+        if not isinstance(model, nnx.Module):
+            raise UserError("lora", f"LoRA through Trainer adapts the nnx.Linear modules of an NNX model, not a "
+                            f"{type(model).__name__}", "pass the NNX model itself (Linen modules: not yet)")
+        for name, v in (("store", store), ("params", params), ("skip_nonfinite", skip_nonfinite)):
+            if v is not None:
+                raise UserError(name, "is not used with lora=", f"leave {name} unset")
+        if devices is not None and any(d.process_index != jax.process_index() for d in devices):
+            raise UserError("devices", "LoRA data parallel runs in one process", "pass this process's devices")
+        o = options or EngineOptions()
+        seed = o.rng_seed if seed is None else int(seed)
+        self.lora, self.optimizer_spec, self.steps = lora, optimizer, steps
+        if isinstance(model, Decoder):  # a registry model: its own LoRA blocks (models/lora.py), as model.lora
+            frozen = self._registry(model, lora, stream_kwargs)
+        else:
+            names = target_names(lora.targets)
+            clone = nnx.clone(model)  # shares the weight arrays; the user's model is left as it is
+            attr, blocks = _find_blocks(clone, stream_kwargs.get("blocks"))
+            for i, blk in enumerate(blocks):
+                if add_named_adapters(blk, names, lora.rank, lora.scale, i, seed, lora.dropout) == 0:
+                    raise UserError("lora.targets", f"{attr}[{i}] has no nnx.Linear named {sorted(names)}",
+                                    "name the blocks' Linear attributes (e.g. targets=['qkv', 'out'])")
+            self._blocks = attr
+            self.parts = stream(clone, **stream_kwargs)
+            self.model = StreamLoraModel(self.parts)
+            frozen = FrozenStore.from_trees(self.model.trees, lora.base_dtype)
+        if clip_norm == "auto":
+            clip_norm = optimizer.clip_norm if isinstance(optimizer, OptimConfig) else o.clip_norm
+        self._lr = None
+        if isinstance(optimizer, OptimConfig) or optimizer is None:
+            from megatrain_jax.optim.build import _learning_rate
+            from megatrain_jax.optim.named import named_tx
+
+            ocfg = optimizer or OptimConfig(kernel="optax", clip_norm=None)
+            self._lr = _learning_rate(ocfg, steps or 1)
+            tx = named_tx(ocfg, self._lr)
+        elif isinstance(optimizer, optax.GradientTransformation):
+            tx = optimizer
+        else:
+            raise UserError("optimizer", f"a {type(optimizer).__name__} cannot train adapters",
+                            "pass an optax.GradientTransformation or an OptimConfig")
+        self.opt = tx
+        self.engine = LoraEngine(self.model, frozen, tx, seed=seed, compute_dtype=compute_dtype or o.compute_dtype,
+                                 micro_batches=micro_batches or o.micro_batches, clip_norm=clip_norm,
+                                 loss_chunk=loss_chunk or o.loss_chunk, device=device, devices=devices)
+
+    def _registry(self, model: Any, lora: LoraConfig, stream_kwargs: dict) -> FrozenStore:
+        """A ``models.common.Decoder``: ``LoraModel`` of its config with ``lora`` (targets: q .. down)."""
+        import dataclasses
+
+        from megatrain_jax.config.validate import validate_lora
+        from megatrain_jax.engine.lora import LoraModel
+        from megatrain_jax.models.common import streamed_parts
+
+        if stream_kwargs:
+            raise UserError(sorted(stream_kwargs)[0], "a registry model is split by its family", "leave it unset")
+        validate_lora(dataclasses.replace(lora, targets=list(lora.targets)))
+        self._blocks, self.parts = "layers", None
+        self.model = LoraModel(dataclasses.replace(model.cfg, lora=lora))
+        return FrozenStore.from_trees(streamed_parts(model).host_trees(), lora.base_dtype)
+
+    @property
+    def options(self) -> EngineOptions:
+        e = self.engine
+        return EngineOptions(compute_dtype=str(e.dtype), micro_batches=e.micro_batches, loss_chunk=e.loss_chunk,
+                             clip_norm=e.clip_norm, rng_seed=e.seed)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        e = self.engine
+        return dict(micro_batches=e.micro_batches, clip_norm=e.clip_norm, compute_dtype=str(e.dtype),
+                    loss_chunk=e.loss_chunk, seed=e.seed, lora=vars(self.lora))
+
+    def step(self, batch: Any):
+        from megatrain_jax.engine.step import as_batch
+
+        b = as_batch(batch)
+        if b.tokens.shape[0] % self.engine.micro_batches:
+            raise UserError("batch", f"{b.tokens.shape[0]} sequences do not split into "
+                            f"{self.engine.micro_batches} micro-batches", "use a batch size divisible by micro_batches")
+        return self.engine.step(b)
+
+    def lr_at(self, count: int) -> float | None:
+        lr = self._lr
+        if lr is None:
+            return None
+        return float(lr) if isinstance(lr, float) else float(lr(max(count - 1, 0)))
+
+    @property
+    def store(self) -> FrozenStore:
+        """The frozen base (``FrozenStore``)."""
+        return self.engine.store
+
+    @property
+    def memory_device(self):
+        return self.engine.device if self.engine.device.platform == "gpu" else None
+
+    def adapters(self) -> list[Any]:
+        """Per block, the adapter leaves (fp32 numpy copies) nested as the block's weights."""
+        return self.engine.adapters_host()
+
+    def params(self) -> Any:
+        """Base (as stored: dequantised) and adapters in the model's own tree (``lora_a``/``lora_b``
+        beside each targeted ``kernel``)."""
+        self.engine.finish()
+        ad = self.adapters()
+        trees = {g.name: jax.tree.map(np.array, g.tree()) for g in self.engine.store}
+        for i, a in enumerate(ad):
+            trees[f"block_{i}"] = merge_adapters(a, trees[f"block_{i}"])
+        if self.parts is None:  # a registry Decoder's own tree
+            return {"embed": trees["embed"], "layers": {i: trees[f"block_{i}"] for i in range(len(ad))},
+                    "head": trees["head"]}
+        return self.parts.assemble(trees)
+
+    def update_model(self, model: Any) -> Any:
+        """Attach adapters to ``model``'s targeted Linears (where not yet ``LoraLinear``) and set every
+        weight to this run's (in place; returned)."""
+        from flax import nnx
+
+        from megatrain_jax.models.lora import add_named_adapters, target_names
+        from megatrain_jax.stream.from_nnx import _find_blocks
+
+        from megatrain_jax.models.lora import add_adapters
+
+        _, blocks = _find_blocks(model, self._blocks)
+        for i, blk in enumerate(blocks):
+            if self.parts is None:
+                if not any(isinstance(n, LoraLinear) for _, n in nnx.iter_graph(blk)):
+                    add_adapters(blk, self.model.cfg, i, 0)
+            else:
+                add_named_adapters(blk, target_names(self.lora.targets), self.lora.rank, self.lora.scale, i, 0,
+                                   self.lora.dropout)
+        state = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(state, self.params())
+        nnx.update(model, state)
+        return model
+
+    @property
+    def step_count(self) -> int:
+        return self.engine.count
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LoraStreamTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _unsupported(self, what: str):
+        raise UserError(what, "is not implemented for Trainer(..., lora=) yet",
+                        "save tr.adapters() yourself, or train a registry model with model.lora in a config")
+
+    def saver(self, *a, **k):
+        self._unsupported("saver")
+
+    def save(self, *a, **k):
+        self._unsupported("save")
+
+    def restore(self, *a, **k):
+        self._unsupported("restore")
+
+    def plan(self, *a, **k):
+        self._unsupported("plan")
