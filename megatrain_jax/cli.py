@@ -38,7 +38,7 @@ def _plan(args: argparse.Namespace) -> int:
         resolve_hf_model_config(cfg.model)
     from megatrain_jax.plan import make_plan, plan_table, scaling_rows, scaling_table, target_machine
 
-    target = {k: getattr(args, k) for k in ("gpu_memory_gb", "host_memory_gb", "pcie_gbps", "gpu_tflops")}
+    target = {k: getattr(args, k) for k in ("gpu_memory_gb", "host_memory_gb", "pcie_gbps", "gpu_tflops", "cpu_cores")}
     machine = None
     if any(v is not None for v in target.values()):  # a machine described, not this one
         machine = target_machine(**target, gpu_count=args.devices or 1)  # its disk is not this one's
@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory-gb", type=float, default=None, help="the target host's memory limit")
     p.add_argument("--pcie-gbps", type=float, default=None, help="the target's host<->GPU GB/s (default: H100's)")
     p.add_argument("--gpu-tflops", type=float, default=None, help="the target GPU's bf16 TFLOP/s (default: H100's)")
+    p.add_argument("--cpu-cores", type=int, default=None,
+                   help="the target host's CPU cores (the host optimizer's speed; default: this machine's)")
     p.set_defaults(func=_plan)
 
     # these parse their own arguments (see main); listed here for --help

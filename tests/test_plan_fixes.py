@@ -186,8 +186,20 @@ def test_plan_for_a_described_gpu_machine_from_a_cpu_machine():
 
 @pytest.mark.parametrize("kw,field", [({"gpu_memory_gb": 0, "host_memory_gb": 64}, "--gpu-memory-gb"),
                                       ({"gpu_memory_gb": 24, "host_memory_gb": -1}, "--host-memory-gb"),
-                                      ({"gpu_memory_gb": 24, "host_memory_gb": 64, "pcie_gbps": 0}, "--pcie-gbps")])
+                                      ({"gpu_memory_gb": 24, "host_memory_gb": 64, "pcie_gbps": 0}, "--pcie-gbps"),
+                                      ({"gpu_memory_gb": 24, "host_memory_gb": 64, "cpu_cores": 0}, "--cpu-cores")])
 def test_a_bad_target_is_refused_naming_the_flag(kw, field):
     with pytest.raises(UserError) as e:
         target_machine(**kw)
     assert e.value.field == field
+
+
+def test_the_target_hosts_cores_set_the_host_updates_pace():
+    """``--cpu-cores``: a host update that waits for the clipping norm runs behind the next forward only; on 2
+    cores the 8B's int8 AdamW chain is longer than on 16 and the predicted step says so (updates_after_norm_s)."""
+    cfg = ["optim.clip_norm=1.0", "train.update_on=host", "train.grad_hold=host_fp32"]
+    steps = {n: _plan("configs/llama3.1-8b.yaml", *cfg, machine=target_machine(
+        gpu_memory_gb=24, host_memory_gb=128, cpu_cores=n)).step for n in (2, 16)}
+    assert steps[2]["optimizer_s"] == pytest.approx(8 * steps[16]["optimizer_s"])
+    assert steps[2]["updates_after_norm_s"] > steps[16]["updates_after_norm_s"] >= steps[16]["compute_s"]
+    assert steps[2]["predicted_step_s"] == steps[2]["updates_after_norm_s"]

@@ -153,6 +153,8 @@ def target_machine(*, gpu_memory_gb: float | None = None, host_memory_gb: float 
             raise UserError(name, f"must be a positive number, got {value}", f"give {name} N with N > 0")
     if gpu_count < 1:
         raise UserError("--devices", f"must be >= 1, got {gpu_count}", "give the number of GPUs of the target")
+    if cpu_cores is not None and cpu_cores < 1:
+        raise UserError("--cpu-cores", f"must be >= 1, got {cpu_cores}", "give the target host's number of CPU cores")
     here = None
     if gpu_memory_gb is None or host_memory_gb is None:
         here = detect_machine(paths)
