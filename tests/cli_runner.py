@@ -20,6 +20,15 @@ TIMEOUT_S = 300
 NOISE = re.compile(r"^([IWE]\d{4} |WARNING|.*(Warning|warnings\.warn)|An NVIDIA GPU may be present|Platform '\w+' is)")
 
 
+# tests on CPU compile with LLVM at -O0 (conftest.py says why); a subprocess that sets its own XLA_FLAGS adds it
+CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def cpu_xla_flags(devices: int) -> str:
+    """XLA_FLAGS of a CPU subprocess with ``devices`` host devices, compiled as the tests' own kernels."""
+    return f"--xla_force_host_platform_device_count={devices} {CPU_TEST_XLA_FLAGS}"
+
+
 def cli_env(cache_dir: str | None = None, **extra: str) -> dict[str, str]:
     """The environment of a CLI subprocess: CPU, unbuffered, the shared compilation cache."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")

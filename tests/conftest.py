@@ -8,6 +8,14 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/cli_runner.py and helpers
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# on CPU, LLVM at -O0: the suite's models are tiny, so its time is XLA:CPU compiling hundreds of kernels,
+# not running them (about 40% less CPU per engine test). Every comparison is between two programs
+# compiled alike, and -O0 contracts no multiply-add into an FMA (one less way for two paths to differ).
+# Subprocesses inherit it; a GPU run (JAX_PLATFORMS set to something else) keeps full optimization.
+from cli_runner import CPU_TEST_XLA_FLAGS  # noqa: E402
+
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + CPU_TEST_XLA_FLAGS
 
 # one persistent XLA compilation cache, kept between sessions, for the tests and every process they start
 # (set in the environment before JAX is imported, so subprocesses inherit it): the same kernels compiled by
