@@ -45,7 +45,8 @@ class ReferenceTrainer:
         self.device = device or jax.devices()[0]
         self.params = jax.device_put(nnx.to_pure_dict(state), self.device)
         self.tx = tx
-        self.opt_state = tx.init(self.params)
+        # committed to the device as the step's outputs are: the first step compiles the step the later ones use
+        self.opt_state = jax.device_put(tx.init(self.params), self.device)
         dtype = jnp.dtype(compute_dtype)
         graphdef = self.graphdef
 

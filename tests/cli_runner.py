@@ -20,6 +20,16 @@ TIMEOUT_S = 300
 NOISE = re.compile(r"^([IWE]\d{4} |WARNING|.*(Warning|warnings\.warn)|An NVIDIA GPU may be present|Platform '\w+' is)")
 
 
+# MEGATRAIN_TEST_O0=1: the tests compile with LLVM at -O0 on CPU (conftest.py says why it is off by default);
+# a subprocess that sets its own XLA_FLAGS adds it too
+CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0" if os.environ.get("MEGATRAIN_TEST_O0") == "1" else ""
+
+
+def cpu_xla_flags(devices: int) -> str:
+    """XLA_FLAGS of a CPU subprocess with ``devices`` host devices, compiled as the tests' own kernels."""
+    return f"--xla_force_host_platform_device_count={devices} {CPU_TEST_XLA_FLAGS}".rstrip()
+
+
 def cli_env(cache_dir: str | None = None, **extra: str) -> dict[str, str]:
     """The environment of a CLI subprocess: CPU, unbuffered, the shared compilation cache."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")

@@ -8,6 +8,14 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/cli_runner.py and helpers
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# MEGATRAIN_TEST_O0=1: CPU compiles with LLVM at -O0 (subprocesses inherit it). The suite's time is XLA:CPU
+# compiling hundreds of tiny kernels, and -O0 takes ~40% less CPU per engine test, but it is off by default:
+# it moves float rounding (no multiply-add contracted), and the AdamW named-optimizer comparison's embedding
+# group then ends at 1.02e-5 against its 1e-5 bound (test_named_optimizers, test_device_optax)
+from cli_runner import CPU_TEST_XLA_FLAGS  # noqa: E402
+
+if CPU_TEST_XLA_FLAGS and os.environ["JAX_PLATFORMS"] == "cpu" and CPU_TEST_XLA_FLAGS not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + CPU_TEST_XLA_FLAGS
 
 # one persistent XLA compilation cache, kept between sessions, for the tests and every process they start
 # (set in the environment before JAX is imported, so subprocesses inherit it): the same kernels compiled by
@@ -35,33 +43,46 @@ def has_gpu() -> bool:
 
 
 # modules whose tests compile and run the streamed engine, a transformers reference or real processes:
-# `pytest -m "not slow"` is the quick loop (config, CLI errors, plan, data, optimizer kernels); CI runs all
-SLOW_MODULES = {"test_engine", "test_stream", "test_named_optimizers", "test_families", "test_moe", "test_hf",
-                "test_train", "test_data_parallel", "test_seq_tiling", "test_device_update", "test_compact_adamw",
-                "test_checkpoint", "test_finetune_hf", "test_trainer", "test_templates", "test_chat",
-                "test_attention", "test_constraints", "test_device_optax", "test_lora", "test_grad_hold",
-                "test_stream_io", "test_boundary_every", "test_long_context"}
+# `pytest -m "not slow"` is the quick loop (config, CLI errors, plan, data, optimizer kernels); CI runs all.
+# Ordered by their CPU time in a clean run, costliest first: the order -n 2 hands them out in
+SLOW_MODULES = ["test_seq_tiling", "test_stream", "test_train", "test_engine", "test_named_optimizers",
+                "test_data_parallel", "test_moe", "test_device_optax", "test_lora", "test_grad_hold",
+                "test_stream_io", "test_boundary_every", "test_families", "test_hf", "test_trainer",
+                "test_templates", "test_checkpoint", "test_device_update", "test_compact_adamw", "test_finetune_hf",
+                "test_chat", "test_attention", "test_long_context", "test_constraints"]
 SLOW_TESTS = {"test_happy_path_trains_and_logs", "test_relative_out_dir_saves_resumes_and_exports",
               "test_module_entry_point_gives_one_line_errors", "test_console_script_help"}
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``-n 2 --dist loadfile`` (scripts/test.sh) hands out the slow modules first: xdist's own order (most
-    tests first) left a long module with few tests (data parallel, the 2-process runs) to start last while
-    the other worker idled; the many quick modules now fill the end instead."""
+    """``-n 2 --dist loadfile`` (scripts/test.sh): the costliest module first (SLOW_MODULES' order, then the
+    quick ones, most tests first), each handed out only when a worker is about to run out, so that neither
+    worker holds a long module queued while the other idles at the end."""
     if config.getoption("dist", None) != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class SlowModulesFirst(LoadFileScheduling):
+    rank = {m: i for i, m in enumerate(SLOW_MODULES)}
+
+    class CostliestFirst(LoadFileScheduling):
         def _assign_work_unit(self, node):
-            slow = next((s for s in self.workqueue if os.path.splitext(os.path.basename(s))[0] in SLOW_MODULES), None)
-            if slow is not None:
-                self.workqueue.move_to_end(slow, last=False)  # the next unit handed out
+            unit = min(self.workqueue, key=lambda s: rank.get(os.path.splitext(os.path.basename(s))[0], len(rank)))
+            self.workqueue.move_to_end(unit, last=False)  # the next unit handed out (min keeps xdist's order on ties)
             super()._assign_work_unit(node)
 
-    return SlowModulesFirst(config, log)
+        def _reschedule(self, node):
+            # xdist hands a worker its next module while it still has 2 tests pending (its own heuristic);
+            # a worker always holds back its last test until it knows what follows, so 1 is the latest point
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            if self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+    return CostliestFirst(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

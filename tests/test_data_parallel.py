@@ -12,13 +12,15 @@ import sys
 import numpy as np
 import pytest
 
+from cli_runner import cpu_xla_flags
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dp_worker.py")
 RTOL = 1e-5
 
 
 def _env(devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices))
     env.pop("MEGATRAIN_TRANSFER_MODE", None)
     return env
 

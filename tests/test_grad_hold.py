@@ -2,6 +2,7 @@
 (fp32 or bf16, fed through the pinned slab pool), split with the GPU, or nowhere (a second backward
 sweep). Each equals the reference trainer over several steps with clipping that triggers, and equals
 the GPU hold it replaces bit for bit."""
+import functools
 import weakref
 
 import jax
@@ -29,6 +30,7 @@ def _batches_5():
     return _batches(np.random.default_rng(1), STEPS, 4, 32, MODEL.vocab_size)
 
 
+@functools.cache  # one reference run for the module (its trainer is only read afterwards)
 def _reference():
     ref = ReferenceTrainer(init_model(MODEL, 0), build_reference_tx(OCFG, STEPS))
     out = [ref.step(b) for b in _batches_5()]
@@ -37,6 +39,12 @@ def _reference():
 
 
 def _run(hold, **kw):
+    return _run_once(hold, tuple(sorted(kw.items())))
+
+
+@functools.cache  # a run repeated by several tests (the GPU hold each case is compared with) runs once
+def _run_once(hold, kw):
+    kw = dict(kw)
     parts, store = init_host_store(MODEL, 0, bf16_stream=False)
     st = StreamedTrainer(parts, build_host_optimizer(OCFG, STEPS), compute_dtype="float32", clip_norm=CLIP,
                          loss_chunk=48, store=store, grad_hold=hold, **{**SLABS, **kw})

@@ -59,7 +59,7 @@ def test_each_packed_document_gets_what_it_gets_alone_tiled_blockwise():
     b = ds.batch(0, 1, S)
     tiled = init_model(dataclasses.replace(CFG, seq_tile=256), 0)
     alone = init_model(CFG, 0)
-    grad = nnx.grad(_loss, has_aux=True)
+    grad = nnx.jit(nnx.grad(_loss, has_aux=True))  # one program per length, not XLA op by op (1500 compiles)
     gp, logits = grad(tiled, *(jnp.asarray(x) for x in (b.tokens, b.labels, b.positions, b.segment_ids)))
     g_sum, at = None, 0
     for doc in docs:

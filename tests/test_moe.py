@@ -41,6 +41,7 @@ from megatrain_jax.models.moe import experts_dense, experts_sorted, route
 from megatrain_jax.optim import build_host_optimizer, build_reference_tx
 from megatrain_jax.reference import ReferenceTrainer
 from megatrain_jax.templates import Layout
+from tests.cli_runner import cpu_xla_flags
 from tests.torch_reference import ROOT, TORCH_VENV
 from tests.torch_reference import rel as _rel
 
@@ -245,7 +246,7 @@ def _dp_main(out: str) -> None:
 def engine_reference():
     """The whole batch in memory: plain jax.grad of CE + coef x aux loss (ReferenceTrainer), as
     (loss, grad norm, {group: gradient}), and the 2-device run started in the background."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(2))
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"moe_dp_{os.getpid()}.npz"
     dp = subprocess.Popen([sys.executable, "-c",
                            f"import tests.test_moe as t; t._dp_main({str(out)!r})"], cwd=ROOT, env=env,

@@ -154,7 +154,9 @@ def test_stream_io_over_two_devices_equals_the_resident_engine():
     import os
     import subprocess
     import sys
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+
+    from cli_runner import cpu_xla_flags
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(2))
     r = subprocess.run([sys.executable, "-c", DP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
