@@ -131,6 +131,7 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
     if p and recs:
         params = p["params"]
         res["host_bytes_per_param_measured"] = res["peak_host_rss_gb"] * 1e9 / params
+        res["params"] = params
         res["plan_host_gb"] = p["host_need"] / 1e9
         res["plan_gpu_gb"] = (p["gpu_need"] or 0) / 1e9
         res["host_plan_over_measured"] = res["plan_host_gb"] / max(res["peak_host_rss_gb"], 1e-9)
