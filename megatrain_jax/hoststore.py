@@ -28,6 +28,7 @@ from megatrain_jax.optim.host import alloc_aligned
 from megatrain_jax.templates import Layout
 
 @dataclass
+
 class Group:
     """One streamed unit of the model (a block, the embedding or the head)."""
 
@@ -69,6 +70,22 @@ def _fill_uniform(out, seed, half_width):
         out[i] = (np.float32(2.0) * u - np.float32(1.0)) * half_width
 
 
+
+def fill_fast_group(layout, gi: int, seed: int, std: float, master: np.ndarray) -> None:
+    """Group ``gi``'s values under ``model.init: fast`` into ``master``: matrices uniform with standard
+    deviation ``std`` (one seeded stream per leaf), norm scales 1, biases 0 (the store's and LoRA's frozen base)."""
+    for li, leaf in enumerate(layout.leaves):
+        view = master[leaf.offset:leaf.offset + leaf.size]
+        last = leaf.path.rsplit("/", 1)[-1]
+        if last == "scale":
+            view[:] = 1.0
+        elif last == "bias":
+            view[:] = 0.0
+        else:
+            with launch:
+                _fill_uniform(view, (seed << 32) + (gi << 12) + li, np.float32(std * np.sqrt(3.0)))
+
+
 class HostStore:
     """Ordered groups: ``embed``, ``block_0`` .. ``block_{L-1}``, ``head``."""
 
@@ -101,17 +118,7 @@ class HostStore:
         ``std``, norm scales 1, biases 0. Not equal to the nnx initialisers; for benchmarks and smoke
         runs of large shapes, where the ~35 s of a 7B nnx init would dominate."""
         for gi, g in enumerate(self):
-            for li, leaf in enumerate(g.layout.leaves):
-                view = g.master[leaf.offset:leaf.offset + leaf.size]
-                last = leaf.path.rsplit("/", 1)[-1]
-                if last == "scale":
-                    view[:] = 1.0
-                elif last == "bias":
-                    view[:] = 0.0
-                else:
-                    with launch:
-                        _fill_uniform(view, (seed << 32) + (gi << 12) + li,
-                                      np.float32(std * np.sqrt(3.0)))
+            fill_fast_group(g.layout, gi, seed, std, g.master)
             g.sync_stream()
 
     def __getitem__(self, name: str) -> Group:

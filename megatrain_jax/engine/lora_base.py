@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 from numba import njit, prange
 
-from megatrain_jax.hoststore import _fill_uniform  # the store's fast init, the same draws
+from megatrain_jax.hoststore import fill_fast_group  # the store's fast init, the same draws
 from megatrain_jax.optim.fused_adamw import launch, to_bf16_bits_
 from megatrain_jax.optim.host import alloc_aligned
 from megatrain_jax.templates import Layout
@@ -165,20 +165,6 @@ def _quantise(w, q, scale):
                 for j in range(lo, hi):
                     v = np.rint(w[k, i, j] * inv[j - lo])
                     q[k, i, j] = np.int8(min(max(v, -127.0), 127.0))
-
-
-def fill_fast_group(layout: Layout, gi: int, seed: int, std: float, master: np.ndarray) -> None:
-    """Group ``gi``'s fp32 values under ``model.init: fast`` (``FrozenStore.fill_fast``) into ``master``."""
-    for li, leaf in enumerate(layout.leaves):
-        view = master[leaf.offset:leaf.offset + leaf.size]
-        last = leaf.path.rsplit("/", 1)[-1]
-        if last == "scale":
-            view[:] = 1.0
-        elif last == "bias":
-            view[:] = 0.0
-        else:
-            with launch:
-                _fill_uniform(view, (seed << 32) + (gi << 12) + li, np.float32(std * np.sqrt(3.0)))
 
 
 class FrozenStore:
