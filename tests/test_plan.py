@@ -192,10 +192,12 @@ def test_plan_shows_each_state_mode_and_suggests_the_fullest_that_fits():
 def test_moe_working_set_counts_every_expert_of_the_dense_formulation():
     """OLMoE shape on the H100 (measured peaks 40.1 GB at 8 micro-batches and 48.3 GB at 4, 2026-11-24): the
     plan counts the (tokens x experts x expert width) intermediates with the MoE coefficient, so it lands at
-    or above each measurement and within 5% (33.9 GB without them; 43.1 at 4 with the dense coefficient)."""
+    or above each measurement and within 10% (33.9 GB without them; 43.1 at 4 with the dense coefficient). (5% before
+    the plan counted the engine's pace: a third block's weights and a second fp32 accumulator, 2.6 GB at this
+    shape; the measurements predate the pace.)"""
     for m, measured in [(8, 40.1), (4, 48.3)]:
         p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", f"train.micro_batches={m}")
-        assert 1.0 <= p.gpu_need / GB / measured < 1.05, (m, p.gpu_need / GB)
+        assert 1.0 <= p.gpu_need / GB / measured < 1.10, (m, p.gpu_need / GB)
     p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", "train.micro_batches=8")
     dense = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", "train.micro_batches=8", "model.num_experts=8")
     assert dense.gpu_need < p.gpu_need

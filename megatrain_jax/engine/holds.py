@@ -25,6 +25,7 @@ import numpy as np
 
 from megatrain_jax.engine.kernels import NO_AUTOTUNE, local_shard, named
 from megatrain_jax.optim.host import alloc_aligned
+from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT
 from megatrain_jax.transfer import Transfers
 
 # host copies of a slab (its landing in the pageable buffer, bf16 widened to fp32 for the update) split over
@@ -132,8 +133,10 @@ class PageableHold:
     """Deferred gradients in pageable host memory, fed through the pinned slab pool ``slabs``.
 
     ``put`` (the dispatching thread, right after a group's backward is dispatched and before the next
-    block's) issues as many slab copies as there are free slabs and queues the rest: it never waits,
-    so the GPU's queue never runs dry. The copier thread issues queued copies as it frees slabs.
+    block's) issues as many slab copies as there are free slabs and queues the rest. The copier thread
+    issues queued copies as it frees slabs. ``put`` waits only while more than HOLD_COPIES_IN_FLIGHT
+    earlier gradients are still on the device waiting for their copies (what the plan counts): with
+    the dispatching thread paced to the GPU (``weights.Pace``) the GPU's queue still never runs dry.
     """
 
     def __init__(self, xfer: Transfers, slabs: threading.Semaphore, slab_elems: int | None, bf16: bool,
@@ -145,6 +148,7 @@ class PageableHold:
         self._bufs: dict[str, np.ndarray] = {}
         self._queue: deque = deque()  # [held, device gradient, chunks, next chunk, after]
         self._lock = threading.Lock()
+        self._issued = threading.Condition()  # notified each time a group's last copy is issued
         self._scratch: np.ndarray | None = None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-hold")
         self._slice = jax.jit(named("hold_slab_slice", lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n)),
@@ -182,6 +186,11 @@ class PageableHold:
         with self._lock:
             self._queue.append([held, grad, chunks, 0, after])
         self.pump()
+        del grad
+        with self._issued:
+            while len(self._queue) > HOLD_COPIES_IN_FLIGHT and self.error is None:
+                self._issued.wait(0.05)
+                self.pump()
         return held
 
     def pump(self, block: bool = False) -> None:
@@ -205,6 +214,8 @@ class PageableHold:
                 job[3] = j + 1
                 if job[3] == len(chunks):
                     self._queue.popleft()  # the device gradient is freed once its copies are done
+                    with self._issued:
+                        self._issued.notify_all()
                 self._copier.submit(self._land, c)
                 del c, job, grad, g, piece
         finally:

@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 from megatrain_jax.engine.io import make_io
 from megatrain_jax.engine.kernels import F32, Kernels, KeepResiduals, Recompute, local_shard
 from megatrain_jax.engine.updaters import Groups, make_updates
-from megatrain_jax.engine.weights import Boundaries, WeightStream
+from megatrain_jax.engine.weights import Boundaries, Pace, WeightStream
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
@@ -130,6 +130,7 @@ class StreamedTrainer:
             self.xfer.register(g.name, g.stream_view())
             self.updates.register(g)
         self.weights = WeightStream(self.store, self.xfer, self.updates, groups, tracer)
+        self.pace = Pace(options.blocks_queued)  # the dispatching thread stays this many blocks ahead of the device
         self.boundaries = Boundaries(self.xfer, options.activations == "pinned_host"
                                      and self.xfer.host_sharding is not None, options.boundary_every,
                                      keep_from=self.num_layers - self.kernels.keep_residuals)
@@ -146,6 +147,7 @@ class StreamedTrainer:
         mbs = self._micro_batches(batch)  # M micro-batches of (B/M, S)
         n_tokens = int(sum(mb.mask_sum for mb in mbs))
         inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)  # () the loss is a mean over the step's tokens
+        self.pace.reset()
         k.begin(self.count)
         acts.start(lambda b, hs: self._forward_again(b, hs, mbs))  # recomputes the inputs it did not keep
 
@@ -163,6 +165,7 @@ class StreamedTrainer:
             acts.keep(hs)  # block i's input: the boundary checkpoint (every k-th: boundary_every)
             hs = self._forward_block(i, w, hs, mbs)  # M x (B/M, S, H)
             self._trace("compute", f"fwd {i}", hs[-1])
+            self.pace.dispatched(hs[-1])  # waits for block i-1: what the GPU holds stays what the plan counts
             weights.prefetch(i + 1)  # (when its update was still running: fetched now, after block i)
         weights.hold(L - 1, w)  # device-side updates: block L-1's just-updated weights serve the backward
         del w
@@ -185,6 +188,7 @@ class StreamedTrainer:
         if self.updates.resweep and scale is not None:
             self._resweep(head, emb, hs, mbs, inv, scale)
         self.updates.apply(scale, resident={**io.resident(emb, head), "block_0": w})
+        self.pace.reset()
         return StepResult(loss, grad_norm, n_tokens, skipped=skipped, aux_loss=aux)
 
     # ------------------------------------------------------------------------------ step helpers
@@ -218,6 +222,7 @@ class StreamedTrainer:
             g = self._backward_block(i, w, h, mbs, dhs, again=scale is not None)
             sq.append(self._gradient(i, g, scale))  # g: (devices x block size,) fp32
             self._trace("compute", f"bwd {i}", sq[-1])  # (g itself may be donated later)
+            self.pace.dispatched(sq[-1])  # waits for block i+1's backward
         sq.append(self.io.embed_backward(emb, mbs, dhs, scale))
         return losses, sq, w
 
@@ -228,6 +233,7 @@ class StreamedTrainer:
         self.weights.prefetch(b + 1)
         out = [layer.again(w, h, mb.aux, m) for m, (h, mb) in enumerate(zip(hs, mbs))]
         self._trace("compute", f"fwd again {b}", out[-1])
+        self.pace.dispatched(out[-1])
         return out
 
     def _resweep(self, head: jax.Array, emb: Any, hs: list, mbs: list[MicroBatch], inv: jax.Array,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,7 +33,7 @@ from megatrain_jax.engine.kernels import F32, Kernels, local_shard
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer
-from megatrain_jax.plan.options import EngineOptions
+from megatrain_jax.plan.options import WRITEBACKS_IN_FLIGHT, EngineOptions
 from megatrain_jax.transfer import Transfers
 
 
@@ -426,6 +427,7 @@ class DeviceUpdates(_Updates):
         self._done: dict[str, Future] = {}  # per group: its queued update is in the store
         self._resident: dict[str, jax.Array] = {}  # current weights already on the device
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h-writeback")
+        self._writing: deque[Future] = deque()  # write-backs in flight, oldest first (WRITEBACKS_IN_FLIGHT)
         self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")  # stream_io's groups
 
     def register(self, g: Any) -> None:
@@ -505,8 +507,13 @@ class DeviceUpdates(_Updates):
                                             unflatten=g.layout.unflatten)  # the group's tree (optax: shapes)
         self._trace("compute", f"update {u.name}", p_new)  # runs on the compute stream
         targets = [(u.name, p_new, g.master)] + [(f"{u.name}/{k}", state[k], u.host_state[k]) for k in u.host_state]
-        self.pending[u.name] = self._writer.submit(self._write_back, u.name, u.count, targets,
-                                                   self._done.pop(u.name, None))
+        self.pending[u.name] = fut = self._writer.submit(self._write_back, u.name, u.count, targets,
+                                                         self._done.pop(u.name, None))
+        self._writing.append(fut)
+        while len(self._writing) > WRITEBACKS_IN_FLIGHT:  # the updated blocks the GPU holds: what the plan counts
+            t0 = time.perf_counter()
+            self._writing.popleft().result()
+            self.wait_s += time.perf_counter() - t0
         return p_new
 
     def queued(self) -> list[str]:

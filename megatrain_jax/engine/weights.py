@@ -6,6 +6,7 @@ behind runs concurrently with it; issued after, it waits. The step therefore ask
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable
 
 import jax
@@ -14,6 +15,27 @@ from megatrain_jax.engine.updaters import DeviceUpdate, Groups, _Updates
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.plan.sizes import PINNED_ACT_LAYERS_ON_GPU
 from megatrain_jax.transfer import Transfers
+
+
+class Pace:
+    """Keeps the dispatching thread at most ``queued`` blocks ahead of the device: after each block's
+    work is dispatched, wait until the one ``queued`` back has been computed. Everything a dispatch
+    allocates (the next weights, a returning activation, an accumulator, the output) exists from the
+    dispatch on, so without this the GPU holds as many blocks as the thread has run ahead (the plan
+    counts ``BLOCKS_QUEUED``); one block always stays queued behind the running one, so the GPU never
+    waits for the thread."""
+
+    def __init__(self, queued: int):
+        self.queued, self._marks = queued, deque()
+
+    def dispatched(self, mark: Any) -> None:
+        """``mark``: an array the block's last dispatched computation produces."""
+        self._marks.append(mark)
+        while len(self._marks) >= self.queued:
+            jax.block_until_ready(self._marks.popleft())
+
+    def reset(self) -> None:
+        self._marks.clear()
 
 
 class WeightStream:

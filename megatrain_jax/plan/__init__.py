@@ -66,7 +66,8 @@ def plan_or_refuse(cfg, log: Log = print):
         f"activations={o.activations}, boundary_every={o.boundary_every}, grad_hold={o.grad_hold}"
         f"{f' (first {o.grad_hold_gpu_groups} groups on the GPU)' if o.grad_hold_gpu_groups else ''}, "
         f"stream_io={o.stream_io}, loss_chunk={o.loss_chunk}, stream_copy={o.stream_copy}, "
-        f"moments={plan.settings.moments}, update_on={o.update_on}, keep_residuals={o.keep_residuals}; "
+        f"moments={plan.settings.moments}, update_on={o.update_on}, keep_residuals={o.keep_residuals}"
+        f"{', blocks_queued=1' if o.blocks_queued == 1 else ''}; "
         f"predicted step {plan.step['predicted_step_s']:.2f} s ({plan.step['binding'][:-2]}-bound, "
         f"{plan.step_basis})  [megatrain-jax plan CONFIG shows the table]")
     for note in plan.notes:

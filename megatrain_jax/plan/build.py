@@ -19,7 +19,7 @@ from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check
 from megatrain_jax.optim.costs import auto_update_on, device_update_s, update_cost
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS,
                                       HOST_COPY_PARALLEL_RATE, HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
-                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_need,
+                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, DISPATCH_BLOCK_S, DISPATCH_CALL_S, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_need,
                                       pinned_pool, usable)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
@@ -66,7 +66,8 @@ class Plan:
                 "pinned_pool_bytes": r.pinned_pool_bytes, "gpu_mem_fraction": r.gpu_mem_fraction,
                 "gpu_preallocate": r.gpu_preallocate, "keep_residuals": o.keep_residuals,
                 "seq_tile": o.seq_tile, "loss_chunk": o.loss_chunk, "stream_io": o.stream_io,
-                "boundary_every": o.boundary_every, "grad_hold_gpu_groups": o.grad_hold_gpu_groups}
+                "boundary_every": o.boundary_every, "grad_hold_gpu_groups": o.grad_hold_gpu_groups,
+                "blocks_queued": o.blocks_queued}
 
     @property
     def tokens_short(self) -> bool:
@@ -278,7 +279,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                             update_on=update_on, keep_residuals=n_keep, devices=train.devices,
                             device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile,
                             grad_hold_gpu_groups=placed.gpu_groups, stream_io=placed.stream_io,
-                            boundary_every=placed.boundary_every, vocab_chunk=IO_VOCAB_CHUNK)
+                            boundary_every=placed.boundary_every, vocab_chunk=IO_VOCAB_CHUNK,
+                            blocks_queued=placed.blocks_queued)
     plan = Plan(rows=rows + gpu_rows + disk_rows, settings=settings, options=options, host_need=host_need,
                 host_limit=host_limit, host_available=host_avail, host_source=host_source,
                 gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget, gpu_phases=phases,
@@ -465,6 +467,9 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
     cast = shapes.params if hold in ("gpu_bf16", "host_bf16") else (p.gpu_group_params if p else 0)
     compute_s += 6.0 * cast / GPU_MEMORY_RATE
+    if p and p.blocks_queued == 1:  # a dispatch bubble per block, forward and backward (and each recompute)
+        sweeps = 2 + (k - 1) / k + (2 if hold == "resweep" else 0)
+        compute_s += sweeps * shapes.layers * (DISPATCH_BLOCK_S + p.micro_batches * DISPATCH_CALL_S)
     if io:  # the head's vocabulary chunks gathered from the (H, V) store on the host, twice, on the step's path
         compute_s += 2 * 4.0 * shapes.vocab * shapes.hidden / IO_GATHER_RATE
     # blocks twice (forward, backward), embedding and head once (stream_io: head twice, the batch's rows)

@@ -61,6 +61,7 @@ class Placement:
     gpu_groups: int = 0  # a host hold's first groups held on the GPU in bf16 (grad_hold_gpu_groups)
     gpu_group_params: int = 0  # their parameters
     loss_chunk: int = 1024
+    blocks_queued: int = 2  # the engine's pace (EngineOptions.blocks_queued)
     host_need: float = 0.0  # the plan's host need with this candidate (fewest slabs)
     host_placed: float = 0.0  # the same without XLA's GPU pool table (what the search's order compares)
     step: dict[str, Any] = field(default_factory=dict)  # its predicted step (build.predicted_step)

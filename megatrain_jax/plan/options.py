@@ -16,6 +16,12 @@ from megatrain_jax.errors import UserError
 GRAD_SLAB_ELEMS = 32 << 20  # a pinned gradient slab: 32M fp32 values (128 MiB)
 GRAD_SLABS = 8  # pinned gradient slabs in flight at once
 DEVICE_UPDATE_CHUNK = 8192 * 2048  # values per slice of a device-side update (bounded temporaries)
+# What the engine lets wait on the GPU at once, and the plan counts (sizes.gpu_phases). Unbounded, the dispatching
+# thread ran ahead of the GPU and the host copies fell behind it: the H100 held 23 block gradients waiting for a
+# pageable hold and 28 updated blocks waiting for their write-back, 3.4x and 2.3x the plan (RESULTS.md, s9)
+BLOCKS_QUEUED = 2  # blocks dispatched and not yet computed (one computing, the next queued behind it)
+WRITEBACKS_IN_FLIGHT = 3  # device-side updates whose new master and state wait for their copy to the host
+HOLD_COPIES_IN_FLIGHT = 1  # gradients on the GPU waiting for their copy into a pageable host hold
 
 Activations = Literal["device", "pinned_host"]
 GradHold = Literal["gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep"]
@@ -66,6 +72,8 @@ class EngineOptions:
     #                          per chunk in flight)
     boundary_every: int = 1  # keep every k-th block's input; the backward recomputes the blocks between from
     #                          the nearest kept one (1: keep every input)
+    blocks_queued: int = BLOCKS_QUEUED  # blocks dispatched ahead of the device (weights.Pace): 1 on the smallest
+    #                                     budgets, where a block's weights and accumulator less decide the fit
     seq_tile: int = 0  # tokens per sequence tile of each block (model.seq_tile resolved; 0: untiled). The model
     #                    is built with it (the blocks read it from their ModelConfig), not the engine
 
@@ -90,6 +98,8 @@ class EngineOptions:
         if self.stream_io and self.grad_hold == "resweep" and (self.clip_norm is not None or self.skip_nonfinite):
             bad("train.stream_io", "is not combined with grad_hold=resweep yet",
                 "set train.grad_hold to a host hold (host_bf16, host_fp32) or train.stream_io=false")
+        if int(self.blocks_queued) < 1:
+            bad("blocks_queued", f"must be >= 1, got {self.blocks_queued}", "set 1 or 2")
         if int(self.boundary_every) < 1:
             bad("train.boundary_every", f"must be >= 1, got {self.boundary_every}", "set 1 (keep every input) or more")
         if self.stream_copy not in ("host", "device"):

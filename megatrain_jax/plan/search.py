@@ -154,7 +154,8 @@ def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k
                               gpu_group_bytes=group_bytes(shapes, groups), resweep=hold == "resweep")
     need = max(phases.values())
     p = Placement(micro, act, hold, phases, rows, need, False, seq_tile=shapes.seq_tile, boundary_every=k,
-                  stream_io=io, gpu_groups=groups, gpu_group_params=group_params(shapes, groups), loss_chunk=chunk)
+                  stream_io=io, gpu_groups=groups, gpu_group_params=group_params(shapes, groups), loss_chunk=chunk,
+                  blocks_queued=shapes.blocks_queued)
     p.host_need, p.host_placed = ctx.host_of(p)
     p.step = ctx.step_of(p)
     p.fits = (ctx.gpu_usable is None or need <= ctx.gpu_usable) and p.host_need <= ctx.host_usable
@@ -221,6 +222,22 @@ def search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
     working set is over ``TILE_ABOVE`` of the GPU room, the same search with the blocks tiled
     (``AUTO_SEQ_TILE`` tokens): XLA takes a block VJP's temporaries as one allocation, and at 131k
     tokens that one allocation (23.31 GiB) is what ran out of memory (DESIGN.md section 6)."""
+    res = _tiled_search(shapes, axes, ctx)
+    if res.best.fits or res.shapes is None or res.shapes.blocks_queued <= 1:
+        return res
+    # nothing fits with one block queued behind the running one: the dispatching thread waits for each block
+    # instead (a block's weights and accumulator less on the GPU; the bubble is in the predicted step)
+    tight = _tiled_search(replace(shapes, blocks_queued=1), axes, ctx)
+    if not tight.best.fits:  # the refusal names the closest candidate of the usual pace
+        return replace(res, tried=res.tried + tight.tried, candidates=res.candidates + tight.candidates)
+    tight.best.notes.append("the engine waits for each block before dispatching the next (blocks_queued=1): "
+                            "nothing fits the GPU with one block queued behind the running one")
+    tight.tried += res.tried
+    tight.candidates = res.candidates + tight.candidates
+    return tight
+
+
+def _tiled_search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
     res = _search(shapes, axes, ctx)
     if not shapes.tile_auto or shapes.seq <= AUTO_SEQ_TILE:
         return res

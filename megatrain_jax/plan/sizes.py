@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatrain_jax.config import ModelConfig
-from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK
+from megatrain_jax.plan.options import BLOCKS_QUEUED, DEVICE_UPDATE_CHUNK, HOLD_COPIES_IN_FLIGHT, WRITEBACKS_IN_FLIGHT
 
 GB = 1e9
 GiB = 1 << 30
@@ -57,6 +57,9 @@ WS_BY_BACKEND = {"gpu": (WS_PER_TOKEN, SEQ_WS_PER_TOKEN),
 # (32k, 131k), untiled and tiled: plan/compiled 1.00-1.13 untiled, 1.03-1.32 tiled (RESULTS.md, 2026-11-25 s7;
 # the fit alone was 0.60-0.95 at short sequences: under, and an accepted plan must not run out of memory)
 WS_GPU_SCALE, WS_GPU_PER_PARAM = 1.12, 1.7
+# blocks_queued=1 (the dispatching thread waits for each block): the GPU idles while the next block is dispatched,
+# about one jitted call's Python dispatch per micro-batch plus the block's own bookkeeping (an estimate, not measured)
+DISPATCH_CALL_S, DISPATCH_BLOCK_S = 0.2e-3, 0.5e-3
 AUTO_SEQ_TILE = 8192  # tokens per tile where the plan tiles by itself: matmuls of 8192 rows keep the H100 busy
 TILE_ABOVE = 0.25  # model.seq_tile=auto tiles where one untiled block's working set is above this share of the GPU
 #                   room (or nothing untiled fits): Llama-2-7B at 65k tokens (16 GB) stays untiled on an H100
@@ -119,6 +122,7 @@ class Shapes:
     update_temp: float = 16.0  # a device-side update's temporaries, bytes per value (optim/costs.py UpdateCost)
     update_chunked: bool = True  # ... per value of one DEVICE_UPDATE_CHUNK slice (else of the whole largest group)
     backend: str = "gpu"  # whose compiled block the working set counts (block_working_set's coefficients)
+    blocks_queued: int = BLOCKS_QUEUED  # the engine's pace (EngineOptions.blocks_queued): 1 where 2 does not fit
 
     @classmethod
     def of(cls, m: ModelConfig, batch: int, seq: int, compute_dtype: str, seq_tile: int | None = None,
@@ -208,8 +212,13 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         resident = (shapes.embed + shapes.head) * 4 + (shapes.embed + shapes.head) * (dt if dt == 2 else 0)
         rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
                         "fp32 + compute-dtype cast" if dt == 2 else "fp32"))
-    inflight = 2 * shapes.block * stream_bytes + (shapes.block * dt if device_cast else 0)
-    rows.append(Row("gpu", "two blocks in flight", inflight, "fp32 master, cast on the GPU" if device_cast else ""))
+    # the engine's pace (weights.Pace): one block computing, BLOCKS_QUEUED - 1 queued behind it, the next in flight
+    queued = shapes.blocks_queued
+    blocks = queued + 1
+    inflight = blocks * shapes.block * stream_bytes + (shapes.block * dt if device_cast else 0)
+    rows.append(Row("gpu", f"{blocks} blocks' weights (" + ("computing, queued, in flight)" if queued > 1 else
+                                                            "computing, in flight)"), inflight,
+                    "fp32 master, cast on the GPU" if device_cast else ""))
     act_layer = shapes.batch * shapes.seq * shapes.hidden * dt
     kept_layers = -(-shapes.layers // k)
     segment = (k - 1) * act_layer  # the inputs of one segment, recomputed in the backward
@@ -230,9 +239,14 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
     # current block's fp32 accumulator + the embedding's (stream_io: the gathered rows' gradient)
     emb_acc = shapes.tokens * shapes.hidden * 4 if stream_io else shapes.embed * 4
     head_acc = 0 if stream_io else shapes.head * 4  # stream_io: counted with the vocabulary chunk
-    accum = shapes.block * 4 + emb_acc
-    rows.append(Row("gpu", "gradient accumulators (fp32)", accum + head_acc,
-                    "current block, embedding rows" if stream_io else "current block, embedding, head"))
+    # the blocks computing and queued each have one; a gradient copied to a host hold (pinned or pageable) waits on
+    # the GPU until its copies are issued (HOLD_COPIES_IN_FLIGHT, the engine's bound: holds.PageableHold)
+    host_hold = deferred and not hold_bytes and not resweep
+    # (stream_io: the embedding rows' gradient exists only in the embedding's backward, after the last block)
+    accum = (queued + (HOLD_COPIES_IN_FLIGHT if host_hold else 0)) * shapes.block * 4 + (0 if stream_io else emb_acc)
+    rows.append(Row("gpu", "gradient accumulators (fp32)", accum + head_acc + (emb_acc if stream_io else 0),
+                    f"{queued} blocks" + (f" + {HOLD_COPIES_IN_FLIGHT} on its way to the host hold" if host_hold else "")
+                    + (", embedding rows" if stream_io else ", embedding, head")))
     if stream_io:
         vc = min(IO_VOCAB_CHUNK, shapes.vocab)
         loss_ws = min(loss_chunk, tok_mb) * vc * LOSS_BYTES_PER_LOGIT + shapes.tokens * shapes.hidden * 4 \
@@ -261,7 +275,7 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         # (stream_io: the embedding and head update on the host: blocks only)
         big = shapes.block if stream_io else max(shapes.embed, shapes.head)
         largest = shapes.block if stream_io else max(shapes.embed, shapes.head, shapes.block)
-        update = update_state_bytes * (2 * shapes.block + big) + (4 + update_state_bytes) * 3 * shapes.block \
+        update = update_state_bytes * (2 * shapes.block + big) + (4 + update_state_bytes) * WRITEBACKS_IN_FLIGHT * shapes.block \
             + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, largest) if shapes.update_chunked else largest)
         rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
                         "train.update_on=device"))
@@ -274,6 +288,8 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         "backward start (activations, accumulators)": fixed + acts + accum + head_acc + ws + head_hold,
         "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu else 0)
         + act_layer + segment,
+        **({"embedding backward (held gradients, the rows' gradient)": fixed + held + emb_acc + 2 * act_layer}
+           if stream_io else {}),
     }
     if resweep:  # the first sweep takes only the norm: every activation stays for the second, and dx of the top
         phases["second backward (activations kept, top dx)"] = fixed + acts + accum + head_acc + ws + act_layer
