@@ -129,7 +129,8 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
         res["peak_gpu_gb"] = max(r.get("gpu_peak_gb", 0) for r in recs)
     p = res.get("plan")
     if p and recs:
-        params = p["params"]
+        params = p.get("params") or p.get("base_params") or (recs[0].get("params") if recs else None) \
+            or int(recs[0]["model_tflops"] * 1e12 / (6 * recs[0]["tokens_per_s"]))  # LoRA: counted over the base
         res["host_bytes_per_param_measured"] = res["peak_host_rss_gb"] * 1e9 / params
         res["params"] = params
         res["plan_host_gb"] = p["host_need"] / 1e9
