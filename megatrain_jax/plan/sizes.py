@@ -285,7 +285,8 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
         "loss (all activations, loss chunk)": fixed + acts - segment + loss_ws + head_acc + emb_acc + out_grad
         + act_layer + update,
-        "backward start (activations, accumulators)": fixed + acts + accum + head_acc + ws + head_hold,
+        # + the cotangents flowing down the blocks (one layer's worth; the VJP's new one is in its working set)
+        "backward start (activations, accumulators)": fixed + acts + accum + head_acc + ws + head_hold + act_layer,
         "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu else 0)
         + act_layer + segment,
         **({"embedding backward (held gradients, the rows' gradient)": fixed + held + emb_acc + 2 * act_layer}
