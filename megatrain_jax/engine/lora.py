@@ -34,6 +34,8 @@ from megatrain_jax.engine.kernels import F32
 from megatrain_jax.engine.lora_base import FrozenStore
 from megatrain_jax.engine.loss import chunked_cross_entropy
 from megatrain_jax.engine.step import Batch, StepResult
+from megatrain_jax.engine.weights import Pace
+from megatrain_jax.plan.options import BLOCKS_QUEUED
 from megatrain_jax.models.lora import abstract_lora_block, merge_block, split_lora
 from megatrain_jax.optim.host import global_norm_scale
 from megatrain_jax.templates import Layout, block_rng
@@ -153,7 +155,9 @@ class LoraEngine:
         inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)
         emb, head = self._resident["embed"], self._resident["head"]
 
-        # ---- forward sweep: block i + 1 in flight while block i computes
+        # ---- forward sweep: block i + 1 in flight while block i computes; the dispatching thread stays
+        # BLOCKS_QUEUED blocks ahead of the device (weights.Pace: what the GPU holds is what the plan counts)
+        pace = Pace(BLOCKS_QUEUED)
         inflight = {0: self._fetch("block_0")}
         hs = [k._embed(emb, mb["embed_in"]) for mb in mbs]
         if self._nan:
@@ -166,6 +170,7 @@ class LoraEngine:
             saved.append([self.xfer.offload(h) for h in hs] if self.offload else hs)
             hs = [k._fwd[self.model.kinds[i]](w, self.adapters[i], h, mb["aux"], self._key(i, m))
                   for m, (h, mb) in enumerate(zip(hs, mbs))]
+            pace.dispatched(hs[-1])
         inflight[L - 1] = w  # the last block serves the backward at once
 
         # ---- loss: d loss / d final hidden only
@@ -191,6 +196,7 @@ class LoraEngine:
             for m, mb in enumerate(mbs):
                 dhs[m], g = bwd(w, self.adapters[i], acts[m], mb["aux"], self._key(i, m), dhs[m], g)
             grads[i] = g
+            pace.dispatched(g)
             del w, acts
 
         # ---- norm, clipping and the update

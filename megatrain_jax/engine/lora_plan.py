@@ -20,6 +20,7 @@ from typing import Any
 
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
+from megatrain_jax.plan.options import BLOCKS_QUEUED
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GPU_MARGIN, HOST_MARGIN, MICRO_TOKENS, RATES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes,
                                       block_working_set, loss_working_set, usable)
 
@@ -131,7 +132,7 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
     state = 8 if cfg.optim.name in ("adamw", "muon") else 4 if cfg.optim.name in ("lion", "sgd") else 8
     resident = per_group["embed"] + per_group["head"]
     fixed = resident + na * (4 + 4 + state + 4)
-    blocks = 2 * block_bytes + block_params * dt + (largest_leaf * 4 if lora.base_dtype == "int8" else 0)
+    blocks = (BLOCKS_QUEUED + 1) * block_bytes + block_params * dt + (largest_leaf * 4 if lora.base_dtype == "int8" else 0)
     acts_all = shapes.layers * shapes.tokens * shapes.hidden * dt
     cotangent = shapes.tokens * shapes.hidden * dt  # the cotangents flowing down the blocks (one layer)
     budget = machine.gpu_bytes * XLA_FRACTION if on_gpu else None
@@ -179,7 +180,7 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
              Row("gpu", f"adapters fp32 ({na / 1e6:.1f}M params, rank {lora.rank})", 4 * na),
              Row("gpu", "adapter gradients fp32", 4 * na), Row("gpu", f"optimizer state ({cfg.optim.name})", state * na),
              Row("gpu", "update transient", 4 * na),
-             Row("gpu", "2 streamed blocks + 1 dequantised", blocks, f"block {block_bytes / GB:.2f} GB streamed"),
+             Row("gpu", f"{BLOCKS_QUEUED + 1} streamed blocks (computing, queued, in flight) + 1 dequantised", blocks, f"block {block_bytes / GB:.2f} GB streamed"),
              Row("gpu", "boundary activations" if place == "device" else "activations in flight",
                  acts_all if place == "device" else 2 * acts_all // max(shapes.layers, 1)),
              Row("gpu", f"working set ({shapes.tokens // mb} tokens/micro-batch)", ws),
