@@ -43,27 +43,35 @@ def has_gpu() -> bool:
 
 
 # modules whose tests compile and run the streamed engine, a transformers reference or real processes:
-# `pytest -m "not slow"` is the quick loop (config, CLI errors, plan, data, optimizer kernels); CI runs all.
-# Ordered by their CPU time in a clean run, costliest first: the order -n 2 hands them out in
-SLOW_MODULES = ["test_seq_tiling", "test_stream", "test_train", "test_engine", "test_named_optimizers",
+# `pytest -m "not slow"` is the quick loop (config, CLI errors, plan, data, optimizer kernels); CI runs all
+SLOW_MODULES = {"test_seq_tiling", "test_stream", "test_train", "test_engine", "test_named_optimizers",
                 "test_data_parallel", "test_moe", "test_device_optax", "test_lora", "test_grad_hold",
                 "test_stream_io", "test_boundary_every", "test_families", "test_hf", "test_trainer",
                 "test_templates", "test_checkpoint", "test_device_update", "test_compact_adamw", "test_finetune_hf",
-                "test_chat", "test_attention", "test_long_context", "test_constraints"]
+                "test_chat", "test_attention", "test_long_context", "test_constraints", "test_lora_trainer",
+                "test_lora_export", "test_lora_dp"}
+# every module that takes more than a few seconds, by its summed test durations in a clean-clone run (-n 2,
+# `--durations=0`), costliest first: the order -n 2 hands them out in (the rest follow, in xdist's order)
+COST_ORDER = ["test_stream_io", "test_lora", "test_engine", "test_data_parallel", "test_families", "test_train",
+              "test_moe", "test_stream", "test_grad_hold", "test_seq_tiling", "test_named_optimizers",
+              "test_boundary_every", "test_hf", "test_device_optax", "test_plan_search", "test_long_context",
+              "test_lora_dp", "test_lora_trainer", "test_attention", "test_plan", "test_templates", "test_trainer",
+              "test_device_update", "test_lora_export", "test_compact_adamw", "test_chat", "test_working_set",
+              "test_checkpoint", "test_muon", "test_cli", "test_optim", "test_finetune_hf", "test_plan_fixes"]
 SLOW_TESTS = {"test_happy_path_trains_and_logs", "test_relative_out_dir_saves_resumes_and_exports",
               "test_module_entry_point_gives_one_line_errors", "test_console_script_help"}
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``-n 2 --dist loadfile`` (scripts/test.sh): the costliest module first (SLOW_MODULES' order, then the
-    quick ones, most tests first), each handed out only when a worker is about to run out, so that neither
+    """``-n 2 --dist loadfile`` (scripts/test.sh): the costliest module first (COST_ORDER, then the
+    rest in xdist's order), each handed out only when a worker is about to run out, so that neither
     worker holds a long module queued while the other idles at the end."""
     if config.getoption("dist", None) != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    rank = {m: i for i, m in enumerate(SLOW_MODULES)}
+    rank = {m: i for i, m in enumerate(COST_ORDER)}
 
     class CostliestFirst(LoadFileScheduling):
         def _assign_work_unit(self, node):

@@ -96,17 +96,20 @@ def _losses(out_dir):
         return [json.loads(line)["loss"] for line in f]
 
 
-def test_the_train_command_as_two_processes_equals_one_process(tmp_path):
+def test_the_train_command_as_two_processes_equals_one_process(tmp_path, capsys):
     """`megatrain-jax train` launched twice with the MEGATRAIN_* variables (the README's command):
-    only process 0 writes (metrics, checkpoint, summary), and its losses equal a one-process run."""
+    only process 0 writes (metrics, checkpoint, summary), and its losses equal a one-process run (that
+    one in this process: ``cli.main``)."""
+    from cli_runner import run_in_process
+
     repo = os.path.dirname(HERE)
     sets = ["--set", "train.steps=3", "--set", "optim.schedule.warmup_steps=1", "--set", "train.batch_size=4",
             "--set", "data.seq_len=32",
             "--set", "model.num_layers=2", "--set", "train.log_every=1"]
     one = tmp_path / "one"
-    p = _cli(["train", "configs/tiny.yaml", *sets, "--set", f"train.out_dir={one}"], _env(1), repo)
-    log = p.communicate(timeout=300)[0]
-    assert p.returncode == 0, log[-2000:]
+    res = run_in_process(["train", os.path.join(repo, "configs/tiny.yaml"), *sets, "--set", f"train.out_dir={one}"],
+                         capsys)
+    assert res.rc == 0, str(res)[-2000:]
     two = tmp_path / "two"
     port = _free_port()
     procs = []

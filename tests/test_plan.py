@@ -157,20 +157,29 @@ def test_train_7b_is_refused_on_this_machine_before_anything_is_allocated(tmp_pa
     assert not out.exists()
 
 
-def test_train_refuses_a_gpu_plan_that_cannot_fit(tmp_path):
+def _in_process(capsys, *args):
+    """``cli.main(ARGS)`` here (the refusals and the plan command need no process of their own)."""
+    from cli_runner import run_in_process
+
+    return run_in_process([args[0], os.path.join(REPO, args[1]), *args[2:]], capsys)
+
+
+def test_train_refuses_a_gpu_plan_that_cannot_fit(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    r, _ = _cli("train", "configs/7b.yaml", "--set", f"train.out_dir={out}", "--set", "train.host_memory_gb=2000",
-                "--set", "train.final_checkpoint=false", "--set", "train.micro_batches=1", "--set", "data.seq_len=65536",
-                env={"MEGATRAIN_GPU_MEMORY_GB": "24"})
-    assert r.returncode == 2 and r.stderr.startswith("error: GPU memory:"), r.stderr
+    monkeypatch.setenv("MEGATRAIN_GPU_MEMORY_GB", "24")
+    r = _in_process(capsys, "train", "configs/7b.yaml", "--set", f"train.out_dir={out}", "--set",
+                    "train.host_memory_gb=2000", "--set", "train.final_checkpoint=false", "--set",
+                    "train.micro_batches=1", "--set", "data.seq_len=65536")
+    assert r.rc == 2 and r.stderr.startswith("error: GPU memory:"), r.stderr
     assert not out.exists()
 
 
-def test_plan_command_prints_the_table_and_json():
-    r, _ = _cli("plan", "configs/7b.yaml", "--set", "train.host_memory_gb=2000", "--set", "train.final_checkpoint=false")
-    assert r.returncode == 0 and "memory plan" in r.stdout and "verdict: fits" in r.stdout
-    r, _ = _cli("plan", "configs/7b.yaml", "--json", "--set", "train.host_memory_gb=10")
-    assert r.returncode == 2 and json.loads(r.stdout)["fits"] is False and "host memory" in r.stderr
+def test_plan_command_prints_the_table_and_json(capsys):
+    r = _in_process(capsys, "plan", "configs/7b.yaml", "--set", "train.host_memory_gb=2000", "--set",
+                    "train.final_checkpoint=false")
+    assert r.rc == 0 and "memory plan" in r.stdout and "verdict: fits" in r.stdout
+    r = _in_process(capsys, "plan", "configs/7b.yaml", "--json", "--set", "train.host_memory_gb=10")
+    assert r.rc == 2 and json.loads(r.stdout)["fits"] is False and "host memory" in r.stderr
 
 
 def test_plan_shows_each_state_mode_and_suggests_the_fullest_that_fits():
