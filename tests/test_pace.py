@@ -16,12 +16,16 @@ def _record(monkeypatch):
     return events
 
 
+def _dispatch(pace: Pace, events: list, n: int) -> None:
+    for i in range(n):
+        events.append(("dispatch", i))
+        pace.dispatched(i)
+
+
 def test_pace_waits_for_the_block_queued_back(monkeypatch):
     events = _record(monkeypatch)
     pace = Pace(2)
-    for i in range(5):
-        events.append(("dispatch", i))
-        pace.dispatched(i)
+    _dispatch(pace, events, 5)
     # after block i is dispatched, block i-1 has been waited for: never more than 2 dispatched and not computed
     assert events == [("dispatch", 0), ("dispatch", 1), ("wait", 0), ("dispatch", 2), ("wait", 1),
                       ("dispatch", 3), ("wait", 2), ("dispatch", 4), ("wait", 3)]
@@ -34,9 +38,7 @@ def test_pace_waits_for_the_block_queued_back(monkeypatch):
 def test_pace_of_one_waits_for_each_block(monkeypatch):
     events = _record(monkeypatch)
     pace = Pace(1)
-    for i in range(3):
-        events.append(("dispatch", i))
-        pace.dispatched(i)
+    _dispatch(pace, events, 3)
     assert events == [("dispatch", 0), ("wait", 0), ("dispatch", 1), ("wait", 1), ("dispatch", 2), ("wait", 2)]
 
 
@@ -56,3 +58,14 @@ def test_plan_takes_one_queued_block_only_where_two_do_not_fit():
     usual = [c for c in p10.found.candidates if c.blocks_queued == 2]
     assert usual and not any(c.fits for c in usual)
     assert not any(c.blocks_queued == 1 for c in plans[24].found.candidates)
+
+
+def test_blocks_queued_below_one_is_refused_in_one_line():
+    import pytest
+
+    from megatrain_jax.errors import UserError
+    from megatrain_jax.plan.options import EngineOptions
+
+    with pytest.raises(UserError) as e:
+        EngineOptions(blocks_queued=0)
+    assert e.value.field == "blocks_queued" and "\n" not in str(e.value)

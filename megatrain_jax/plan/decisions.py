@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatrain_jax.errors import UserError
+from megatrain_jax.plan.options import BLOCKS_QUEUED
 from megatrain_jax.plan.sizes import (GB, GPU_MARGIN, GRAD_SLABS, MICRO_TOKENS, PREALLOCATE_ABOVE, RATES,
                                       XLA_FRACTION, Row, Shapes, residual_bytes_per_block, usable)
 
@@ -61,7 +62,7 @@ class Placement:
     gpu_groups: int = 0  # a host hold's first groups held on the GPU in bf16 (grad_hold_gpu_groups)
     gpu_group_params: int = 0  # their parameters
     loss_chunk: int = 1024
-    blocks_queued: int = 2  # the engine's pace (EngineOptions.blocks_queued)
+    blocks_queued: int = BLOCKS_QUEUED  # the engine's pace (EngineOptions.blocks_queued)
     host_need: float = 0.0  # the plan's host need with this candidate (fewest slabs)
     host_placed: float = 0.0  # the same without XLA's GPU pool table (what the search's order compares)
     step: dict[str, Any] = field(default_factory=dict)  # its predicted step (build.predicted_step)
