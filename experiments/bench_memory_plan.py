@@ -3,7 +3,7 @@
 For each case: ``megatrain-jax plan --json`` (the prediction), then ``megatrain-jax train`` in a
 child process with no hand-set environment variable (the plan sets XLA's budgets itself), sampling
 the child's RSS and the machine's used memory from outside. Reported per case: tokens/s and model
-TFLOPS (median of the steps after the first two), peak host RSS (VmHWM) and peak GPU memory
+TFLOPS (median of the steps after the first two; the second alone where only two ran), peak host RSS (VmHWM) and peak GPU memory
 (XLA's ``peak_bytes_in_use``) next to the plan's figures, and whether the run survived.
 
     PYTHONPATH=. python experiments/bench_memory_plan.py --out $OUT \\
@@ -112,8 +112,10 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
 
         for fn in glob.glob(os.path.join(out_dir, "timeline_step*")):
             shutil.copy(fn, os.path.join(args.out, f"{name}_{os.path.basename(fn)}"))
-    if len(recs) > 2:
-        timed = [r for r in recs[2:] if not (args.trace and r["step"] == args.steps)] or recs[2:]
+    if len(recs) > 1:  # steps after the first two (after the first where only two ran: long sequences)
+        later = recs[2:] if len(recs) > 2 else recs[1:]
+        timed = [r for r in later if not (args.trace and r["step"] == args.steps)] or later
+        res["timed_steps"] = [r["step"] for r in timed]
         step_s = statistics.median(r["step_time_s"] for r in timed)
         tokens = recs[0]["tokens_per_s"] * recs[0]["step_time_s"]
         res.update({"step_s_median": step_s, "step_s_all": [r["step_time_s"] for r in recs],

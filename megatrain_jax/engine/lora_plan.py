@@ -21,7 +21,7 @@ from typing import Any
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan.options import BLOCKS_QUEUED
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GPU_MARGIN, HOST_MARGIN, MICRO_TOKENS, RATES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes,
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, pinned_limit, GPU_MARGIN, HOST_MARGIN, MICRO_TOKENS, RATES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes,
                                       block_working_set, loss_working_set, usable)
 
 GB = 1e9
@@ -201,13 +201,12 @@ def lora_plan_or_refuse(cfg: Config, log=print) -> LoraPlan:
     err = plan.verdict()
     if err is not None:
         raise err
-    import math
     import os
 
     if plan.gpu_budget is not None:  # XLA's pool and pinned host limit, before its backend starts
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(XLA_FRACTION))
         pinned = sum(r.bytes for r in plan.rows if r.what.startswith("boundary activations (pinned)"))
-        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(max(4, math.ceil(pinned * 1.5 / 2**30) + 2)))
+        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(round(pinned_limit(pinned) / 2**30)))
     gpu = f", GPU peak {plan.gpu_need / GB:.1f} of {plan.gpu_budget / GB:.1f} GB" if plan.gpu_budget else ""
     log(f"plan (LoRA): host {plan.host_need / GB:.1f} of {plan.host_limit / GB:.1f} GB ({plan.host_source}), base "
         f"{plan.base_bytes / GB:.1f} GB {cfg.model.lora.base_dtype}{gpu}; {plan.adapter_params / 1e6:.1f}M adapter "

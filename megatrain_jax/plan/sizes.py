@@ -76,7 +76,10 @@ HOST_HOLD_BYTES = {"pinned_host": 4, "host_fp32": 4, "host_bf16": 2}  # host byt
 IO_GATHER_RATE = 3.7e9  # bytes/s of the streamed head's host gather as the step sees it: an 8B (128256 x 4096) head
 # cost 1.13 s more per step than the resident one (experiments/probe_stream_io.py, H100 machine, RESULTS.md s7)
 IO_VOCAB_CHUNK = 16384  # vocabulary rows of the head on the GPU at once with train.stream_io (the engine's chunk)
-PINNED_LIMIT_FACTOR = 1.5  # XLA's pinned-host pool limit over the plan's pinned bytes (+ 2 GiB): fragmentation room
+PINNED_LIMIT_FACTOR = 1.02  # XLA's pinned-host pool limit over the plan's pinned bytes (+ PINNED_LIMIT_ROOM):
+# the pool's arrays are few sizes (activation layers, slabs), so little is lost between them; every byte of the
+# limit past the arrays is page-locked RSS once the last region is taken (1.5x cost the 8B at 10 GB 12 GB)
+PINNED_LIMIT_ROOM = 2  # GiB over the factor: the small first regions no array fits in, and the tail of each region
 PINNED_ACT_LAYERS_ON_GPU = 3  # layers of parked activations on the GPU at once while their copies run (the engine
 #                               waits for the oldest beyond it: weights.Boundaries)
 HOST_COPY_RATE = 10e9  # bytes/s of one host thread's memcpy (a pageable hold's copier; a bf16 conversion)
@@ -312,7 +315,7 @@ def pinned_pool(pinned: float, limit: float | None = None) -> float:
 def pinned_limit(pinned: float) -> float:
     """The pinned-host pool's limit the plan gives XLA (``apply_gpu_settings``), bytes: room for
     fragmentation over what the plan puts there, in whole GiB."""
-    return float(max(4, math.ceil(pinned * PINNED_LIMIT_FACTOR / GiB) + 2) * GiB)
+    return float(max(4, math.ceil(pinned * PINNED_LIMIT_FACTOR / GiB) + PINNED_LIMIT_ROOM) * GiB)
 
 
 def residual_bytes_per_block(shapes: Shapes, head_dim: int) -> float:
