@@ -19,7 +19,7 @@ from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check
 from megatrain_jax.optim.costs import auto_update_on, device_update_s, update_cost
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS,
                                       HOST_COPY_PARALLEL_RATE, HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
-                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, DISPATCH_BLOCK_S, DISPATCH_CALL_S, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_need,
+                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, HOLD_RETURN_RATE, DISPATCH_BLOCK_S, DISPATCH_CALL_S, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_need,
                                       pinned_pool, usable)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
@@ -525,6 +525,8 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, chain)
     else:
         step["updates_after_norm_s"] = compute_s + (shapes.embed / opt_rate if host_params else 0.0)
+        if hold in ("host_fp32", "host_bf16"):  # a pageable hold comes back through the copier on that path
+            step["updates_after_norm_s"] += held / HOLD_RETURN_RATE
     step["work_s"] = sum(step[t] for t in terms)
     terms = terms + ("updates_after_norm_s",)
     step["predicted_step_s"] = max(step[t] for t in terms)

@@ -83,6 +83,9 @@ PINNED_LIMIT_ROOM = 2  # GiB over the factor: the small first regions no array f
 PINNED_ACT_LAYERS_ON_GPU = 3  # layers of parked activations on the GPU at once while their copies run (the engine
 #                               waits for the oldest beyond it: weights.Boundaries)
 HOST_COPY_RATE = 10e9  # bytes/s of one host thread's memcpy (a pageable hold's copier; a bf16 conversion)
+HOLD_RETURN_RATE = 39e9  # bytes/s at which a pageable hold's return (copier -> slab -> GPU) delays a device-side
+# update's next forward: each block waits for its update. 8B at 24 GB on the H100, 10.2 GB held in bf16: 8.11 s steps
+# where the same run with the fp32 hold pinned took 7.85 (RESULTS.md s10); the plan had both at 8.33
 HOST_COPY_PARALLEL_RATE = 40e9  # the same split over 8 threads (holds.parallel) on the H100 machine's 16 cores:
 #                                 its 8B host update widened 30 GB of held bf16 in ~0.65 s (RESULTS.md s8)
 
