@@ -342,6 +342,9 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
     elif placed.grad_hold in HOST_HOLD_BYTES:
         rows.append(Row("host", "gradients held for clipping (pageable)", HOST_HOLD_BYTES[placed.grad_hold] * held,
                         placed.grad_hold[5:] + ", fed through the slabs" + split))
+        # measured over the rows above with a pageable hold, never with the pinned one (H100, RESULTS.md s10:
+        # 8B +2.3 GB, 14B +2.7 GB at 24 GB): one group in fp32 beside the hold, the size of the largest
+        rows.append(Row("host", "pageable hold's staging (one group in fp32)", 4.0 * shapes.largest_group))
     if placed.activations == "pinned_host":
         k = placed.boundary_every
         kept = -(-shapes.layers // k)
