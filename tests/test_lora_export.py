@@ -16,7 +16,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from megatrain_jax.cli import main as cli_main
-from megatrain_jax.engine.lora_run import LoraSaver
+from megatrain_jax.engine.lora_run import LoraSaver, write_peft_adapters
 from megatrain_jax.hf.peft import save_peft
 from megatrain_jax.models.common import Decoder
 from megatrain_jax.models.lora import lora_decoder, split_lora
@@ -31,7 +31,8 @@ def _lora_run(tmp_path, cfg, seed=0):
     _, ad, _, _ = split_lora(lora_decoder(cfg, seed))
     layers = [jax.tree_util.tree_map(np.asarray, nonzero_b(ad)["layers"][i]) for i in range(cfg.num_layers)]
     engine = SimpleNamespace(adapters_host=lambda: layers, opt_state={"mu": np.zeros(3, np.float32)}, count=3)
-    trainer = SimpleNamespace(engine=engine, cfg=SimpleNamespace(model=cfg))
+    trainer = SimpleNamespace(engine=engine, cfg=SimpleNamespace(model=cfg),
+                              write_adapters=lambda d: write_peft_adapters(d, layers, cfg))
     run = tmp_path / "run"
     saver = LoraSaver(trainer, str(run / "checkpoints"))
     saver.save(3, {"config": {"model": dataclasses.asdict(cfg), "train": {"seed": seed}}}, wait=True)

@@ -2,6 +2,8 @@
 adapters over a frozen base equal the same model with adapters trained in memory (plain jax + optax)."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
+from megatrain_jax import checkpoint as ck
 from megatrain_jax.config.schema import LoraConfig
 from megatrain_jax.engine.lora_stream import LoraStreamTrainer, merge_adapters, split_adapters
 from megatrain_jax.errors import UserError
@@ -103,6 +106,48 @@ def test_trainer_lora_equals_in_memory(dropout, micro, base_dtype="float32"):
     want.eval(), model.eval()  # adapter dropout off
     np.testing.assert_allclose(np.asarray(model(toks)), np.asarray(want(toks)), atol=1e-5)
     tr.close()
+
+
+@pytest.mark.slow  # compiles the LoRA engine (the configuration of the test above: its kernels are cached)
+def test_trainer_lora_save_restore_continues_exactly(tmp_path):
+    """``save`` after 3 steps, 2 more steps; a new ``Trainer(..., lora=)`` that ``restore``s runs the same 2
+    steps bit for bit (adapters, their AdamW state, the count: dropout keys continue). A corrupted newest
+    checkpoint is moved aside for the one before it; other adapters are refused in one line."""
+    model = RoPEDecoder(vocab=64, d=32, heads=2, layers=2, seed=0)
+    tx = optax.adamw(3e-3, b1=0.9, b2=0.95, weight_decay=0.01)
+    lora = LoraConfig(**{**vars(LORA), "dropout": 0.3})
+    kw = dict(clip_norm=0.02, compute_dtype="float32", micro_batches=1, loss_chunk=16, seed=0, **_kwargs(model))
+    batches = [np.random.default_rng(s).integers(0, 64, (4, 17)) for s in range(5)]
+    tr = Trainer(model, tx, lora=lora, **kw)
+    for b in batches[:2]:
+        tr.step(b)
+    first = tr.save(str(tmp_path))
+    tr.step(batches[2])
+    path = tr.save(str(tmp_path))
+    assert os.path.basename(path) == ck.step_dirname(3) and os.path.basename(first) == ck.step_dirname(2)
+    want = [tr.step(b).loss for b in batches[3:]]
+    want_ad = tr.adapters()
+    tr.close()
+
+    again = Trainer(model, tx, lora=lora, **kw)
+    state = again.restore(str(tmp_path))
+    assert state["count"] == 3 and again.step_count == 3
+    got = [again.step(b).loss for b in batches[3:]]
+    assert got == want
+    jax.tree.map(np.testing.assert_array_equal, again.adapters(), want_ad)
+    again.close()
+
+    with open(os.path.join(path, "adapters.npz"), "r+b") as f:  # the newest checkpoint corrupted
+        f.seek(100)
+        f.write(b"garbage")
+    third = Trainer(model, tx, lora=lora, **kw)
+    assert third.restore(str(tmp_path))["count"] == 2 and os.path.isdir(path + ".corrupt")
+    third.close()
+    other = Trainer(model, tx, lora=LoraConfig(**{**vars(lora), "rank": 2}), **kw)
+    with pytest.raises(UserError) as e:
+        other.restore(str(tmp_path))
+    assert e.value.field == "lora" and "other adapters" in str(e.value)
+    other.close()
 
 
 def test_split_merge_adapters_round_trip():

@@ -34,7 +34,7 @@ def is_lora_checkpoint(path: str) -> bool:
 def find_lora_checkpoint(spec: str, log=print) -> tuple[str, dict] | None:
     """``spec`` (a LoRA checkpoint, a ``checkpoints/`` directory or a run's out_dir) -> the newest intact
     LoRA checkpoint and its state; None when ``spec`` holds no LoRA checkpoint."""
-    from megatrain_jax.engine.lora_run import _read_checked
+    from megatrain_jax.engine.lora_run import read_checked
 
     if not os.path.isdir(spec):
         return None
@@ -45,7 +45,7 @@ def find_lora_checkpoint(spec: str, log=print) -> tuple[str, dict] | None:
         cands = [c.path for c in reversed(ck.list_checkpoints(root)) if is_lora_checkpoint(c.path)]
     for path in cands:
         try:
-            state = _read_checked(path)
+            state = read_checked(path)
         except ck.CorruptCheckpoint as e:
             if path == spec:
                 raise UserError("CHECKPOINT", f"{path} is corrupted: {e}", "export an earlier checkpoint") from None

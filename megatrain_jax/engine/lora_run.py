@@ -113,7 +113,7 @@ class LoraTrainer:
         model = LoraModel(cfg.model)
         for c in reversed(cks):
             try:
-                state = _read_checked(c.path)
+                state = read_checked(c.path)
             except ck.CorruptCheckpoint as e:
                 aside = f"{c.path}.corrupt"
                 os.replace(c.path, aside)
@@ -158,6 +158,9 @@ class LoraTrainer:
     def saver(self, directory: str, *, keep_last: int = 2, keep_every: int = 0, log=lambda _: None) -> "LoraSaver":
         return LoraSaver(self, directory, keep_last=keep_last, keep_every=keep_every, log=log)
 
+    def write_adapters(self, ckpt_dir: str) -> None:
+        write_peft_adapters(ckpt_dir, self.engine.adapters_host(), self.cfg.model)
+
     def save_adapter(self, out_dir: str, log=print) -> str:
         """The adapters as a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
         path = save_peft(out_dir, self.engine.adapters_host(), self.cfg.model, self.cfg.model.from_hf)
@@ -166,6 +169,11 @@ class LoraTrainer:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def write_peft_adapters(ckpt_dir: str, adapters: list[Any], model_cfg: Any) -> None:
+    """A config run's checkpoint adapters (``LoraSaver``): the PEFT pair, which ``--resume`` and peft load."""
+    save_peft(os.path.join(ckpt_dir, ADAPTER), adapters, model_cfg, model_cfg.from_hf)
 
 
 def _file_crc(path: str) -> int:
@@ -183,7 +191,7 @@ def _files(root: str) -> list[str]:
     return sorted(out)
 
 
-def _read_checked(path: str) -> dict:
+def read_checked(path: str) -> dict:
     try:
         with open(os.path.join(path, ck.MANIFEST)) as f:
             manifest = json.load(f)
@@ -199,9 +207,11 @@ def _read_checked(path: str) -> dict:
 
 class LoraSaver:
     """Checkpoints of a LoRA run (small: adapters and their optimizer state), written synchronously
-    into ``step_N.tmp`` and renamed once complete; the retention policy as ``checkpoint.prune``."""
+    into ``step_N.tmp`` and renamed once complete; the retention policy as ``checkpoint.prune``. The
+    trainer writes its adapters (``write_adapters``: a config run the PEFT pair, ``Trainer(..., lora=)``
+    an npz of the user's model's adapter tree)."""
 
-    def __init__(self, trainer: LoraTrainer, root: str, *, keep_last: int = 2, keep_every: int = 0, log=print):
+    def __init__(self, trainer: Any, root: str, *, keep_last: int = 2, keep_every: int = 0, log=print):
         self.trainer, self.root, self.keep_last, self.keep_every, self.log = trainer, root, keep_last, keep_every, log
         self.history: list[ck.SaveStats] = []
         self.kill_in_save: int | None = None
@@ -215,8 +225,7 @@ class LoraSaver:
         if os.path.isdir(tmp):
             ck._remove_dir(tmp)
         os.makedirs(tmp)
-        save_peft(os.path.join(tmp, ADAPTER), eng.adapters_host(), self.trainer.cfg.model,
-                  self.trainer.cfg.model.from_hf)
+        self.trainer.write_adapters(tmp)
         np.savez(os.path.join(tmp, OPT_STATE), *[np.asarray(x) for x in
                                                    jax.tree_util.tree_leaves(jax.device_get(eng.opt_state))])
         if self.kill_in_save == step:

@@ -21,10 +21,15 @@ from the key the engine gives it per (step, layer, micro-batch), as any dropout 
 ``devices=[...]`` (this process's): data parallel, each device a slice of every micro-batch (``LoraEngine``).
 A registry ``models.common.Decoder`` takes its family's own LoRA blocks (``targets``: q .. down).
 
-Not here yet: Linen modules, checkpoints (``save``/``restore``), the memory plan.
+``save(dir)``/``restore(dir)``: ``dir/step_<count>/`` with the adapter tree (``adapters.npz``, keyed by
+path), the optimizer state and the count (``lora_run.LoraSaver``: atomic, checksummed, ``keep_last``);
+restore continues exactly (dropout keys and the schedule follow the count). The base is the user's model.
+
+Not here yet: Linen modules, the memory plan.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -41,6 +46,7 @@ from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import Layout
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
+ADAPTERS_FILE = "adapters.npz"  # a Trainer(..., lora=) checkpoint's adapter tree (save/restore)
 
 
 def split_adapters(tree: dict) -> tuple[dict, dict]:
@@ -294,18 +300,66 @@ class LoraStreamTrainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _unsupported(self, what: str):
-        raise UserError(what, "is not implemented for Trainer(..., lora=) yet",
-                        "save tr.adapters() yourself, or train a registry model with model.lora in a config")
+    # ---------------------------------------------------------------------------------- checkpoints
 
-    def saver(self, *a, **k):
-        self._unsupported("saver")
+    def write_adapters(self, ckpt_dir: str) -> None:
+        """The adapter tree into a checkpoint (``LoraSaver``), one array per path."""
+        flat = jax.tree_util.tree_flatten_with_path(self.adapters())[0]
+        np.savez(os.path.join(ckpt_dir, ADAPTERS_FILE), **{jax.tree_util.keystr(p): v for p, v in flat})
 
-    def save(self, *a, **k):
-        self._unsupported("save")
+    def saver(self, directory: str, *, keep_last: int = 2, keep_every: int = 0, log=lambda _: None):
+        """Checkpoints into ``directory`` between steps (``save(step, meta)``), as ``Trainer.saver``."""
+        from megatrain_jax.engine.lora_run import LoraSaver
 
-    def restore(self, *a, **k):
-        self._unsupported("restore")
+        self.engine.finish()
+        return LoraSaver(self, directory, keep_last=keep_last, keep_every=keep_every, log=log)
+
+    def save(self, directory: str, *, keep_last: int = 2, meta: dict | None = None, log=lambda _: None) -> str:
+        """Adapters, their optimizer state and the step count into ``directory/step_<count>`` (atomic,
+        checksummed; the ``keep_last`` newest kept). Returns the path."""
+        self.engine.finish()
+        info = {"trainer": {**self.settings, "optimizer": type(self.opt).__name__}, **(meta or {})}
+        return self.saver(directory, keep_last=keep_last, log=log).save(self.engine.count, info, wait=True)
+
+    def restore(self, directory: str, log=lambda _: None) -> dict:
+        """Load the newest intact checkpoint in ``directory`` (a corrupted one is moved aside and the one
+        before it taken). Returns its state.json."""
+        from megatrain_jax import checkpoint as ck
+        from megatrain_jax.engine.lora_run import OPT_STATE, read_checked
+
+        self.engine.finish()
+        cks = ck.list_checkpoints(directory)
+        if not cks:
+            raise UserError("directory", f"no complete checkpoint in {directory}", "pass the directory save() wrote")
+        for c in reversed(cks):
+            try:
+                state = read_checked(c.path)
+            except ck.CorruptCheckpoint as e:
+                os.replace(c.path, c.path + ".corrupt")
+                log(f"checkpoint: {c.path} is corrupted: {e}; moved it to {c.path}.corrupt")
+                continue
+            if state.get("kind") != "lora" or not os.path.isfile(os.path.join(c.path, ADAPTERS_FILE)):
+                raise UserError("directory", f"{c.path} is not a checkpoint of Trainer(..., lora=)",
+                                "restore a config run's checkpoint with `megatrain-jax train --resume`")
+            flat, treedef = jax.tree_util.tree_flatten_with_path(self.adapters())
+            with np.load(os.path.join(c.path, ADAPTERS_FILE)) as z:
+                keys = [jax.tree_util.keystr(p) for p, _ in flat]
+                if sorted(z.files) != sorted(keys) or any(z[k].shape != v.shape for k, (_, v) in zip(keys, flat)):
+                    raise UserError("lora", f"{c.path} holds other adapters than this trainer's "
+                                    f"({len(z.files)} arrays, {len(keys)} here)",
+                                    "restore with the checkpointed run's lora settings and model")
+                adapters = jax.tree_util.tree_unflatten(treedef, [z[k] for k in keys])
+            like = jax.eval_shape(self.engine.tx.init, self.engine.adapters)
+            with np.load(os.path.join(c.path, OPT_STATE)) as z:
+                leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
+            opt_def = jax.tree_util.tree_structure(like)
+            if opt_def.num_leaves != len(leaves):
+                raise UserError("optimizer", f"{c.path}: the optimizer state has {len(leaves)} arrays, this "
+                                f"optimizer makes {opt_def.num_leaves}", "restore with the checkpointed optimizer")
+            self.engine.set_state(adapters, jax.tree_util.tree_unflatten(opt_def, leaves), int(state["count"]))
+            return state
+        raise UserError("directory", f"every checkpoint in {directory} is corrupted", "start again without restore")
 
     def plan(self, *a, **k):
-        self._unsupported("plan")
+        raise UserError("plan", "is not implemented for Trainer(..., lora=) yet",
+                        "plan a registry model with model.lora in a config: megatrain-jax plan CONFIG")
