@@ -272,7 +272,11 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
                         "none: a second backward sweep (resweep)" if resweep else
                         {4: "fp32", 2: "bf16"}.get(hold_bytes or 0, "in host memory")
                         + (", the first groups in bf16 on the GPU" if gpu_group_bytes else "")))
-    fixed = resident + inflight
+    # the step's inputs (tokens, labels, loss mask, positions: 4 bytes each) and every micro-batch's aux, made once
+    # for the step and read by each block: the rotary tables, cos and sin in fp32 (models/common.rope_tables)
+    inputs = shapes.tokens * (16 + 4 * shapes.head_dim)
+    rows.append(Row("gpu", "step inputs and the blocks' aux (rotary tables)", inputs, "for the whole step"))
+    fixed = resident + inflight + inputs
     update = 0.0
     if update_state_bytes is not None:
         # the state of the two blocks in flight and of the embedding or head being updated, three updated
