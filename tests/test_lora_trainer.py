@@ -150,6 +150,79 @@ def test_trainer_lora_save_restore_continues_exactly(tmp_path):
     other.close()
 
 
+@pytest.mark.slow  # compiles the lm1b Linen decoder's stream check, the LoRA engine and the reference
+def test_trainer_lora_on_a_linen_module_equals_merged_kernels_in_memory():
+    """``Trainer(linen_module, tx, params=, lora=)`` on the lm1b-style Linen decoder, adapters on its
+    attention's DenseGeneral (query, value, out: 3-D kernels) and the MLP's first Dense: 5 clipped AdamW
+    steps equal jax.grad over the adapters of ``module.apply`` with each kernel replaced by
+    ``kernel + scale * (A B)`` (an independent formulation); ``merged_params`` gives the same logits."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from lm1b_linen import TransformerConfig, build
+
+    cfg = TransformerConfig(vocab_size=48, emb_dim=16, num_heads=2, num_layers=2, qkv_dim=16, mlp_dim=32,
+                            max_len=12, dropout_rate=0.0, attention_dropout_rate=0.0, deterministic=True)
+    module, params = build(cfg)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=["query", "value", "out", "Dense_0"], base_dtype="float32")
+    tx, clip = optax.adamw(3e-3, b1=0.9, b2=0.95, weight_decay=0.01), 0.02
+    tr = Trainer(module, tx, params=params, lora=lora, clip_norm=clip, compute_dtype="float32", micro_batches=2,
+                 loss_chunk=16, seed=0)
+    assert isinstance(tr, LoraStreamTrainer)
+    ad = {f"encoderdecoderblock_{i}": a for i, a in enumerate(tr.adapters())}
+    assert sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(ad["encoderdecoderblock_0"])) \
+        == sorted(f"['{m}']['{t}']['{leaf}']" for m, t in [("MlpBlock_0", "Dense_0")] +
+                  [("MultiHeadDotProductAttention_0", n) for n in ("out", "query", "value")] for leaf in ("lora_a", "lora_b"))
+    assert all(np.abs(x).max() == 0 for p, x in jax.tree_util.tree_leaves_with_path(ad) if "lora_b" in str(p))
+
+    def merged(params, ad):
+        def block(w, a):
+            out = dict(w)
+            for k, v in a.items():
+                if "lora_a" in v:
+                    kern = w[k]["kernel"]
+                    out[k] = {**w[k], "kernel": kern + lora.scale * (v["lora_a"] @ v["lora_b"]).reshape(kern.shape)}
+                else:
+                    out[k] = block(w[k], v)
+            return out
+        dec = dict(params["decoder"])
+        for name, a in ad.items():
+            dec[name] = block(dec[name], a)
+        return {**params, "decoder": dec}
+
+    full_tx = optax.chain(optax.clip_by_global_norm(clip), tx)
+    state = full_tx.init(ad)
+    grad = jax.jit(jax.value_and_grad(lambda a, t: ce_mean(module.apply({"params": merged(params, a)}, t[:, :-1]),
+                                                           t[:, 1:])))
+    for s in range(5):
+        toks = np.random.default_rng(s).integers(0, 48, (4, 13))
+        res = tr.step(toks)
+        loss, g = grad(ad, jnp.asarray(toks))
+        assert optax.global_norm(g) > clip
+        assert abs(res.loss - float(loss)) <= 1e-5 * float(loss), (s, res.loss, float(loss))
+        upd, state = full_tx.update(g, state, ad)
+        ad = optax.apply_updates(ad, upd)
+    for i, mine in enumerate(tr.adapters()):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, np.asarray(b), atol=2e-6, rtol=0), mine,
+                     ad[f"encoderdecoderblock_{i}"])
+    toks = jnp.asarray(np.random.default_rng(9).integers(0, 48, (2, 12)))
+    np.testing.assert_allclose(np.asarray(module.apply({"params": tr.merged_params()}, toks)),
+                               np.asarray(module.apply({"params": merged(params, ad)}, toks)), atol=1e-5)
+    jax.tree.map(np.testing.assert_array_equal, tr.params(), jax.tree.map(np.asarray, params))  # the base: frozen
+    with pytest.raises(UserError) as e:
+        tr.update_model(module)
+    assert e.value.field == "update_model"
+    tr.close()
+    for kw, field in [(dict(lora=LoraConfig(rank=4, targets=["nope"])), "lora.targets"),
+                      (dict(lora=LoraConfig(rank=4, dropout=0.1, targets=["query"])), "lora.dropout")]:
+        with pytest.raises(UserError) as e:
+            Trainer(module, tx, params=params, **kw)
+        assert e.value.field == field
+    with pytest.raises(UserError) as e:
+        Trainer(module, tx, lora=lora)
+    assert e.value.field == "params"
+
+
 def test_split_merge_adapters_round_trip():
     tree = {"attn": {"q": {"kernel": 1, "lora_a": 2, "lora_b": 3}, "norm": {"scale": 4}}, "w": 5}
     ad, rest = split_adapters(tree)

@@ -25,7 +25,10 @@ A registry ``models.common.Decoder`` takes its family's own LoRA blocks (``targe
 path), the optimizer state and the count (``lora_run.LoraSaver``: atomic, checksummed, ``keep_last``);
 restore continues exactly (dropout keys and the schedule follow the count). The base is the user's model.
 
-Not here yet: Linen modules, the memory plan.
+A Linen module (``params=`` its params) takes adapters beside its targeted Dense kernels
+(``lora_linen.py``); ``merged_params()`` gives its params with the adapters folded in.
+
+Not here yet: the memory plan.
 """
 from __future__ import annotations
 
@@ -150,11 +153,16 @@ class LoraStreamTrainer:
         from megatrain_jax.stream import stream
         from megatrain_jax.stream.from_nnx import _find_blocks
 
+        import flax.linen as nn
+
         lora = _lora_config(lora)
-        if not isinstance(model, nnx.Module):
-            raise UserError("lora", f"LoRA through Trainer adapts the nnx.Linear modules of an NNX model, not a "
-                            f"{type(model).__name__}", "pass the NNX model itself (Linen modules: not yet)")
-        for name, v in (("store", store), ("params", params), ("skip_nonfinite", skip_nonfinite)):
+        linen = isinstance(model, nn.Module)
+        if not isinstance(model, nnx.Module) and not linen:
+            raise UserError("lora", f"LoRA through Trainer adapts the Linear modules of an NNX or Linen model, not a "
+                            f"{type(model).__name__}", "pass the model itself (Linen: with params=)")
+        if linen and params is None:
+            raise UserError("params", "a Linen module's weights are its params", "pass params=variables['params']")
+        for name, v in (("store", store), ("params", None if linen else params), ("skip_nonfinite", skip_nonfinite)):
             if v is not None:
                 raise UserError(name, "is not used with lora=", f"leave {name} unset")
         if devices is not None and any(d.process_index != jax.process_index() for d in devices):
@@ -162,7 +170,16 @@ class LoraStreamTrainer:
         o = options or EngineOptions()
         seed = o.rng_seed if seed is None else int(seed)
         self.lora, self.optimizer_spec, self.steps = lora, optimizer, steps
-        if isinstance(model, Decoder):  # a registry model: its own LoRA blocks (models/lora.py), as model.lora
+        self._linen_targets = None  # Linen: target path -> contracted axes (engine/lora_linen.py)
+        if linen:
+            from megatrain_jax.engine.lora_linen import add_linen_adapters
+
+            self._blocks = None
+            self.parts, self._linen_targets = add_linen_adapters(stream(model, params=params, **stream_kwargs),
+                                                                 lora, seed)
+            self.model = StreamLoraModel(self.parts)
+            frozen = FrozenStore.from_trees(self.model.trees, lora.base_dtype)
+        elif isinstance(model, Decoder):  # a registry model: its own LoRA blocks (models/lora.py), as model.lora
             frozen = self._registry(model, lora, stream_kwargs)
         else:
             names = target_names(lora.targets)
@@ -264,10 +281,24 @@ class LoraStreamTrainer:
                     "head": trees["head"]}
         return self.parts.assemble(trees)
 
+    def merged_params(self) -> Any:
+        """Linen: the module's params with each targeted kernel + scale * A B (``module.apply`` them)."""
+        from megatrain_jax.engine.lora_linen import merged_params
+
+        if self._linen_targets is None:
+            raise UserError("merged_params", "is for Linen modules", "use update_model(model) for an NNX model")
+        self.engine.finish()
+        trees = {g.name: jax.tree.map(np.array, g.tree()) for g in self.engine.store}
+        return merged_params(self.parts, trees, self.adapters(), self._linen_targets, self.lora.scale)
+
     def update_model(self, model: Any) -> Any:
         """Attach adapters to ``model``'s targeted Linears (where not yet ``LoraLinear``) and set every
         weight to this run's (in place; returned)."""
         from flax import nnx
+
+        if self._linen_targets is not None:
+            raise UserError("update_model", "a Linen module holds no weights to update",
+                            "apply it with tr.merged_params() (or tr.params() and tr.adapters())")
 
         from megatrain_jax.models.lora import add_named_adapters, target_names
         from megatrain_jax.stream.from_nnx import _find_blocks
