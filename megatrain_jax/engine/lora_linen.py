@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from megatrain_jax.errors import UserError
+from megatrain_jax.models.lora import split_adapters
 from megatrain_jax.templates import LayerStack
 
 
@@ -97,8 +98,6 @@ def add_linen_adapters(parts: Any, lora: Any, seed: int) -> tuple[Any, dict[tupl
 
     def wrap(template):
         def call(w, x, aux_, *rng):
-            from megatrain_jax.engine.lora_stream import split_adapters
-
             ad, rest = split_adapters(w)
 
             def icpt(next_fun, args, kwargs, ctx):

@@ -44,37 +44,11 @@ from megatrain_jax.engine.lora import LoraEngine
 from megatrain_jax.engine.lora_base import FrozenStore
 from megatrain_jax.errors import UserError
 from megatrain_jax.models.common import Decoder
-from megatrain_jax.models.lora import LoraLinear
+from megatrain_jax.models.lora import ADAPTER_LEAVES, LoraLinear, merge_adapters, split_adapters  # noqa: F401
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import Layout
 
-ADAPTER_LEAVES = ("lora_a", "lora_b")
 ADAPTERS_FILE = "adapters.npz"  # a Trainer(..., lora=) checkpoint's adapter tree (save/restore)
-
-
-def split_adapters(tree: dict) -> tuple[dict, dict]:
-    """A block's pure-dict weights -> (adapter leaves only, the rest), both nested as ``tree``."""
-    ad, rest = {}, {}
-    for k, v in tree.items():
-        if k in ADAPTER_LEAVES:
-            ad[k] = v
-        elif isinstance(v, dict):
-            a, r = split_adapters(v)
-            if a:
-                ad[k] = a
-            if r or not a:
-                rest[k] = r
-        else:
-            rest[k] = v
-    return ad, rest
-
-
-def merge_adapters(adapters: dict, rest: dict) -> dict:
-    """The inverse of ``split_adapters``."""
-    out = dict(rest)
-    for k, v in adapters.items():
-        out[k] = merge_adapters(v, rest.get(k, {})) if isinstance(v, dict) else v
-    return out
 
 
 class StreamLoraModel:

@@ -195,3 +195,31 @@ def num_adapter_params(cfg: ModelConfig) -> int:
         block = abstract_lora_block(cfg, i)
         total += sum(int(x.size) for x in jax.tree_util.tree_leaves(split_lora(block)[1]))
     return total
+
+
+ADAPTER_LEAVES = ("lora_a", "lora_b")  # a LoRA'd projection's two leaves beside its kernel
+
+
+def split_adapters(tree: dict) -> tuple[dict, dict]:
+    """A block's pure-dict weights -> (adapter leaves only, the rest), both nested as ``tree``."""
+    ad, rest = {}, {}
+    for k, v in tree.items():
+        if k in ADAPTER_LEAVES:
+            ad[k] = v
+        elif isinstance(v, dict):
+            a, r = split_adapters(v)
+            if a:
+                ad[k] = a
+            if r or not a:
+                rest[k] = r
+        else:
+            rest[k] = v
+    return ad, rest
+
+
+def merge_adapters(adapters: dict, rest: dict) -> dict:
+    """The inverse of ``split_adapters``."""
+    out = dict(rest)
+    for k, v in adapters.items():
+        out[k] = merge_adapters(v, rest.get(k, {})) if isinstance(v, dict) else v
+    return out
