@@ -140,6 +140,13 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
         res["host_plan_over_measured"] = res["plan_host_gb"] / max(res["peak_host_rss_gb"], 1e-9)
         res["gpu_plan_over_measured"] = res["plan_gpu_gb"] / max(res["peak_gpu_gb"], 1e-9)
         res["decisions"] = p["decisions"]
+        try:  # the case's sequence length and GPU budget (the brief's result fields where they vary)
+            from megatrain_jax.config import load_config
+
+            c = load_config(os.path.join(ROOT, config), sets)
+            res["seq_len"], res["gpu_budget_gb"] = c.data.seq_len, c.train.gpu_memory_gb
+        except Exception:  # noqa: BLE001 (a config the plan read: only a record field is lost)
+            pass
     return res
 
 
