@@ -62,27 +62,42 @@ ENGINE_OPTIONS = {"pinned_fallback_offloaded": dict(transfer_mode="pinned", acti
                   "grad_hold_pinned_host": dict(grad_hold="pinned_host", grad_slab_elems=5000)}
 
 
+_REFERENCE_RUNS: dict = {}
+
+
+def _reference_run(cfg, ocfg, batches):
+    """The reference trainer's (loss, grad_norm) per step and its final weights, run once per model and
+    optimizer config (cases that differ only in the engine's options share it; the batches are the same)."""
+    key = (repr(cfg), repr(ocfg))  # the configs are dataclasses: equal reprs, equal runs
+    if key not in _REFERENCE_RUNS:
+        ref = ReferenceTrainer(init_model(cfg, 0), build_reference_tx(ocfg, STEPS))
+        steps = [(r.loss, r.grad_norm) for r in map(ref.step, batches)]
+        _REFERENCE_RUNS[key] = (steps, ref.params_tree())
+    return _REFERENCE_RUNS[key]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_streamed_equals_reference(case):
     over, micro, clip, kernel = CASES[case]
     cfg = ModelConfig(vocab_size=256, hidden_size=64, num_heads=4, intermediate_size=96, **over)
     ocfg = OptimConfig(lr=1e-3, b2=0.95, weight_decay=0.1, clip_norm=clip, kernel=kernel,
                        schedule=ScheduleConfig(kind="warmup_cosine", warmup_steps=2))
-    ref = ReferenceTrainer(init_model(cfg, 0), build_reference_tx(ocfg, STEPS))
+    batches = _batches(np.random.default_rng(1), STEPS, 4, 32, cfg.vocab_size)
+    ref_steps, ref_params = _reference_run(cfg, ocfg, batches)
     parts, store = init_host_store(cfg, 0, bf16_stream=False)
     st = StreamedTrainer(parts, build_host_optimizer(ocfg, STEPS), compute_dtype="float32",
                          micro_batches=micro, clip_norm=clip, loss_chunk=48, store=store,
                          **ENGINE_OPTIONS.get(case, {}))
     if case == "pinned_fallback_offloaded":
         assert st.xfer.mode == "pinned" and len(st.xfer._fallback) == cfg.num_layers + 2
-    for batch in _batches(np.random.default_rng(1), STEPS, 4, 32, cfg.vocab_size):
-        r, s = ref.step(batch), st.step(batch)
-        assert abs(r.loss - s.loss) <= 1e-5 * abs(r.loss), (r.loss, s.loss)
-        assert abs(r.grad_norm - s.grad_norm) <= 1e-4 * r.grad_norm
+    for batch, (r_loss, r_norm) in zip(batches, ref_steps):
+        s = st.step(batch)
+        assert abs(r_loss - s.loss) <= 1e-5 * abs(r_loss), (r_loss, s.loss)
+        assert abs(r_norm - s.grad_norm) <= 1e-4 * r_norm
         if case == "pinned_fallback_offloaded":
             assert st.last_step_info["offload_activations"]
     st.close()  # waits for the last updates
-    errs = _group_rel_errors(ref.params_tree(), st)
+    errs = _group_rel_errors(ref_params, st)
     assert max(errs.values()) < 1e-5, errs
     # the run must actually have moved the weights, or equality proves nothing
     init = init_model(cfg, 0)

@@ -95,25 +95,31 @@ class Plan:
 
 
 def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | None = None, attention: bool = True,
-              _modes: bool = True) -> Plan:
+              _modes: bool = True, _mode_table: bool = True) -> Plan:
     """The plan for ``cfg`` on ``machine`` (this one by default; ``target_machine`` describes another),
     with every 'auto' decided; with the host need of each state mode beside it and, when the
     configured mode does not fit the host, the fix that would (``suggestion``, ``host_fix``).
-    ``attention=False``: the model has no attention (no attention term or line)."""
+    ``attention=False``: the model has no attention (no attention term or line). ``_mode_table=False``
+    plans only the modes the verdict reads (the leaner ones up to the first that fits, when the host
+    is short): the same verdict, fix and options, with ``modes`` partial (the tests' property runs)."""
     from megatrain_jax.plan.refusal import fits, fits_gpu, gpu_fix
 
     plan = _make_plan(cfg, machine, devices, attention)
     if not _modes:
         return plan
     if cfg.optim.kernel == "fused":
-        for name, over in choose.MODES.items():
+        order = list(choose.MODES)  # fullest first; suggest only modes leaner than the configured one
+        current = {"float32": 0, "bfloat16": 1}.get(cfg.optim.moments, len(order))
+        names = order if _mode_table else [] if plan.fits_host() else order[current + 1:]
+        for name in names:
+            over = choose.MODES[name]
             mode = _mode_plan(cfg, plan.machine, devices, attention, over)
             plan.modes[name] = {"host_gb": mode.host_need / GB, "bytes_per_param": mode.host_bytes_per_param,
                                 "fits_host": mode.fits_host(), "fits": fits(mode),
                                 "settings": choose.mode_settings(over)}
+            if not _mode_table and plan.modes[name]["fits"]:
+                break
         if not plan.fits_host():
-            order = list(choose.MODES)  # fullest first; suggest only modes leaner than the configured one
-            current = {"float32": 0, "bfloat16": 1}.get(cfg.optim.moments, len(order))
             for name in order[current + 1:]:
                 if plan.modes[name]["fits"]:  # host and GPU: a fix that fits
                     mode = plan.modes[name]
