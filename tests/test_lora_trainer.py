@@ -142,12 +142,29 @@ def test_trainer_lora_save_restore_continues_exactly(tmp_path):
         f.write(b"garbage")
     third = Trainer(model, tx, lora=lora, **kw)
     assert third.restore(str(tmp_path))["count"] == 2 and os.path.isdir(path + ".corrupt")
-    third.close()
     other = Trainer(model, tx, lora=LoraConfig(**{**vars(lora), "rank": 2}), **kw)
     with pytest.raises(UserError) as e:
         other.restore(str(tmp_path))
     assert e.value.field == "lora" and "other adapters" in str(e.value)
+    # nothing of a user's is replaced or pruned: an existing step, a directory with another run's checkpoint
+    with pytest.raises(UserError, match="already exists"):
+        third.save(str(tmp_path))  # third is at step 2: step_2 is there
+    full = tmp_path / "full"
+    (full / ck.step_dirname(7)).mkdir(parents=True)
+    (full / ck.step_dirname(7) / ck.STATE).write_text('{"step": 7}')
+    (full / ck.step_dirname(7) / ck.MANIFEST).write_text('{"files": {}}')
+    with pytest.raises(UserError, match="not a checkpoint of Trainer"):
+        other.save(str(full))
+    with pytest.raises(UserError, match="not a checkpoint of Trainer"):
+        other.restore(str(full))
+    assert sorted(os.listdir(full / ck.step_dirname(7))) == [ck.MANIFEST, ck.STATE]
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        other.restore(str(tmp_path / "empty"))
+    with pytest.raises(UserError) as e:
+        other.merged_params()  # an NNX model: update_model is its way
+    assert e.value.field == "merged_params"
     other.close()
+    third.close()
 
 
 @pytest.mark.slow  # compiles the lm1b Linen decoder's stream check, the LoRA engine and the reference

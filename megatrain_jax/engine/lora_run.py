@@ -124,15 +124,9 @@ class LoraTrainer:
                                 "resume it without model.lora, or choose another train.out_dir")
             adapters = load_peft(os.path.join(c.path, ADAPTER), cfg.model, model.adapter_shapes)
             self = cls(cfg, plan, adapters=adapters, log=log)
-            like = jax.eval_shape(self.engine.tx.init, self.engine.adapters)
-            with np.load(os.path.join(c.path, OPT_STATE)) as z:
-                leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
-            treedef = jax.tree_util.tree_structure(like)
-            if treedef.num_leaves != len(leaves):
-                raise UserError("--resume", f"{c.path}: the optimizer state has {len(leaves)} arrays, optim.* "
-                                f"makes {treedef.num_leaves}", "resume with the checkpointed run's optim settings")
-            self.engine.set_state(self.engine.adapters, jax.tree_util.tree_unflatten(treedef, leaves),
-                                  int(state["count"]))
+            opt_state = load_opt_state(c.path, self.engine, "--resume", "optim.*",
+                                       "resume with the checkpointed run's optim settings")
+            self.engine.set_state(self.engine.adapters, opt_state, int(state["count"]))
             return self, c.path, state
         raise UserError("--resume", f"every checkpoint in {root} is corrupted", "start a new run without --resume")
 
@@ -169,6 +163,19 @@ class LoraTrainer:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def load_opt_state(path: str, engine: LoraEngine, field: str, maker: str, fix: str) -> Any:
+    """A checkpoint's adapter optimizer state, in the tree ``engine``'s optimizer makes (a one-line error
+    naming ``field`` when the count of arrays differs: another optimizer)."""
+    like = jax.eval_shape(engine.tx.init, engine.adapters)
+    with np.load(os.path.join(path, OPT_STATE)) as z:
+        leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
+    treedef = jax.tree_util.tree_structure(like)
+    if treedef.num_leaves != len(leaves):
+        raise UserError(field, f"{path}: the optimizer state has {len(leaves)} arrays, {maker} makes "
+                        f"{treedef.num_leaves}", fix)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def write_peft_adapters(ckpt_dir: str, adapters: list[Any], model_cfg: Any) -> None:

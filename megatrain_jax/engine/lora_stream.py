@@ -32,6 +32,7 @@ Not here yet: the memory plan.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -49,6 +50,18 @@ from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import Layout
 
 ADAPTERS_FILE = "adapters.npz"  # a Trainer(..., lora=) checkpoint's adapter tree (save/restore)
+
+
+def _is_trainer_lora_checkpoint(path: str) -> bool:
+    """Written by ``Trainer(..., lora=).save`` (its state says LoRA and it holds the adapter tree)."""
+    from megatrain_jax import checkpoint as ck
+
+    try:
+        with open(os.path.join(path, ck.STATE)) as f:
+            kind = json.load(f).get("kind")
+    except (OSError, ValueError):
+        return False
+    return kind == "lora" and os.path.isfile(os.path.join(path, ADAPTERS_FILE))
 
 
 class StreamLoraModel:
@@ -313,24 +326,36 @@ class LoraStreamTrainer:
         np.savez(os.path.join(ckpt_dir, ADAPTERS_FILE), **{jax.tree_util.keystr(p): v for p, v in flat})
 
     def saver(self, directory: str, *, keep_last: int = 2, keep_every: int = 0, log=lambda _: None):
-        """Checkpoints into ``directory`` between steps (``save(step, meta)``), as ``Trainer.saver``."""
+        """Checkpoints into ``directory`` between steps (``save(step, meta)``), as ``Trainer.saver``. A
+        directory with checkpoints of another kind of run is refused: retention would delete them."""
+        from megatrain_jax import checkpoint as ck
         from megatrain_jax.engine.lora_run import LoraSaver
 
+        for c in ck.list_checkpoints(directory):
+            if not _is_trainer_lora_checkpoint(c.path):
+                raise UserError("directory", f"{directory} holds {c.path}, not a checkpoint of Trainer(..., lora=): "
+                                "saving there would prune or replace it", "save into a directory of its own")
         self.engine.finish()
         return LoraSaver(self, directory, keep_last=keep_last, keep_every=keep_every, log=log)
 
     def save(self, directory: str, *, keep_last: int = 2, meta: dict | None = None, log=lambda _: None) -> str:
         """Adapters, their optimizer state and the step count into ``directory/step_<count>`` (atomic,
-        checksummed; the ``keep_last`` newest kept). Returns the path."""
-        self.engine.finish()
+        checksummed; the ``keep_last`` newest kept). An existing checkpoint of this step is never replaced
+        (a one-line error). Returns the path."""
+        from megatrain_jax import checkpoint as ck
+
+        saver = self.saver(directory, keep_last=keep_last, log=log)
+        final = os.path.join(directory, ck.step_dirname(self.engine.count))
+        if os.path.exists(final):
+            raise UserError("directory", f"{final} already exists", "save into another directory (or step first)")
         info = {"trainer": {**self.settings, "optimizer": type(self.opt).__name__}, **(meta or {})}
-        return self.saver(directory, keep_last=keep_last, log=log).save(self.engine.count, info, wait=True)
+        return saver.save(self.engine.count, info, wait=True)
 
     def restore(self, directory: str, log=lambda _: None) -> dict:
         """Load the newest intact checkpoint in ``directory`` (a corrupted one is moved aside and the one
         before it taken). Returns its state.json."""
         from megatrain_jax import checkpoint as ck
-        from megatrain_jax.engine.lora_run import OPT_STATE, read_checked
+        from megatrain_jax.engine.lora_run import load_opt_state, read_checked
 
         self.engine.finish()
         cks = ck.list_checkpoints(directory)
@@ -343,7 +368,7 @@ class LoraStreamTrainer:
                 os.replace(c.path, c.path + ".corrupt")
                 log(f"checkpoint: {c.path} is corrupted: {e}; moved it to {c.path}.corrupt")
                 continue
-            if state.get("kind") != "lora" or not os.path.isfile(os.path.join(c.path, ADAPTERS_FILE)):
+            if not _is_trainer_lora_checkpoint(c.path):
                 raise UserError("directory", f"{c.path} is not a checkpoint of Trainer(..., lora=)",
                                 "restore a config run's checkpoint with `megatrain-jax train --resume`")
             flat, treedef = jax.tree_util.tree_flatten_with_path(self.adapters())
@@ -354,14 +379,9 @@ class LoraStreamTrainer:
                                     f"({len(z.files)} arrays, {len(keys)} here)",
                                     "restore with the checkpointed run's lora settings and model")
                 adapters = jax.tree_util.tree_unflatten(treedef, [z[k] for k in keys])
-            like = jax.eval_shape(self.engine.tx.init, self.engine.adapters)
-            with np.load(os.path.join(c.path, OPT_STATE)) as z:
-                leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
-            opt_def = jax.tree_util.tree_structure(like)
-            if opt_def.num_leaves != len(leaves):
-                raise UserError("optimizer", f"{c.path}: the optimizer state has {len(leaves)} arrays, this "
-                                f"optimizer makes {opt_def.num_leaves}", "restore with the checkpointed optimizer")
-            self.engine.set_state(adapters, jax.tree_util.tree_unflatten(opt_def, leaves), int(state["count"]))
+            opt_state = load_opt_state(c.path, self.engine, "optimizer", "this optimizer",
+                                       "restore with the checkpointed optimizer")
+            self.engine.set_state(adapters, opt_state, int(state["count"]))
             return state
         raise UserError("directory", f"every checkpoint in {directory} is corrupted", "start again without restore")
 
