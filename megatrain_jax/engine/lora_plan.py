@@ -21,7 +21,7 @@ from typing import Any
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan.options import BLOCKS_QUEUED
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, pinned_limit, GPU_MARGIN, HOST_MARGIN, MICRO_TOKENS, RATES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes,
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, pinned_limit, pinned_pool, GPU_MARGIN, HOST_MARGIN, MICRO_TOKENS, RATES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes,
                                       block_working_set, loss_working_set, usable)
 
 GB = 1e9
@@ -165,7 +165,9 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
     # beyond the rows: 1.5% of the base's bytes, calibrated (the H100 runs measured 0.4-0.5 GB over them with a 65.5 GB bf16
     # base, 0.7 GB with a 70 GB int8 one: RESULTS.md s9); stated, not derived
     extra = LORA_HOST_PER_BASE_BYTE * base if on_gpu else 0.0
-    host_need = base + runtime + host_acts + table + extra
+    # XLA's pinned pool grows in doubling regions up to the limit lora_plan_or_refuse gives it (as the full plan)
+    growth = pinned_pool(host_acts) - host_acts if (on_gpu and host_acts) else 0.0
+    host_need = base + runtime + host_acts + growth + table + extra
     rows = [Row("host", f"frozen base ({lora.base_dtype}; embed/head bf16)", base,
                 f"{base / max(sum(lay.size for lay in layouts.values()), 1):.2f} bytes/param"),
             Row("host", "runtime (Python, JAX, CUDA)", runtime)]
@@ -176,6 +178,8 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
                         f"a pool of {XLA_FRACTION:.0%} of the GPU"))
     if host_acts:
         rows.append(Row("host", "boundary activations (pinned)", host_acts))
+    if growth:
+        rows.append(Row("host", "XLA host allocator: regions grown beyond its arrays", growth))
     rows += [Row("gpu", "embedding + head (frozen, resident)", resident),
              Row("gpu", f"adapters fp32 ({na / 1e6:.1f}M params, rank {lora.rank})", 4 * na),
              Row("gpu", "adapter gradients fp32", 4 * na), Row("gpu", f"optimizer state ({cfg.optim.name})", state * na),
