@@ -102,14 +102,20 @@ def main() -> None:
     except Exception as e:
         plan = {"error": str(e)[:300]}
     best = max(snaps, key=lambda s: s["bytes_in_use_gb"]) if snaps else None
+    hwm = 0.0
+    with open("/proc/self/status") as f:  # this process's peak RSS (the run is in-process)
+        hwm = next((float(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")), 0.0)
     out = {"config": args.config, "sets": args.set, "rc": rc, "wall_s": time.time() - t0,
+           "peak_host_rss_gb": hwm / 1e9, "device": getattr(jax.devices()[0], "device_kind", "?"),
+           "date": time.strftime("%Y-%m-%d"),
            "peak_bytes_in_use_gb": stats.get("peak_bytes_in_use", 0) / 1e9, "bytes_limit_gb": stats.get("bytes_limit", 0) / 1e9,
            "plan": plan, "peak_snapshot": best, "snapshots": snaps[-12:]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"probe: rc={rc} peak {out['peak_bytes_in_use_gb']:.2f} GB (limit {out['bytes_limit_gb']:.1f}); "
-          f"plan GPU {plan.get('gpu_need_gb', float('nan')):.2f} GB")
+          f"plan GPU {plan.get('gpu_need_gb', float('nan')):.2f} GB; host peak RSS {hwm / 1e9:.2f} GB "
+          f"(plan {plan.get('host_need_gb', float('nan')):.2f})")
     if best:
         print(f"  at the highest sample {best['bytes_in_use_gb']:.2f} GB: live arrays {best['live_arrays_gb']:.2f}, "
               f"temporaries {best['temporaries_gb']:.2f}; {best['stack'][-3:]}")
