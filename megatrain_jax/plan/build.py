@@ -341,7 +341,13 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
                         "train.stream_copy=device removes it"))
     if slab_row is not None:  # device-side updates bring no gradient to the host
         rows.append(slab_row)
-    held = shapes.params - placed.gpu_group_params
+    # stream_io: the embedding's and head's fp32 gradients are made in host memory and wait there (engine/holds.HostArray),
+    # outside any hold (the H100's 524k slice ran 3.9 GB over the plan without this row, RESULTS.md s12)
+    io_grads = shapes.embed + shapes.head if placed.stream_io else 0
+    if io_grads:
+        rows.append(Row("host", "embedding + head gradients (train.stream_io)", 4.0 * io_grads,
+                        "fp32, made in host memory"))
+    held = shapes.params - io_grads - placed.gpu_group_params
     split = f"; the first {placed.gpu_groups} groups wait on the GPU" if placed.gpu_groups else ""
     if placed.grad_hold == "pinned_host":
         rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * held, "fp32" + split))
@@ -500,7 +506,8 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # stream_io with a device-side update: the embedding and head (gradients in host memory) update on the host
     host_params = (shapes.embed + shapes.head) if (io and update_on == "device") else 0
     if hold in HOST_HOLD_BYTES:
-        held = HOST_HOLD_BYTES[hold] * (shapes.params - host_params - (p.gpu_group_params if p else 0))
+        io_params = (shapes.embed + shapes.head) if io else 0  # stream_io's wait in host memory, outside the hold
+        held = HOST_HOLD_BYTES[hold] * (shapes.params - io_params - (p.gpu_group_params if p else 0))
         if update_on == "device":  # out for the norm, back for the update
             extra_d2h += held
             extra_h2d += held

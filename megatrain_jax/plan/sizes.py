@@ -267,7 +267,9 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         rows.append(Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
                         f"chunk {min(loss_chunk, tok_mb)} tokens"))
         out_grad = shapes.vocab * shapes.hidden * (4 + dt)  # the output matrix's fp32 gradient and its cast
-    held = (shapes.params * hold_bytes) if (deferred and hold_bytes) else 0
+    # (stream_io: the embedding's and head's gradients are made in host memory and wait there)
+    on_gpu_params = shapes.params - (shapes.embed + shapes.head if stream_io else 0)
+    held = (on_gpu_params * hold_bytes) if (deferred and hold_bytes) else 0
     held += gpu_group_bytes if deferred else 0.0
     if deferred:
         rows.append(Row("gpu", "gradients held for clipping", held,
