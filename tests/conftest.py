@@ -8,7 +8,7 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/cli_runner.py and helpers
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-# CPU compiles at LLVM -O1 (cli_runner.CPU_TEST_XLA_FLAGS says why; subprocesses inherit it)
+# CPU compiles without LLVM's expensive passes (cli_runner.CPU_TEST_XLA_FLAGS says why; subprocesses inherit it)
 from cli_runner import CPU_TEST_XLA_FLAGS  # noqa: E402
 
 if CPU_TEST_XLA_FLAGS and os.environ["JAX_PLATFORMS"] == "cpu" and CPU_TEST_XLA_FLAGS not in os.environ["XLA_FLAGS"]:
