@@ -309,3 +309,25 @@ def test_the_pool_decision_reaches_xla_and_a_users_own_setting_wins(monkeypatch)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     apply_gpu_settings(lean)
     assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+
+
+@pytest.mark.parametrize("hold", ["gpu_fp32", "pinned_host", "host_bf16"])
+def test_stream_io_gradients_are_counted_in_host_memory_and_in_no_hold(hold):
+    """With train.stream_io the embedding's and head's fp32 gradients are made in host memory and wait there
+    (engine/holds.HostArray), outside any hold: the H100's 524k slice ran 3.9 GB over a plan that counted them
+    in the GPU hold instead (RESULTS.md s12)."""
+    vocab, hidden = 128256, 4096  # Llama-3.1-8B, untied: embedding, and head = final norm + output matrix
+    io_params = vocab * hidden + (hidden + vocab * hidden)
+    sets = ("optim.clip_norm=1.0", "optim.moments=int8", "train.stream_copy=device", "train.stream_io=true",
+            f"train.grad_hold={hold}", "train.micro_batches=16", "train.activations=pinned_host")
+    p = _plan("configs/llama3.1-8b.yaml", *sets)
+    rows = {r.what: r for r in p.rows}
+    assert rows["embedding + head gradients (train.stream_io)"].bytes == 4 * io_params
+    held_bytes = {"gpu_fp32": 4, "pinned_host": 4, "host_bf16": 2}[hold]
+    name = {"gpu_fp32": "gradients held for clipping", "pinned_host": "gradients held for clipping (pinned)",
+            "host_bf16": "gradients held for clipping (pageable)"}[hold]
+    assert p.options.grad_hold_gpu_groups == 0  # no budget: nothing of a host hold is split onto the GPU
+    assert rows[name].bytes == held_bytes * (p.params - io_params)
+    resident = _plan("configs/llama3.1-8b.yaml", *sets[:-3], f"train.grad_hold={hold}", "train.stream_io=false",
+                     "train.micro_batches=16", "train.activations=pinned_host")
+    assert "embedding + head gradients (train.stream_io)" not in {r.what for r in resident.rows}
