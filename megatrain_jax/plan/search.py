@@ -135,13 +135,15 @@ def shortfall(p: Placement, ctx: Context) -> float:
     return gpu + host
 
 
-def group_bytes(shapes: Shapes, n: int) -> float:
+def group_bytes(shapes: Shapes, n: int, io: bool = False) -> float:
     """bf16 bytes of the first ``n`` groups in forward order (embedding, block 0, 1, ...)."""
-    return 0.0 if n <= 0 else 2.0 * (shapes.embed + (min(n, shapes.layers + 1) - 1) * shapes.block)
+    return 2.0 * group_params(shapes, n, io)
 
 
-def group_params(shapes: Shapes, n: int) -> int:
-    return 0 if n <= 0 else shapes.embed + (min(n, shapes.layers + 1) - 1) * shapes.block
+def group_params(shapes: Shapes, n: int, io: bool = False) -> int:
+    """Parameters of the first ``n`` groups held on the GPU; with ``stream_io`` (``io``) the embedding's
+    gradient is made in host memory and waits there (engine/holds.HostArray), so its place holds nothing."""
+    return 0 if n <= 0 else (0 if io else shapes.embed) + (min(n, shapes.layers + 1) - 1) * shapes.block
 
 
 def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k: int, io: bool, chunk: int,
@@ -151,10 +153,10 @@ def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k
                               device_cast=ctx.device_cast, act_on_gpu=act == "device", hold_bytes=HOLD_BYTES[hold],
                               loss_chunk=chunk, deferred=True, attn=ctx.attn,
                               update_state_bytes=ctx.update_state_bytes, boundary_every=k, stream_io=io,
-                              gpu_group_bytes=group_bytes(shapes, groups), resweep=hold == "resweep")
+                              gpu_group_bytes=group_bytes(shapes, groups, io), resweep=hold == "resweep")
     need = max(phases.values())
     p = Placement(micro, act, hold, phases, rows, need, False, seq_tile=shapes.seq_tile, boundary_every=k,
-                  stream_io=io, gpu_groups=groups, gpu_group_params=group_params(shapes, groups), loss_chunk=chunk,
+                  stream_io=io, gpu_groups=groups, gpu_group_params=group_params(shapes, groups, io), loss_chunk=chunk,
                   blocks_queued=shapes.blocks_queued)
     p.host_need, p.host_placed = ctx.host_of(p)
     p.step = ctx.step_of(p)
@@ -168,7 +170,7 @@ def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
         return None
     room = ctx.gpu_usable - base.gpu_need
     n = 0
-    while n < shapes.layers + 1 and group_bytes(shapes, n + 1) <= room:
+    while n < shapes.layers + 1 and group_bytes(shapes, n + 1, base.stream_io) <= room:
         n += 1
     for _ in range(4):  # the room is the peak's; another phase may be where the groups do not fit
         if n <= 0:
