@@ -48,12 +48,16 @@ class Tracer:
             if item is None:
                 return
             label, arr, t_issue = item
+            start = max(t_issue, self._last_done.get(lane, t_issue))
             try:
                 arr.block_until_ready()
-            except Exception:  # noqa: BLE001 - a buffer donated to a later op: nothing to time
+            except Exception:  # noqa: BLE001 - consumed (donated, deleted) before this thread reached it, so complete
+                # by then: its bar is kept with no length ("observed": False) and charged no wait (exposed_times)
+                with self._lock:
+                    self.events.append({"lane": lane, "label": label, "start": start - self.t0, "end": start - self.t0,
+                                        "issue": t_issue - self.t0, "observed": False})
                 continue
             done = time.perf_counter()
-            start = max(t_issue, self._last_done.get(lane, t_issue))
             self._last_done[lane] = done
             with self._lock:
                 self.events.append({"lane": lane, "label": label, "start": start - self.t0, "end": done - self.t0,
@@ -70,7 +74,7 @@ class Tracer:
 def exposed_times(events: list[dict[str, Any]], step_start: float, step_end: float) -> dict[str, float]:
     """Seconds of the step during which the compute lane idled, charged to the stage that held it up."""
     comp = sorted((e for e in events if e["lane"] == "compute"), key=lambda e: e["end"])
-    others = [e for e in events if e["lane"] in ("h2d", "optimizer", "d2h")]
+    others = [e for e in events if e["lane"] in ("h2d", "optimizer", "d2h") and e.get("observed", True)]
     out = {"h2d": 0.0, "optimizer": 0.0, "d2h": 0.0, "dispatch": 0.0, "compute_busy": 0.0}
     prev_end = step_start
     for e in comp:
