@@ -91,7 +91,12 @@ def test_trainer_lora_equals_in_memory(dropout, micro, base_dtype="float32"):
         for (pa, a), (pb, b) in zip(jax.tree_util.tree_leaves_with_path(mine[i]),
                                     jax.tree_util.tree_leaves_with_path(ad["layers"][i])):
             assert pa == pb
-            np.testing.assert_allclose(a, np.asarray(b), atol=2e-6, rtol=0)
+            # every entry within 1e-5 (a wrong update moves one by up to lr = 3e-3) and the leaf within 1e-6 RMS: on
+            # an AVX-512 host one entry of 128 (layer 0's qkv A, 2 micro-batches) ends 3.4e-6 away at -O3 (its
+            # summation order rounds differently; AdamW's m/sqrt(v) is scale-free, so a tiny gradient's rounding
+            # moves its update as much as a large one's would), the rest 1e-8..7e-7
+            d = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+            assert d.max() <= 1e-5 and np.sqrt(np.mean(d ** 2)) <= 1e-6, (pa, d.max(), np.sqrt(np.mean(d ** 2)))
     # 3 targets per block, A (in, r) and B (r, out); B has moved off zero
     assert sorted(mine[0]) == ["down", "out", "qkv"] and np.abs(mine[0]["qkv"]["lora_b"]).max() > 0
     # the user's model is unchanged; update_model attaches the trained adapters and its logits follow
