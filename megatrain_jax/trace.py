@@ -73,8 +73,9 @@ class Tracer:
 
 def exposed_times(events: list[dict[str, Any]], step_start: float, step_end: float) -> dict[str, float]:
     """Seconds of the step during which the compute lane idled, charged to the stage that held it up."""
-    comp = sorted((e for e in events if e["lane"] == "compute"), key=lambda e: e["end"])
-    others = [e for e in events if e["lane"] in ("h2d", "optimizer", "d2h") and e.get("observed", True)]
+    seen = [e for e in events if e.get("observed", True)]  # an unobserved bar has no length to charge
+    comp = sorted((e for e in seen if e["lane"] == "compute"), key=lambda e: e["end"])
+    others = [e for e in seen if e["lane"] in ("h2d", "optimizer", "d2h")]
     out = {"h2d": 0.0, "optimizer": 0.0, "d2h": 0.0, "dispatch": 0.0, "compute_busy": 0.0}
     prev_end = step_start
     for e in comp:

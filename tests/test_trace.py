@@ -28,3 +28,8 @@ def test_an_unobserved_operation_is_charged_no_wait():
     events[2].pop("observed")
     out = exposed_times(events, 0.0, 3.0)
     assert out["d2h"] == 1.0 and out["dispatch"] == 0.0
+    # nor splits the compute lane: an unobserved compute bar inside the gap leaves it one wait
+    events[2]["observed"] = False
+    events.append({"lane": "compute", "start": 1.2, "end": 1.2, "observed": False})
+    out = exposed_times(events, 0.0, 3.0)
+    assert out["dispatch"] == 1.0 and out["compute_busy"] == 2.0
