@@ -504,9 +504,9 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         extra_d2h += act
         extra_h2d += act * (2 if hold == "resweep" else 1)
     # stream_io with a device-side update: the embedding and head (gradients in host memory) update on the host
-    host_params = (shapes.embed + shapes.head) if (io and update_on == "device") else 0
+    io_params = (shapes.embed + shapes.head) if io else 0  # their gradients wait in host memory, outside any hold
+    host_params = io_params if update_on == "device" else 0
     if hold in HOST_HOLD_BYTES:
-        io_params = (shapes.embed + shapes.head) if io else 0  # stream_io's wait in host memory, outside the hold
         held = HOST_HOLD_BYTES[hold] * (shapes.params - io_params - (p.gpu_group_params if p else 0))
         if update_on == "device":  # out for the norm, back for the update
             extra_d2h += held
