@@ -19,7 +19,7 @@ from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check
 from megatrain_jax.optim.costs import auto_update_on, device_update_s, update_cost
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS,
                                       HOST_COPY_PARALLEL_RATE, HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
-                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, HOLD_RETURN_RATE, DISPATCH_BLOCK_S, DISPATCH_CALL_S, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_need,
+                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, HOLD_RETURN_RATE, DISPATCH_BLOCK_S, DISPATCH_CALL_S, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_in_use, pinned_need, PINNED_REUSED,
                                       pinned_pool, usable)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
@@ -206,7 +206,11 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                            f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)")
         rows = _host_rows(cfg, shapes, moment_bytes, host_copy=host_copy, on_gpu=on_gpu, n_dev=n_dev, placed=p,
                           host_act_bytes=host_act_bytes, slab_row=slab_row)
-        growth = pinned_pool(pinned_need(rows)) - pinned_need(rows) if on_gpu else 0.0
+        arrays, in_use = pinned_need(rows), pinned_in_use(rows, shapes, p.boundary_every, p.gpu_groups)
+        if in_use < arrays:
+            rows.append(Row("host", PINNED_REUSED, in_use - arrays,
+                            "held gradients land where the activations they follow were"))
+        growth = pinned_pool(in_use) - in_use if on_gpu else 0.0
         if growth > 0:
             rows.append(Row("host", "XLA host allocator: regions grown beyond its arrays", growth,
                             "its regions double from 2 MiB (all page-locked), cut at its limit"))
@@ -277,7 +281,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     settings = choose.RuntimeSettings(
         attention=attn_info["impl"] if attn_info else None,
         attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=n_dev,
-        pinned_pool_bytes=pinned_need(rows), gpu_mem_fraction=gpu_mem_fraction, gpu_preallocate=preallocate)
+        pinned_pool_bytes=pinned_in_use(rows, shapes, placed.boundary_every, placed.gpu_groups),
+        gpu_mem_fraction=gpu_mem_fraction, gpu_preallocate=preallocate)
     options = EngineOptions(compute_dtype=train.compute_dtype, micro_batches=placed.micro_batches,
                             loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
                             activations=placed.activations, grad_hold=placed.grad_hold, grad_slabs=slabs,

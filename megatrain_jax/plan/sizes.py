@@ -348,5 +348,38 @@ def grown_pool(need: float) -> float:
     return pool
 
 
+# over pinned_in_use's exchange, bytes: holes too small for a block's gradient, and the next forward's inputs
+# arriving before the last updates let their gradients go. The 8B at 10 GB (16 micro-batches, host update) ran
+# out of XLA's pinned pool with its limit at 30 GiB against 27.3 modelled without this room, and its pool had grown
+# to 32 GiB under a looser limit (RESULTS.md s13 calls 1-2); at 24 GB (device update) 21.5 modelled ran within 24.
+PINNED_REUSE_ROOM = 3 * GiB
+PINNED_ACTS, PINNED_HOLD = "boundary activations (pinned)", "gradients held for clipping (pinned)"
+PINNED_REUSED = "pinned space the backward reuses"  # a negative row: pinned_in_use's saving (build.py)
+
+
 def pinned_need(rows: list[Row]) -> float:
-    return sum(r.bytes for r in rows if "pinned" in r.what)
+    """The pinned arrays of the host rows, summed (each at its largest)."""
+    return sum(r.bytes for r in rows if "pinned" in r.what and r.what != PINNED_REUSED)
+
+
+def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_groups: int = 0) -> float:
+    """Pinned bytes in use at the step's peak, what XLA's pinned pool must hold. With pinned activations and
+    a pinned hold both, the backward trades one for the other: block i's gradient lands (block L-1's first)
+    while the inputs of blocks <= i still wait, so the peak is the largest of those sums, not activations +
+    hold (the 8B at 10 GB measured a 34.4 GB pool where the sum said 48 GB, RESULTS.md s10). Counted
+    conservatively: block i's own input is still there when its gradient lands, and the hold's groups
+    that are not blocks (the head lands first, the embedding last) are there throughout. The first
+    ``gpu_groups`` groups of the forward (embedding, block 0, ...) wait on the GPU, not here; PINNED_REUSE_ROOM
+    over it, never more than the arrays' sum."""
+    total = pinned_need(rows)
+    acts = sum(r.bytes for r in rows if r.what == PINNED_ACTS)
+    held = sum(r.bytes for r in rows if r.what == PINNED_HOLD)
+    if not acts or not held:
+        return total
+    n, k = shapes.layers, max(1, boundary_every)
+    first_host = max(gpu_groups - 1, 0)  # the first block whose gradient waits here
+    block = 4.0 * shapes.block
+    per_input = acts / len(range(0, n, k))
+    rest = max(held - (n - first_host) * block, 0.0)
+    peak = max(per_input * len(range(0, i + 1, k)) + block * (n - max(i, first_host)) for i in range(n))
+    return min(total, total - acts - held + rest + peak + PINNED_REUSE_ROOM)
