@@ -20,9 +20,9 @@ TIMEOUT_S = 300
 NOISE = re.compile(r"^([IWE]\d{4} |WARNING|.*(Warning|warnings\.warn)|An NVIDIA GPU may be present|Platform '\w+' is)")
 
 
-# MEGATRAIN_TEST_O0=1: the tests compile with LLVM at -O0 on CPU (conftest.py says why it is off by default);
+# the tests compile with LLVM at -O0 on CPU unless MEGATRAIN_TEST_O3=1 (conftest.py says why and what it moves);
 # a subprocess that sets its own XLA_FLAGS adds it too
-CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0" if os.environ.get("MEGATRAIN_TEST_O0") == "1" else ""
+CPU_TEST_XLA_FLAGS = "" if os.environ.get("MEGATRAIN_TEST_O3") == "1" else "--xla_backend_optimization_level=0"
 
 
 def cpu_xla_flags(devices: int) -> str:
