@@ -129,6 +129,12 @@ class _Chunk:
         self.held, self.lo, self.hi, self.arr, self.after = held, lo, hi, arr, after
 
 
+# shared by every hold in the process (kernels.py says why)
+_hold_slab_slice = jax.jit(named("hold_slab_slice", lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n)),
+                           static_argnums=2, compiler_options=NO_AUTOTUNE)
+_hold_to_bf16 = jax.jit(named("hold_to_bf16", lambda g: g.astype(jnp.bfloat16)), compiler_options=NO_AUTOTUNE)
+
+
 class PageableHold:
     """Deferred gradients in pageable host memory, fed through the pinned slab pool ``slabs``.
 
@@ -151,10 +157,7 @@ class PageableHold:
         self._issued = threading.Condition()  # notified each time a group's last copy is issued
         self._scratch: np.ndarray | None = None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-hold")
-        self._slice = jax.jit(named("hold_slab_slice", lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n)),
-                              static_argnums=2,
-                              compiler_options=NO_AUTOTUNE)
-        self._to_bf16 = jax.jit(named("hold_to_bf16", lambda g: g.astype(jnp.bfloat16)), compiler_options=NO_AUTOTUNE)
+        self._slice, self._to_bf16 = _hold_slab_slice, _hold_to_bf16
 
     @staticmethod
     def buffer_name(name: str) -> str:

@@ -26,6 +26,7 @@ per pass, at host-memory speed.
 """
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,6 +45,20 @@ from megatrain_jax.templates import Layout
 ROWS_BUCKET = 1024  # the gathered embedding rows are padded to a multiple of this: few shapes, few compiles
 STAGES = 3  # head chunk staging buffers: chunk c+1 is gathered while c computes and c-1 may still run
 COPY_THREADS = 4  # host threads of a strided gather / scatter (numpy copies release the GIL)
+
+
+
+# shared by every trainer in the process (kernels.py says why)
+_embed_zero_pad_row = jax.jit(
+    named("embed_zero_pad_row", lambda g, lo, n: jax.lax.dynamic_update_slice(g, jnp.zeros((n,), F32), (lo,))),
+    static_argnums=2, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _fills(sh: NamedSharding) -> tuple:
+    """(``fill(x, v)``, ``zeros_like(x)``) in fp32, placed as ``sh``."""
+    return (jax.jit(named("loss_stat_fill", lambda x, v: jnp.full(x.shape, v, F32)), static_argnums=1, out_shardings=sh),
+            jax.jit(named("loss_dx_zeros", lambda x: jnp.zeros(x.shape, F32)), out_shardings=sh))
 
 
 class ResidentIO:
@@ -190,8 +205,7 @@ class EmbedRows:
         self._dirty: np.ndarray | None = None  # rows of ``dense_table`` written last step
         self._bufs: list[np.ndarray] = []  # staging buffers (registered; kept alive until close)
         self._fns: dict[int, tuple] = {}  # per padded row count: (layout, forward, backward)
-        self._zero_slot = jax.jit(named("embed_zero_pad_row", lambda g, lo, n: jax.lax.dynamic_update_slice(g, jnp.zeros((n,), F32), (lo,))),
-                                  static_argnums=2, donate_argnums=0)
+        self._zero_slot = _embed_zero_pad_row
         self.copy = _Copier()
 
     def _kernels(self, U: int) -> tuple:
@@ -431,9 +445,7 @@ class HeadStream:
                               donate_argnums=(9, 10))
         self._finish = jax.jit(smap(finish, (rep, dat, dat, dat), (dat, dat)), donate_argnums=(2, 3))
         self._loss = jax.jit(smap(loss_of, (dat, dat, dat, dat, rep), (rep, dat)))
-        sh = NamedSharding(k.mesh, dat)
-        self._fill = jax.jit(named("loss_stat_fill", lambda x, v: jnp.full(x.shape, v, F32)), static_argnums=1, out_shardings=sh)
-        self._fill_h = jax.jit(named("loss_dx_zeros", lambda x: jnp.zeros(x.shape, F32)), out_shardings=sh)
+        self._fill, self._fill_h = _fills(NamedSharding(k.mesh, dat))
 
     # ---- the step
 

@@ -13,6 +13,7 @@ MoE router load balancing, to the step's accumulator and takes their cotangent i
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -46,6 +47,24 @@ def named(name: str, fn: Callable) -> Callable:
     helper asked (a lambda's is ``jit__lambda``, which an 8B run at 10 GB could not be traced to)."""
     fn.__name__ = fn.__qualname__ = name
     return fn
+
+# The helpers that close over nothing of a model: one jitted function each, shared by every trainer in the
+# process, so that the next trainer (a resumed run, a test's next case) neither traces nor lowers them again
+# (each trainer's own lambdas were traced and lowered anew: 190 of the 568 lowerings of test_engine.py).
+grad_sqnorm = jax.jit(named("grad_sqnorm", lambda g: jnp.sum(jnp.square(g))), compiler_options=NO_AUTOTUNE)
+grad_to_bf16 = jax.jit(named("grad_to_bf16", lambda g: g.astype(jnp.bfloat16)), compiler_options=NO_AUTOTUNE)
+grad_slab_slice = jax.jit(named("grad_slab_slice", lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32)),
+                          static_argnums=2, compiler_options=NO_AUTOTUNE)
+step_totals = jax.jit(named("step_totals", lambda losses, sqs: (sum(losses), sum(sqs))))  # one fetch per step
+
+
+@functools.lru_cache(maxsize=None)
+def accumulator_zeros(mesh: Mesh) -> Callable[[int], jax.Array]:
+    """``zeros(n)``: a gradient accumulator of ``n`` fp32 values per device of ``mesh``, split over them."""
+    n_dev = mesh.devices.size
+    return jax.jit(named("grad_accumulator_zeros", lambda n: jnp.zeros((n * n_dev,), F32)), static_argnums=0,
+                   out_shardings=NamedSharding(mesh, P("data")), compiler_options=NO_AUTOTUNE)
+
 
 class Kernels:
     """Jits the step's pieces for ``parts`` over ``mesh``; ``layers[i]`` is layer i's variant."""
@@ -107,18 +126,12 @@ class Kernels:
 
             self._aux_total = jax.jit(smap(aux_total, (dat,), (rep, rep)))
         self._stats_zero_fn: Callable | None = None
-        self.sqnorm = jax.jit(named("grad_sqnorm", lambda g: jnp.sum(jnp.square(g))), compiler_options=NO_AUTOTUNE)
-        self.to_bf16 = jax.jit(named("grad_to_bf16", lambda g: g.astype(jnp.bfloat16)), compiler_options=NO_AUTOTUNE)
-        self.chunk = jax.jit(named("grad_slab_slice", lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32)),
-                             static_argnums=2,
-                             compiler_options=NO_AUTOTUNE)
-        self.totals = jax.jit(named("step_totals", lambda losses, sqs: (sum(losses), sum(sqs))))  # one fetch per step
+        self.sqnorm, self.to_bf16, self.chunk = grad_sqnorm, grad_to_bf16, grad_slab_slice
+        self.totals = step_totals
         # committed to the devices like every other operand, so the first micro-batch's call
         # (fresh zeros) and later ones (accumulated outputs) share one executable
         self.batch_sharding = NamedSharding(mesh, dat)
-        n_dev = self.num_devices
-        self._zeros_fn = jax.jit(named("grad_accumulator_zeros", lambda n: jnp.zeros((n * n_dev,), F32)), static_argnums=0,
-                                 out_shardings=self.batch_sharding, compiler_options=NO_AUTOTUNE)
+        self._zeros_fn = accumulator_zeros(mesh)
         self._rng_fn = jax.jit(block_rng, out_shardings=NamedSharding(mesh, rep)) if stack.takes_rng else None
         self.rng_seed, self.rng_step = 0, 0
         self.stats = _Stats()
