@@ -206,7 +206,9 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                            f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)")
         rows = _host_rows(cfg, shapes, moment_bytes, host_copy=host_copy, on_gpu=on_gpu, n_dev=n_dev, placed=p,
                           host_act_bytes=host_act_bytes, slab_row=slab_row)
-        arrays, in_use = pinned_need(rows), pinned_in_use(rows, shapes, p.boundary_every, p.gpu_groups)
+        arrays = pinned_need(rows)
+        in_use = pinned_in_use(rows, shapes, p.boundary_every, p.gpu_groups, arrays) \
+            if p.activations == p.grad_hold == "pinned_host" else arrays
         if in_use < arrays:
             rows.append(Row("host", PINNED_REUSED, in_use - arrays,
                             "held gradients land where the activations they follow were"))

@@ -362,7 +362,8 @@ def pinned_need(rows: list[Row]) -> float:
     return sum(r.bytes for r in rows if "pinned" in r.what and r.what != PINNED_REUSED)
 
 
-def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_groups: int = 0) -> float:
+def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_groups: int = 0,
+                  total: float | None = None) -> float:
     """Pinned bytes in use at the step's peak, what XLA's pinned pool must hold. With pinned activations and
     a pinned hold both, the backward trades one for the other: block i's gradient lands (block L-1's first)
     while the inputs of blocks <= i still wait, so the peak is the largest of those sums, not activations +
@@ -371,7 +372,7 @@ def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_
     that are not blocks (the head lands first, the embedding last) are there throughout. The first
     ``gpu_groups`` groups of the forward (embedding, block 0, ...) wait on the GPU, not here; PINNED_REUSE_ROOM
     over it, never more than the arrays' sum."""
-    total = pinned_need(rows)
+    total = pinned_need(rows) if total is None else total
     acts = sum(r.bytes for r in rows if r.what == PINNED_ACTS)
     held = sum(r.bytes for r in rows if r.what == PINNED_HOLD)
     if not acts or not held:
