@@ -331,11 +331,6 @@ def test_stream_io_gradients_are_counted_in_host_memory_and_in_no_hold(hold):
     m = load_config(os.path.join(REPO, "configs/llama3.1-8b.yaml"), []).model
     on_gpu = max(min(n, m.num_layers + 1) - 1, 0) * m.block_params()
     assert rows[name].bytes == held_bytes * (p.params - io_params - on_gpu)
-    staging = "pageable hold's staging (one group in fp32)"
-    if hold == "host_bf16":  # the hold stages one of its own groups in fp32: a block, not the embedding (s13)
-        assert rows[staging].bytes == 4 * m.block_params()
     resident = _plan("configs/llama3.1-8b.yaml", *sets[:-3], f"train.grad_hold={hold}", "train.stream_io=false",
                      "train.micro_batches=16", "train.activations=pinned_host")
     assert "embedding + head gradients (train.stream_io)" not in {r.what for r in resident.rows}
-    if hold == "host_bf16":  # without stream_io the head's gradient goes through the hold: the largest group
-        assert {r.what: r.bytes for r in resident.rows}[staging] == 4 * (hidden + vocab * hidden)

@@ -362,11 +362,8 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
         rows.append(Row("host", "gradients held for clipping (pageable)", HOST_HOLD_BYTES[placed.grad_hold] * held,
                         placed.grad_hold[5:] + ", fed through the slabs" + split))
         # measured over the rows above with a pageable hold, never with the pinned one (H100, RESULTS.md s10:
-        # 8B +2.3 GB, 14B +2.7 GB at 24 GB): one group in fp32 beside the hold, the size of the largest it takes
-        # (with stream_io a block: the embedding's and head's gradients wait outside it; the 8B's lean 24 GB run
-        # measured 63.4 GB where staging the embedding's size said 67.6, RESULTS.md s13)
-        staged = shapes.block if placed.stream_io else shapes.largest_group
-        rows.append(Row("host", "pageable hold's staging (one group in fp32)", 4.0 * staged))
+        # 8B +2.3 GB, 14B +2.7 GB at 24 GB): one group in fp32 beside the hold, the size of the largest
+        rows.append(Row("host", "pageable hold's staging (one group in fp32)", 4.0 * shapes.largest_group))
     if placed.activations == "pinned_host":
         k = placed.boundary_every
         kept = -(-shapes.layers // k)
