@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megatrain_jax.engine.kernels import NO_AUTOTUNE, local_shard, named
+from megatrain_jax.engine.kernels import NO_AUTOTUNE, grad_to_bf16, local_shard, named
 from megatrain_jax.optim.host import alloc_aligned
 from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT
 from megatrain_jax.transfer import Transfers
@@ -132,7 +132,6 @@ class _Chunk:
 # shared by every hold in the process (kernels.py says why)
 _hold_slab_slice = jax.jit(named("hold_slab_slice", lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n)),
                            static_argnums=2, compiler_options=NO_AUTOTUNE)
-_hold_to_bf16 = jax.jit(named("hold_to_bf16", lambda g: g.astype(jnp.bfloat16)), compiler_options=NO_AUTOTUNE)
 
 
 class PageableHold:
@@ -157,7 +156,7 @@ class PageableHold:
         self._issued = threading.Condition()  # notified each time a group's last copy is issued
         self._scratch: np.ndarray | None = None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-hold")
-        self._slice, self._to_bf16 = _hold_slab_slice, _hold_to_bf16
+        self._slice, self._to_bf16 = _hold_slab_slice, grad_to_bf16
 
     @staticmethod
     def buffer_name(name: str) -> str:

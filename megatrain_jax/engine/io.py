@@ -47,7 +47,6 @@ STAGES = 3  # head chunk staging buffers: chunk c+1 is gathered while c computes
 COPY_THREADS = 4  # host threads of a strided gather / scatter (numpy copies release the GIL)
 
 
-
 # shared by every trainer in the process (kernels.py says why)
 _embed_zero_pad_row = jax.jit(
     named("embed_zero_pad_row", lambda g, lo, n: jax.lax.dynamic_update_slice(g, jnp.zeros((n,), F32), (lo,))),
