@@ -15,4 +15,6 @@ else
   echo "warning: transformers reference environment not built; the tests that need it will retry or skip"
 fi
 # two workers, whole files each (module fixtures such as the transformers reference run once per file)
+# bytecode cached (tests/conftest.py says why: every subprocess would compile jax's source again)
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
