@@ -14,7 +14,7 @@ else
   cat .pytest_cache/setup_torch_ref.log
   echo "warning: transformers reference environment not built; the tests that need it will retry or skip"
 fi
-# two workers, whole files each (module fixtures such as the transformers reference run once per file)
 # bytecode cached (tests/conftest.py says why: every subprocess would compile jax's source again)
 unset PYTHONDONTWRITEBYTECODE
+# two workers, whole files each (module fixtures such as the transformers reference run once per file)
 exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"

@@ -61,6 +61,12 @@ CASES = {
                                 dict(update_on="device", grad_hold="host_fp32", grad_slab_elems=3000), None),
     "device_update_tied": (dict(vocab_size=250, tie_embeddings=True), 1, 0.5, 64,
                            dict(update_on="device", grad_hold="gpu_fp32"), 30),
+    # no hold: a second backward sweep from the kept top cotangents; the embedding's and head's gradients wait
+    # in host memory where they were made (tied: the head's part is in the embedding's)
+    "resweep": (dict(vocab_size=250), 2, 0.5, 64, dict(grad_hold="resweep"), None),
+    "resweep_tied_pinned": (dict(vocab_size=250, tie_embeddings=True), 1, 0.5, 64,
+                            dict(grad_hold="resweep", activations="pinned_host", transfer_mode="pinned",
+                                 grad_slab_elems=3000), 30),
 }
 
 

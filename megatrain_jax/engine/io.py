@@ -119,9 +119,12 @@ class StreamIO:
         V = int(out.shape[-1])
         self.rows = EmbedRows(trainer, H, V)
         self.head = HeadStream(trainer, H, V, min(int(o.vocab_chunk), V), self.rows)
+        self.tr = trainer
+        self._again: tuple | None = None  # resweep: the first sweep's losses, top cotangents and head norms
 
     def take_embed(self, batch: Any, mbs: list) -> Any:
         self.head.reset()  # a step that raised may have left its head chunks behind
+        self._again = None
         return self.rows.take(batch, mbs)
 
     def embed(self, emb: Any, mbs: list) -> list:
@@ -135,10 +138,26 @@ class StreamIO:
 
     def loss(self, head: jax.Array, emb: Any, hs: list, mbs: list, inv: jax.Array,
              scale: float | None = None) -> tuple:
-        assert scale is None, "stream_io with grad_hold=resweep is refused (EngineOptions)"
-        return self.head.loss(head, hs, mbs, inv)
+        """The head's loss and backward; with ``grad_hold=resweep`` the first sweep also keeps the top
+        cotangents (one layer of activations on the device: the plan counts it), and the second sweep,
+        ``scale`` known, starts from them and sends the head's gradient, which waited in host memory
+        where it was made: the head is neither streamed nor computed again."""
+        if scale is not None:
+            losses, dhs, sq = self._again
+            self._again = None
+            self.tr.updates.send("head", self.head.dense, scale)
+            return losses, dhs, sq
+        losses, dhs, sq = self.head.loss(head, hs, mbs, inv)
+        if self.tr.updates.resweep:
+            self._again = (losses, [d.copy() for d in dhs], sq)  # the blocks' VJPs donate the originals
+        return losses, dhs, sq
 
     def embed_backward(self, emb: Any, mbs: list, dhs: list, scale: float | None = None) -> jax.Array:
+        """The rows' gradient into the embedding's host gradient; in a resweep's second sweep that
+        gradient, made by the first, is sent as it is (tied: it holds the head's part too)."""
+        if scale is not None:
+            self.tr.updates.send("embed", self.rows.dense, scale)
+            return self.rows.last_sq
         return self.rows.backward(emb, dhs)
 
     def resident(self, emb: Any, head: jax.Array) -> dict:
@@ -202,6 +221,7 @@ class EmbedRows:
         self.dense = np.zeros(g.size, np.float32)  # the group's gradient, on the host (pageable)
         self.dense_table = self.dense[leaf.offset:leaf.offset + leaf.size].reshape(V, H)
         self._dirty: np.ndarray | None = None  # rows of ``dense_table`` written last step
+        self.last_sq: Any = None  # the squared norm of the gradient made last (a resweep sends it again)
         self._bufs: list[np.ndarray] = []  # staging buffers (registered; kept alive until close)
         self._fns: dict[int, tuple] = {}  # per padded row count: (layout, forward, backward)
         self._zero_slot = _embed_zero_pad_row
@@ -321,6 +341,7 @@ class EmbedRows:
             self.dense_table[ids] = add
         self._dirty = rows.ids[real]
         self.upd.gradient("embed", self.dense)
+        self.last_sq = sq
         return sq
 
 

@@ -200,6 +200,10 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
 
     def rows_of(p: choose.Placement, slabs: int) -> list[Row]:
         """The host rows with placement ``p`` and ``slabs`` gradient slabs (where the path has them)."""
+        return placement_rows(p, slabs) + gpu_side_rows(p)
+
+    def placement_rows(p: choose.Placement, slabs: int) -> list[Row]:
+        """The host rows that follow from where ``p`` puts things, not from its GPU bytes."""
         slab_row = None
         if _has_slabs(on_gpu, update_on, p):
             slab_row = Row("host", "gradient staging (pinned slabs)", float(slab * slabs),
@@ -216,21 +220,46 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         if growth > 0:
             rows.append(Row("host", "XLA host allocator: regions grown beyond its arrays", growth,
                             "its regions double from 2 MiB (all page-locked), cut at its limit"))
+        return rows
+
+    def gpu_side_rows(p: choose.Placement) -> list[Row]:
+        """The host rows that follow from ``p``'s GPU bytes: XLA's pool table (the CPU backend: the buffers)."""
         pool_row, _, _ = _xla_pool(machine, gpu_budget, p.gpu_need, n_dev)
-        if pool_row is not None:
-            rows.append(pool_row)
+        rows = [] if pool_row is None else [pool_row]
         if not on_gpu:
             rows.append(Row("host", "device buffers (the CPU backend's device memory is host memory)", p.gpu_need))
         return rows
+
+    steps: dict[tuple, dict] = {}
+
+    def step_of(p: choose.Placement) -> dict:
+        """The candidate's predicted step (the same for candidates that differ only in the loss chunk or GPU bytes)."""
+        key = (p.grad_hold, p.activations, p.boundary_every, p.stream_io, p.gpu_group_params, p.micro_batches,
+               p.blocks_queued)
+        if key not in steps:
+            steps[key] = predicted_step(cfg, shapes, rates, n_dev=n_dev, n_keep=0, stream_bytes=stream_bytes,
+                                        moment_bytes=moment_bytes, update_on=update_on, cpu_cores=machine.cpu_cores,
+                                        attention=attention, placement=p)
+        return dict(steps[key])
+
+    # the search evaluates thousands of candidates that differ only in what their host rows do not read
+    # (micro-batches, loss chunk): each placement's rows are summed once
+    placed_sums: dict[tuple, float] = {}
+
+    def host_of(p: choose.Placement) -> tuple[float, float]:
+        key = (p.grad_hold, p.activations, p.boundary_every, p.stream_io, p.gpu_groups, p.gpu_group_params)
+        fixed = placed_sums.get(key)
+        if fixed is None:
+            fixed = placed_sums[key] = sum(r.bytes for r in placement_rows(p, GRAD_SLABS[0]))
+        need, placed = _host_sums(gpu_side_rows(p))
+        return fixed + need, fixed + placed
 
     ctx = search.Context(
         stream_bytes=stream_bytes, device_cast=device_cast, attn=attn_extra,
         update_state_bytes=moment_bytes if update_on == "device" else None, gpu_usable=gpu_usable,
         host_usable=usable(host_limit, HOST_MARGIN),
-        host_of=lambda p: _host_sums(rows_of(p, GRAD_SLABS[0])),
-        step_of=lambda p: predicted_step(cfg, shapes, rates, n_dev=n_dev, n_keep=0, stream_bytes=stream_bytes,
-                                         moment_bytes=moment_bytes, update_on=update_on, cpu_cores=machine.cpu_cores,
-                                         attention=attention, placement=p))
+        host_of=host_of,
+        step_of=step_of)
     axes = search.axes_of(train, micro_candidates, on_gpu=on_gpu, cpu_only=cpu_only, update_on=update_on,
                           devices=n_dev)
     found = search.search(shapes, axes, ctx)

@@ -95,9 +95,6 @@ class EngineOptions:
             bad("train.grad_hold_gpu_groups", f"must be >= 0, got {self.grad_hold_gpu_groups}", "set 0 or more")
         if int(self.vocab_chunk) < 1:
             bad("train.vocab_chunk", f"must be >= 1, got {self.vocab_chunk}", "set a positive integer")
-        if self.stream_io and self.grad_hold == "resweep" and (self.clip_norm is not None or self.skip_nonfinite):
-            bad("train.stream_io", "is not combined with grad_hold=resweep yet",
-                "set train.grad_hold to a host hold (host_bf16, host_fp32) or train.stream_io=false")
         if int(self.blocks_queued) < 1:
             bad("blocks_queued", f"must be >= 1, got {self.blocks_queued}", "set 1 or 2")
         if int(self.boundary_every) < 1:

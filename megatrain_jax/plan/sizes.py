@@ -294,20 +294,26 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
                         "train.update_on=device"))
     head_hold = shapes.head * (hold_bytes or 0) if (deferred and not stream_io) else 0
+    # resweep with stream_io: the first sweep keeps the top cotangents for the second (the streamed head is not
+    # run again), a layer of activations on the GPU from the loss to the second sweep's start
+    top = act_layer if (resweep and stream_io) else 0
+    if top:
+        rows.append(Row("gpu", "top cotangents kept for the second sweep", top, "resweep with train.stream_io"))
     phases = {
         "forward start (all held gradients, no activations)": fixed + held + act_layer + ws / 2 + update,
         # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
         "loss (all activations, loss chunk)": fixed + acts - segment + loss_ws + head_acc + emb_acc + out_grad
         + act_layer + update,
         # + the cotangents flowing down the blocks (one layer's worth; the VJP's new one is in its working set)
-        "backward start (activations, accumulators)": fixed + acts + accum + head_acc + ws + head_hold + act_layer,
+        "backward start (activations, accumulators)": fixed + acts + accum + head_acc + ws + head_hold + act_layer
+        + top,
         "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu else 0)
-        + act_layer + segment,
-        **({"embedding backward (held gradients, the rows' gradient)": fixed + held + emb_acc + 2 * act_layer}
+        + act_layer + segment + top,
+        **({"embedding backward (held gradients, the rows' gradient)": fixed + held + emb_acc + 2 * act_layer + top}
            if stream_io else {}),
     }
     if resweep:  # the first sweep takes only the norm: every activation stays for the second, and dx of the top
-        phases["second backward (activations kept, top dx)"] = fixed + acts + accum + head_acc + ws + act_layer
+        phases["second backward (activations kept, top dx)"] = fixed + acts + accum + head_acc + ws + act_layer + top
     return phases, rows
 
 
