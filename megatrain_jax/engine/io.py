@@ -63,6 +63,8 @@ def _fills(sh: NamedSharding) -> tuple:
 class ResidentIO:
     """Today's path: the embedding and head resident for the step, whole."""
 
+    second_loss_reads_outputs = True  # a resweep's second sweep runs the loss again, from the last block's outputs
+
     def __init__(self, trainer: Any):
         self.k, self.weights, self.store = trainer.kernels, trainer.weights, trainer.store
         self.deliver = trainer._gradient  # reduce, squared norm, hand to the updater
@@ -106,6 +108,8 @@ class ResidentIO:
 
 class StreamIO:
     """``stream_io``: the embedding's rows and the head's vocabulary chunks, neither resident."""
+
+    second_loss_reads_outputs = False  # a resweep's second sweep starts from the first's top cotangents
 
     def __init__(self, trainer: Any):
         parts, o = trainer.parts, trainer.options

@@ -214,8 +214,8 @@ class StreamedTrainer:
         acts.bring(L - 1)
         losses, dhs, sq = self.io.loss(head, emb, hs, mbs, inv, scale)  # M x (), M x (B/M, S, H), [head's sq]
         self._trace("compute", "loss", losses[-1])
-        if forget:  # the last block's outputs served the loss; gone, they leave a layer's room to the backward
-            hs.clear()
+        if forget or not self.io.second_loss_reads_outputs:  # the last block's outputs served the loss; gone,
+            hs.clear()  # they leave a layer's room to the backward (a resweep's second loss may read them again)
         for i in reversed(range(L)):  # recompute each block from its saved input, VJP, gradient out
             h = acts.take(i, forget)  # M x (B/M, S, H); a dropped input: its segment's forward runs again first
             w = weights.take(i)
