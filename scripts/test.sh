@@ -16,5 +16,7 @@ else
 fi
 # bytecode cached (tests/conftest.py says why: every subprocess would compile jax's source again)
 unset PYTHONDONTWRITEBYTECODE
-# two workers, whole files each (module fixtures such as the transformers reference run once per file)
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
+# three workers on CI's two cores, whole files each (module fixtures such as the transformers reference run once per
+# file): a worker waiting on its subprocesses (CLI runs, the transformers reference) leaves a core to the third. A
+# clean clone took 8m13s with three and 8m52s with two (2026-11-26, this 2-core AMD EPYC; experiments/RESULTS.md s14)
+exec .venv/bin/python -m pytest -q -n 3 --dist loadfile "$@"

@@ -61,7 +61,7 @@ SLOW_MODULES = {"test_seq_tiling", "test_stream", "test_train", "test_engine", "
                 "test_chat", "test_attention", "test_long_context", "test_constraints", "test_lora_trainer",
                 "test_lora_export", "test_lora_dp"}
 # every module that takes more than a few seconds, by its summed test durations in a clean-clone run (-n 2,
-# `--durations=0`), costliest first: the order -n 2 hands them out in (the rest follow, in xdist's order)
+# `--durations=0`), costliest first: the order the workers get them in (the rest follow, in xdist's order)
 COST_ORDER = ["test_stream_io", "test_lora", "test_engine", "test_data_parallel", "test_families", "test_train",
               "test_moe", "test_stream", "test_grad_hold", "test_seq_tiling", "test_named_optimizers",
               "test_boundary_every", "test_hf", "test_device_optax", "test_plan_search", "test_long_context",
@@ -74,7 +74,7 @@ SLOW_TESTS = {"test_happy_path_trains_and_logs", "test_relative_out_dir_saves_re
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``-n 2 --dist loadfile`` (scripts/test.sh): the costliest module first (COST_ORDER, then the
+    """``-n 3 --dist loadfile`` (scripts/test.sh): the costliest module first (COST_ORDER, then the
     rest in xdist's order), each handed out only when a worker is about to run out, so that neither
     worker holds a long module queued while the other idles at the end."""
     if config.getoption("dist", None) != "loadfile":
