@@ -60,14 +60,14 @@ SLOW_MODULES = {"test_seq_tiling", "test_stream", "test_train", "test_engine", "
                 "test_templates", "test_checkpoint", "test_device_update", "test_compact_adamw", "test_finetune_hf",
                 "test_chat", "test_attention", "test_long_context", "test_constraints", "test_lora_trainer",
                 "test_lora_export", "test_lora_dp"}
-# every module that takes more than a few seconds, by its summed test durations in a clean-clone run (-n 2,
+# every module that takes more than a few seconds, by its summed test durations in a clean-clone run (-n 3,
 # `--durations=0`), costliest first: the order the workers get them in (the rest follow, in xdist's order)
-COST_ORDER = ["test_stream_io", "test_lora", "test_engine", "test_data_parallel", "test_families", "test_train",
-              "test_moe", "test_stream", "test_grad_hold", "test_seq_tiling", "test_named_optimizers",
-              "test_boundary_every", "test_hf", "test_device_optax", "test_plan_search", "test_long_context",
-              "test_lora_dp", "test_lora_trainer", "test_attention", "test_plan", "test_templates", "test_trainer",
-              "test_device_update", "test_lora_export", "test_compact_adamw", "test_chat", "test_working_set",
-              "test_checkpoint", "test_muon", "test_cli", "test_optim", "test_finetune_hf", "test_plan_fixes"]
+COST_ORDER = ["test_engine", "test_lora", "test_stream_io", "test_families", "test_train", "test_seq_tiling",
+              "test_stream", "test_long_context", "test_data_parallel", "test_hf", "test_plan_search",
+              "test_named_optimizers", "test_lora_dp", "test_moe", "test_device_optax", "test_lora_trainer",
+              "test_boundary_every", "test_grad_hold", "test_trainer", "test_templates", "test_compact_adamw",
+              "test_attention", "test_chat", "test_device_update", "test_working_set", "test_plan", "test_checkpoint",
+              "test_muon", "test_plan_fixes", "test_lora_export", "test_optim", "test_cli", "test_finetune_hf"]
 SLOW_TESTS = {"test_happy_path_trains_and_logs", "test_relative_out_dir_saves_resumes_and_exports",
               "test_module_entry_point_gives_one_line_errors", "test_console_script_help"}
 
