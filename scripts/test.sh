@@ -3,6 +3,9 @@
 # GPU-only tests skip themselves on a machine without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# bytecode cached (tests/conftest.py says why: every subprocess would compile jax's source again); set before the
+# environment's import check, which then caches jax's for every worker
+unset PYTHONDONTWRITEBYTECODE
 # the two environments build side by side (their installs wait mostly on the disk and the package index)
 mkdir -p .pytest_cache
 bash scripts/setup_torch_ref.sh > .pytest_cache/setup_torch_ref.log 2>&1 &
@@ -14,8 +17,6 @@ else
   cat .pytest_cache/setup_torch_ref.log
   echo "warning: transformers reference environment not built; the tests that need it will retry or skip"
 fi
-# bytecode cached (tests/conftest.py says why: every subprocess would compile jax's source again)
-unset PYTHONDONTWRITEBYTECODE
 # three workers on CI's two cores, whole files each (module fixtures such as the transformers reference run once per
 # file): a worker waiting on its subprocesses (CLI runs, the transformers reference) leaves a core to the third. A
 # clean clone took 8m13s with three and 8m52s with two (2026-11-26, this 2-core AMD EPYC; experiments/RESULTS.md s14)
