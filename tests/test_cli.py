@@ -60,8 +60,6 @@ BAD_TRAIN = {
     # issue 26 item 9: tiny.yaml warms up for 20 steps; 10 steps leave no room, and the fix names the field
     "warmup_above_steps": ("optim.schedule.warmup_steps", ["train.steps=10"]),
     "float_for_int": ("train.steps", ["train.steps=1.5"]),
-    "resweep_with_stream_io": ("train.stream_io", ["train.grad_hold=resweep", "train.stream_io=true",
-                                                   "optim.clip_norm=1.0"]),
 }
 
 

@@ -175,8 +175,6 @@ def _every_candidate(found):
                     if k > 1 and k >= found.shapes.layers:
                         continue
                     for io in ax.stream_io:
-                        if io and hold == "resweep":  # not planned: the search skips it
-                            continue
                         for chunk in ax.loss_chunks:
                             p = search.evaluate(found.shapes, found.ctx, micro=micro, act=act, hold=hold, k=k,
                                                 io=io, chunk=chunk)

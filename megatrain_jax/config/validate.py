@@ -122,11 +122,6 @@ def validate(cfg: Config) -> None:
     if t.update_on == "device" and t.stream_copy == "host" and t.compute_dtype == "bfloat16":
         raise UserError("train.update_on", "device updates the fp32 master on the GPU, so no host bf16 copy can stream",
                         "set train.stream_copy=device (or auto), or train.update_on=host")
-    if t.grad_hold == "resweep" and t.stream_io is True:
-        # the engine runs it (tests/test_stream_io.py: exact), but on the H100 it went past the plan's GPU bytes and
-        # ran out of memory (experiments/RESULTS.md s14): not offered until its memory is modelled
-        raise UserError("train.stream_io", "is not planned with grad_hold=resweep: its GPU memory is not modelled yet",
-                        "set train.grad_hold to a host hold (host_bf16, host_fp32) or train.stream_io=false")
     if o.kernel == "fused" and o.name != "adamw":
         raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}", "set optim.kernel=optax")
     _validate_optimizer(o)

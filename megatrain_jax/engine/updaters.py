@@ -33,7 +33,7 @@ from megatrain_jax.engine.kernels import F32, Kernels, local_shard
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer
-from megatrain_jax.plan.options import WRITEBACKS_IN_FLIGHT, EngineOptions
+from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT, WRITEBACKS_IN_FLIGHT, EngineOptions
 from megatrain_jax.transfer import Transfers
 
 
@@ -276,6 +276,20 @@ class HostUpdates(_Updates):
             self._queue.append((name, out))
         self._submit(name, out, scale)  # first: its progress frees the slabs the copies below wait for
         self.issue_through(self.groups.pos[name], wait=False)  # before the next block's backward: they overlap
+        self._bound_waiting()
+
+    def _bound_waiting(self) -> None:
+        """At most HOLD_COPIES_IN_FLIGHT gradients sent during a backward wait on the device for their copies
+        (the plan counts that many): beyond, the dispatching thread issues the oldest's copies as slabs free.
+        Unbounded, a resweep's second sweep ran ahead of the slabs and kept 26 of the 3B's 28 block gradients on
+        the GPU (10.5 GB; RESULTS.md s14)."""
+        with self._copy_lock:
+            while sum(1 for _, o in self._queue if not o.on_host) > HOLD_COPIES_IN_FLIGHT:
+                name, out = self._queue[0]
+                while out.issued < len(out.chunks):
+                    out.issue_next(self, wait=True)
+                    self._trace("d2h", name, out.host[out.issued - 1])
+                self._queue.pop(0)
 
     def apply(self, scale: float | None, resident: dict[str, jax.Array]) -> None:
         """After the norm: the held updates queued in forward order (their copies are issued during

@@ -198,8 +198,6 @@ def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
         for act in axes.activations:
             for hold in axes.holds:
                 for io in axes.stream_io:
-                    if io and hold == "resweep":  # not planned (config/validate.py: its GPU memory is not modelled)
-                        continue
                     for k in axes.boundary:
                         if k > 1 and k >= shapes.layers:
                             continue

@@ -249,7 +249,8 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
     head_acc = 0 if stream_io else shapes.head * 4  # stream_io: counted with the vocabulary chunk
     # the blocks computing and queued each have one; a gradient copied to a host hold (pinned or pageable) waits on
     # the GPU until its copies are issued (HOLD_COPIES_IN_FLIGHT, the engine's bound: holds.PageableHold)
-    host_hold = deferred and not hold_bytes and not resweep
+    # (a resweep's second sweep sends each gradient to the host as it completes: the same bound, updaters._bound_waiting)
+    host_hold = deferred and not hold_bytes
     # (stream_io: the embedding rows' gradient exists only in the embedding's backward, after the last block)
     accum = (queued + (HOLD_COPIES_IN_FLIGHT if host_hold else 0)) * shapes.block * 4 + (0 if stream_io else emb_acc)
     rows.append(Row("gpu", "gradient accumulators (fp32)", accum + head_acc + (emb_acc if stream_io else 0),
