@@ -19,7 +19,7 @@ from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check
 from megatrain_jax.optim.costs import auto_update_on, device_update_s, update_cost
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS,
                                       HOST_COPY_PARALLEL_RATE, HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
-                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, HOLD_RETURN_RATE, DISPATCH_BLOCK_S, DISPATCH_CALL_S, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_in_use, pinned_need, PINNED_REUSED,
+                                      IO_STAGES, IO_VOCAB_CHUNK, IO_GATHER_RATE, HOLD_RETURN_RATE, DISPATCH_BLOCK_S, DISPATCH_CALL_S, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_in_use, pinned_need, PINNED_REUSED,
                                       pinned_pool, usable)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
@@ -383,6 +383,13 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
     if io_grads:
         rows.append(Row("host", "embedding + head gradients (train.stream_io)", 4.0 * io_grads,
                         "fp32, made in host memory"))
+    if placed.stream_io:
+        # the head's vocabulary chunks: the engine's staging buffers (io.STAGES, registered host memory) and two chunk
+        # gradients on their way to the host (XLA's pinned pool); the 3B at 10 GB ran 2.9 GB over a plan without
+        # them and without the parked segment inputs below (RESULTS.md s14 call 6)
+        chunk = 4.0 * shapes.hidden * min(IO_VOCAB_CHUNK, shapes.vocab)
+        rows.append(Row("host", "head chunks' staging (train.stream_io)", IO_STAGES * chunk, f"{IO_STAGES} chunks"))
+        rows.append(Row("host", "head chunks' gradients on their way (pinned)", 2.0 * chunk, "two chunks"))
     held = shapes.params - io_grads - placed.gpu_group_params
     split = f"; the first {placed.gpu_groups} groups wait on the GPU" if placed.gpu_groups else ""
     if placed.grad_hold == "pinned_host":
@@ -396,8 +403,10 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
     if placed.activations == "pinned_host":
         k = placed.boundary_every
         kept = -(-shapes.layers // k)
-        rows.append(Row("host", "boundary activations (pinned)", host_act_bytes * kept / shapes.layers,
-                        f"every {k}th block input" if k > 1 else ""))
+        parked = max(k - 2, 0)  # a segment's recomputed inputs below its top two wait parked too (weights.Boundaries)
+        rows.append(Row("host", "boundary activations (pinned)", host_act_bytes * (kept + parked) / shapes.layers,
+                        (f"every {k}th block input" + (f", {parked} recomputed parked" if parked else ""))
+                        if k > 1 else ""))
     if train.final_checkpoint or train.ckpt_every:
         rows.append(Row("host", "checkpoint writer (one group in flight)", shapes.largest_group * (4 + moment_bytes)))
     rows.append(Row("host", "data loader (one batch, index)",
