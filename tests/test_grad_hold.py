@@ -200,3 +200,27 @@ def test_host_hold_keeps_pinned_memory_at_the_slab_pool(hold):
     assert all(isinstance(b, np.ndarray) and b.itemsize == itemsize for b in held.values())
     assert st.updates.pageable.nbytes() == itemsize * store.num_params()
     assert st.updates.slabs._value == 2  # every slab returned to the pool
+
+
+def test_a_resweeps_sent_gradients_wait_on_the_device_at_most_the_planned_few(monkeypatch):
+    """A resweep's second sweep sends each block's gradient as it completes, and its copies wait for the pinned
+    slabs: at most HOLD_COPIES_IN_FLIGHT gradients may wait on the device for theirs, as the plan counts. Unbounded,
+    26 of the 3B's 28 block gradients piled up on the H100 (experiments/RESULTS.md s14, call 5)."""
+    from megatrain_jax.engine.updaters import HostUpdates
+    from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT
+
+    waiting, send = [], HostUpdates.send
+
+    def counted(self, name, grad, scale=1.0):
+        send(self, name, grad, scale)
+        waiting.append(sum(1 for _, out in self._queue if not out.on_host))
+
+    monkeypatch.setattr(HostUpdates, "send", counted)
+    parts, store = init_host_store(MODEL, 0, bf16_stream=False)
+    # one slab of 1000 values: every block (~31k values) needs 31 copies in turn, far slower than its backward
+    st = StreamedTrainer(parts, build_host_optimizer(OCFG, STEPS), compute_dtype="float32", clip_norm=CLIP,
+                         loss_chunk=48, store=store, grad_hold="resweep", grad_slab_elems=1000, grad_slabs=1)
+    for b in _batches_5()[:2]:
+        st.step(b)
+    st.close()
+    assert len(waiting) == 2 * (MODEL.num_layers + 2) and max(waiting) <= HOLD_COPIES_IN_FLIGHT, waiting

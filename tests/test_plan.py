@@ -331,6 +331,23 @@ def test_stream_io_gradients_are_counted_in_host_memory_and_in_no_hold(hold):
     m = load_config(os.path.join(REPO, "configs/llama3.1-8b.yaml"), []).model
     on_gpu = max(min(n, m.num_layers + 1) - 1, 0) * m.block_params()
     assert rows[name].bytes == held_bytes * (p.params - io_params - on_gpu)
+    # the head's vocabulary chunks: three staging buffers, two chunk gradients in XLA's pinned pool (RESULTS.md s14)
+    chunk = 4 * hidden * 16384
+    assert rows["head chunks' staging (train.stream_io)"].bytes == 3 * chunk
+    assert rows["head chunks' gradients on their way (pinned)"].bytes == 2 * chunk
     resident = _plan("configs/llama3.1-8b.yaml", *sets[:-3], f"train.grad_hold={hold}", "train.stream_io=false",
                      "train.micro_batches=16", "train.activations=pinned_host")
-    assert "embedding + head gradients (train.stream_io)" not in {r.what for r in resident.rows}
+    assert not {"embedding + head gradients (train.stream_io)", "head chunks' staging (train.stream_io)"} \
+        & {r.what for r in resident.rows}
+
+
+def test_pinned_activations_count_a_segments_parked_recomputed_inputs():
+    """boundary_every k > 2 with pinned activations: the backward's recompute of a segment parks the inputs below
+    its top two in pinned memory as the forward would (weights.Boundaries), k - 2 layers beside the kept ones."""
+    sets = ("optim.clip_norm=1.0", "optim.moments=int8", "train.stream_copy=device", "train.micro_batches=16",
+            "train.activations=pinned_host", "train.grad_hold=host_bf16", "train.stream_io=true")
+    layer = 16 * 4096 * 4096 * 2  # one block input of the 8B shape, bf16, 16 x 4096 tokens
+    for k, layers in ((1, 32), (2, 16), (4, 8 + 2)):
+        p = _plan("configs/llama3.1-8b.yaml", *sets, f"train.boundary_every={k}")
+        rows = {r.what: r for r in p.rows}
+        assert rows["boundary activations (pinned)"].bytes == layers * layer, k

@@ -237,8 +237,7 @@ class TrainConfig:
     #                            where the plan predicts the doubled transfer hides behind compute (or the copy
     #                            does not fit), else host
     grad_hold: str = "auto"  # where gradients wait for the clipping norm: auto | gpu_fp32 | gpu_bf16 | pinned_host
-    #                          | host_fp32 | host_bf16 (ordinary host memory) | resweep (no hold: a second backward;
-    #                          not planned with stream_io)
+    #                          | host_fp32 | host_bf16 (ordinary host memory) | resweep (no hold: a second backward)
     stream_io: bool | str = "auto"  # true: the embedding and head are not resident on the GPU (rows gathered, head
     #                                 streamed in vocabulary chunks) | false | auto (the plan decides)
     boundary_every: int | str = "auto"  # keep every k-th block input for the backward (recompute between) | auto
