@@ -40,10 +40,11 @@ from megatrain_jax.engine.loss import capped
 from megatrain_jax.engine.updaters import EMBED, HEAD
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim.host import alloc_aligned
+from megatrain_jax.plan.options import IO_STAGES
 from megatrain_jax.templates import Layout
 
 ROWS_BUCKET = 1024  # the gathered embedding rows are padded to a multiple of this: few shapes, few compiles
-STAGES = 3  # head chunk staging buffers: chunk c+1 is gathered while c computes and c-1 may still run
+STAGES = IO_STAGES  # head chunk staging buffers (the plan counts them: plan/options.py)
 COPY_THREADS = 4  # host threads of a strided gather / scatter (numpy copies release the GIL)
 
 

@@ -285,11 +285,7 @@ class HostUpdates(_Updates):
         the GPU (10.5 GB; RESULTS.md s14)."""
         with self._copy_lock:
             while sum(1 for _, o in self._queue if not o.on_host) > HOLD_COPIES_IN_FLIGHT:
-                name, out = self._queue[0]
-                while out.issued < len(out.chunks):
-                    out.issue_next(self, wait=True)
-                    self._trace("d2h", name, out.host[out.issued - 1])
-                self._queue.pop(0)
+                self._issue_oldest(wait=True)
 
     def apply(self, scale: float | None, resident: dict[str, jax.Array]) -> None:
         """After the norm: the held updates queued in forward order (their copies are issued during
@@ -326,12 +322,19 @@ class HostUpdates(_Updates):
         order = self.groups.pos
         with self._copy_lock:
             while self._queue and order[self._queue[0][0]] <= pos:
-                name, out = self._queue[0]
-                while out.issued < len(out.chunks):
-                    if not out.issue_next(self, wait):
-                        return
-                    self._trace("d2h", name, out.host[out.issued - 1])
-                self._queue.pop(0)
+                if not self._issue_oldest(wait):
+                    return
+
+    def _issue_oldest(self, wait: bool) -> bool:
+        """The oldest queued gradient's remaining copies, then off the queue (the copy lock held); False
+        when a slab was not free and not ``wait`` (the rest stays queued)."""
+        name, out = self._queue[0]
+        while out.issued < len(out.chunks):
+            if not out.issue_next(self, wait):
+                return False
+            self._trace("d2h", name, out.host[out.issued - 1])
+        self._queue.pop(0)
+        return True
 
     def issue_for(self, out: GradOut, j: int) -> None:
         """The optimizer thread needs chunk ``j`` of ``out`` and nobody has issued it: issue the

@@ -21,6 +21,7 @@ DEVICE_UPDATE_CHUNK = 8192 * 2048  # values per slice of a device-side update (b
 # pageable hold and 28 updated blocks waiting for their write-back, 3.4x and 2.3x the plan (RESULTS.md, s9)
 BLOCKS_QUEUED = 2  # blocks dispatched and not yet computed (one computing, the next queued behind it)
 WRITEBACKS_IN_FLIGHT = 3  # device-side updates whose new master and state wait for their copy to the host
+IO_STAGES = 3  # stream_io: the head's chunk staging buffers (chunk c+1 gathered while c computes, c-1 may still run)
 HOLD_COPIES_IN_FLIGHT = 1  # gradients on the GPU waiting for their copy into a pageable host hold
 
 Activations = Literal["device", "pinned_host"]
