@@ -96,6 +96,20 @@ def test_boundary_every_equals_keeping_every_input(case, every):
         assert any(type(layer).__name__ == "EmitsStats" for layer in got[2].kernels.layers)
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_split_placement_parks_only_the_first_blocks_and_trains_the_same(every):
+    """``activations_gpu_blocks=2`` of 5: blocks 3 and 4 keep their inputs on the device, 0-2 park theirs
+    (the ones kept at ``every``); the step trains bit for bit what parking every input trains."""
+    pinned = dict(micro_batches=2, transfer_mode="pinned", activations="pinned_host")
+    base = _train(every, **pinned)
+    got = _train(every, **pinned, activations_gpu_blocks=2)
+    _assert_same(got, base)
+    kept = {i for i in range(5) if i % every == 0}
+    assert base[2].boundaries._parked == kept
+    assert got[2].boundaries._parked == kept & {0, 1, 2}
+    assert got[2].boundaries.offload
+
+
 @pytest.mark.slow
 def test_recompute_runs_each_block_at_most_once_and_keeps_few_inputs():
     """Per step: the forward of each non-kept block's predecessor runs once more, never twice; the

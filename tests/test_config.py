@@ -354,6 +354,8 @@ def test_loading_writes_nothing(tmp_path, monkeypatch):
     ("train.gpu_memory_gb=-4", "train.gpu_memory_gb"), ("train.micro_batches=zero", "train.micro_batches"),
     ("train.boundary_every=0", "train.boundary_every"), ("train.boundary_every=two", "train.boundary_every"),
     ("train.stream_io=sometimes", "train.stream_io"), ("train.grad_hold=disk", "train.grad_hold"),
+    ("train.activations_gpu_blocks=-1", "train.activations_gpu_blocks"),
+    ("train.activations_gpu_blocks=half", "train.activations_gpu_blocks"),
 ])
 def test_numeric_fields_are_validated(override, field):
     from megatrain_jax.errors import UserError

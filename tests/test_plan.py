@@ -319,7 +319,8 @@ def test_stream_io_gradients_are_counted_in_host_memory_and_in_no_hold(hold):
     vocab, hidden = 128256, 4096  # Llama-3.1-8B, untied: embedding, and head = final norm + output matrix
     io_params = vocab * hidden + (hidden + vocab * hidden)
     sets = ("optim.clip_norm=1.0", "optim.moments=int8", "train.stream_copy=device", "train.stream_io=true",
-            f"train.grad_hold={hold}", "train.micro_batches=16", "train.activations=pinned_host")
+            f"train.grad_hold={hold}", "train.micro_batches=16", "train.activations=pinned_host",
+            "train.activations_gpu_blocks=0")
     p = _plan("configs/llama3.1-8b.yaml", *sets)
     rows = {r.what: r for r in p.rows}
     assert rows["embedding + head gradients (train.stream_io)"].bytes == 4 * io_params
@@ -331,12 +332,13 @@ def test_stream_io_gradients_are_counted_in_host_memory_and_in_no_hold(hold):
     m = load_config(os.path.join(REPO, "configs/llama3.1-8b.yaml"), []).model
     on_gpu = max(min(n, m.num_layers + 1) - 1, 0) * m.block_params()
     assert rows[name].bytes == held_bytes * (p.params - io_params - on_gpu)
-    # the head's vocabulary chunks: three staging buffers, two chunk gradients in XLA's pinned pool (RESULTS.md s14)
+    # the head's vocabulary chunks: one staging buffer each (the whole head, gathered once a step in the background),
+    # two chunk gradients in XLA's pinned pool (RESULTS.md s14)
     chunk = 4 * hidden * 16384
-    assert rows["head chunks' staging (train.stream_io)"].bytes == 3 * chunk
+    assert rows["head chunks' staging (train.stream_io)"].bytes == -(-vocab // 16384) * chunk
     assert rows["head chunks' gradients on their way (pinned)"].bytes == 2 * chunk
     resident = _plan("configs/llama3.1-8b.yaml", *sets[:-3], f"train.grad_hold={hold}", "train.stream_io=false",
-                     "train.micro_batches=16", "train.activations=pinned_host")
+                     "train.micro_batches=16", "train.activations=pinned_host", "train.activations_gpu_blocks=0")
     assert not {"embedding + head gradients (train.stream_io)", "head chunks' staging (train.stream_io)"} \
         & {r.what for r in resident.rows}
 
@@ -345,7 +347,7 @@ def test_pinned_activations_count_a_segments_parked_recomputed_inputs():
     """boundary_every k > 2 with pinned activations: the backward's recompute of a segment parks the inputs below
     its top two in pinned memory as the forward would (weights.Boundaries), k - 2 layers beside the kept ones."""
     sets = ("optim.clip_norm=1.0", "optim.moments=int8", "train.stream_copy=device", "train.micro_batches=16",
-            "train.activations=pinned_host", "train.grad_hold=host_bf16", "train.stream_io=true")
+            "train.activations=pinned_host", "train.activations_gpu_blocks=0", "train.grad_hold=host_bf16", "train.stream_io=true")
     layer = 16 * 4096 * 4096 * 2  # one block input of the 8B shape, bf16, 16 x 4096 tokens
     for k, layers in ((1, 32), (2, 16), (4, 8 + 2)):
         p = _plan("configs/llama3.1-8b.yaml", *sets, f"train.boundary_every={k}")

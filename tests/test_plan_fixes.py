@@ -177,7 +177,8 @@ def test_plan_for_a_described_gpu_machine_from_a_cpu_machine():
     slow = _plan("configs/3b.yaml", "train.micro_batches=auto",
                  machine=target_machine(gpu_memory_gb=24, host_memory_gb=64, pcie_gbps=26, gpu_tflops=165))
     assert slow.step["h2d_s"] == pytest.approx(2 * p.step["h2d_s"])
-    assert slow.step["compute_s"] == pytest.approx(p.step["compute_s"] * 600 / 165)
+    matmuls = [x.step["compute_s"] - x.step["gpu_memory_s"] for x in (p, slow)]  # memory-bound passes do not scale
+    assert matmuls[1] == pytest.approx(matmuls[0] * 600 / 165)
     assert "target's rates" in plan_table(slow)
     # a host too small for the model is refused as on a real machine, naming the given limit
     err = _plan("configs/7b.yaml", machine=target_machine(gpu_memory_gb=24, host_memory_gb=32)).verdict()

@@ -99,7 +99,7 @@ def test_the_pinned_pool_is_counted_as_xla_grows_it(monkeypatch):
     64 GiB) peaked at 121.4 GB RSS where the plan said 100.7: with that limit the plan is within 5% of it."""
     import megatrain_jax.plan.sizes as sizes
 
-    args = ("configs/llama3.1-8b.yaml", "train.gpu_memory_gb=24", "train.activations=pinned_host",
+    args = ("configs/llama3.1-8b.yaml", "train.gpu_memory_gb=24", "train.activations=pinned_host", "train.activations_gpu_blocks=0",
             "train.grad_hold=pinned_host", "train.micro_batches=16", "train.loss_chunk=1024",
             "train.stream_io=false", "train.boundary_every=1")
     tight = make_plan(_cfg(*args), _target(85.5, 137.4))  # the limit the plan now gives XLA
@@ -117,7 +117,7 @@ def test_the_pinned_pool_is_counted_as_xla_grows_it(monkeypatch):
     # and Llama-3.2-3B (8 x 4096, 24 GB, int8, pinned activations, bf16 hold): 30.3 GB RSS where the plan said 27.3
     # (its pool under any limit: 2 + 4 + ... MiB regions up to its arrays)
     q = make_plan(_cfg("configs/3b.yaml", "train.gpu_memory_gb=24", "optim.moments=int8", "train.stream_copy=device",
-                       "train.activations=pinned_host", "train.grad_hold=gpu_bf16", "train.stream_io=false",
+                       "train.activations=pinned_host", "train.activations_gpu_blocks=0", "train.grad_hold=gpu_bf16", "train.stream_io=false",
                        "train.boundary_every=1"), _target(85.5, 137.4))
     assert abs(q.host_need / GB - 30.3) / 30.3 < 0.05
 
@@ -130,7 +130,7 @@ def test_held_gradients_reuse_the_pinned_space_of_the_activations_they_follow():
     exchange without the room) it ran out of pinned memory; at 24 GB (8 micro-batches, 17 groups on the GPU,
     device update) 83.1 GB against 83.8."""
     base = ("configs/llama3.1-8b.yaml", "optim.moments=int8", "train.stream_copy=device", "optim.clip_norm=1.0",
-            "train.activations=pinned_host", "train.grad_hold=pinned_host", "train.stream_io=true",
+            "train.activations=pinned_host", "train.activations_gpu_blocks=0", "train.grad_hold=pinned_host", "train.stream_io=true",
             "train.boundary_every=1")
     for budget, micro, measured in [(10, 16, 88.5), (24, 8, 83.1)]:
         p = make_plan(_cfg(*base, f"train.gpu_memory_gb={budget}", f"train.micro_batches={micro}"),

@@ -115,6 +115,45 @@ def test_only_the_batch_rows_and_a_chunk_reach_the_device():
     st.close()
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_head_is_gathered_once_per_step_off_the_dispatching_thread(monkeypatch, tied):
+    """The output matrix is staged chunk-major once per step (both passes transfer from it), on
+    background threads, and the gradient chunks are scattered into the host gradient there too."""
+    import threading
+
+    from megatrain_jax.engine.io import HeadStream
+    seen = {"gather": [], "scatter": []}
+    real_gather, real_scatter = HeadStream._gather_rows, HeadStream._scatter_rows
+
+    def gather(self, c, lo, hi, readers):
+        seen["gather"].append((c, hi - lo, threading.current_thread()))
+        return real_gather(self, c, lo, hi, readers)
+
+    def scatter(self, c, lo, hi, fetch):
+        seen["scatter"].append((c, hi - lo, threading.current_thread()))
+        return real_scatter(self, c, lo, hi, fetch)
+
+    monkeypatch.setattr(HeadStream, "_gather_rows", gather)
+    monkeypatch.setattr(HeadStream, "_scatter_rows", scatter)
+    V, H, Vc, steps = 250, 32, 64, 2
+    cfg = ModelConfig(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, intermediate_size=48,
+                      tie_embeddings=tied)
+    parts, store = init_host_store(cfg, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(OptimConfig(clip_norm=0.5), steps), compute_dtype="float32",
+                         clip_norm=0.5, store=store, stream_io=True, vocab_chunk=Vc)
+    head = st.io.head
+    assert sum(b.size for b in head._stages) == head.n * H * Vc  # the whole head, one buffer per chunk
+    for batch in _batches(np.random.default_rng(0), steps, 2, 16, V):
+        st.step(batch)
+    st.close()
+    main = threading.main_thread()
+    for what, rows in (("gather", lambda c: Vc if tied else H),
+                       ("scatter", lambda c: min(Vc, V - c * Vc) if tied else H)):
+        assert all(t is not main for _, _, t in seen[what]), what
+        done = {c: sum(r for cc, r, _ in seen[what] if cc == c) for c in range(head.n)}
+        assert done == {c: steps * rows(c) for c in range(head.n)}, (what, done)  # every row once per step
+
+
 
 
 def test_bf16_stream_io_tracks_the_resident_head():

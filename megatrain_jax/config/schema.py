@@ -242,6 +242,9 @@ class TrainConfig:
     #                                 streamed in vocabulary chunks) | false | auto (the plan decides)
     boundary_every: int | str = "auto"  # keep every k-th block input for the backward (recompute between) | auto
     activations: str = "auto"  # boundary activations: auto | device | pinned_host
+    activations_gpu_blocks: int | str = "auto"  # with pinned_host activations: the last N blocks keep their inputs
+    #                                             on the GPU, the others park theirs | auto (as many as its free room
+    #                                             holds, where that is faster or needs less host memory)
     grad_slabs: int | str = "auto"  # pinned 128 MiB gradient slabs: auto (24 where the host has room, down to 6)
     #                                 | N. More slabs keep the host optimizer fed (speed), fewer save host memory
     devices: int | str = "all"  # GPUs of this host to use: all | N

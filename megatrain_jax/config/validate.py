@@ -83,6 +83,11 @@ def validate(cfg: Config) -> None:
                                        or t.boundary_every < 1):
         raise UserError("train.boundary_every", f"must be auto or an integer >= 1, got {t.boundary_every!r}",
                         "set train.boundary_every=auto (or 1 to keep every block's input)")
+    if t.activations_gpu_blocks != "auto" and (isinstance(t.activations_gpu_blocks, bool)
+                                               or not isinstance(t.activations_gpu_blocks, int)
+                                               or t.activations_gpu_blocks < 0):
+        raise UserError("train.activations_gpu_blocks", f"must be auto or an integer >= 0, got "
+                        f"{t.activations_gpu_blocks!r}", "set train.activations_gpu_blocks=auto (or 0 to park every input)")
     if t.devices != "all" and (isinstance(t.devices, bool) or not isinstance(t.devices, int) or t.devices <= 0):
         raise UserError("train.devices", f"must be a positive integer or all, got {t.devices!r}",
                         "set train.devices=all or a number of GPUs")

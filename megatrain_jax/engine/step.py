@@ -133,7 +133,8 @@ class StreamedTrainer:
         self.pace = Pace(options.blocks_queued)  # the dispatching thread stays this many blocks ahead of the device
         self.boundaries = Boundaries(self.xfer, options.activations == "pinned_host"
                                      and self.xfer.host_sharding is not None, options.boundary_every,
-                                     keep_from=self.num_layers - self.kernels.keep_residuals)
+                                     keep_from=self.num_layers - self.kernels.keep_residuals,
+                                     gpu_from=self.num_layers - int(options.activations_gpu_blocks))
         self.io = make_io(self)  # the embedding and head: resident, or streamed (``stream_io``: io.py)
         # the head goes in flight during the last two blocks; with device-side updates during the
         # last only, so that block L-1's update does not wait for its transfer
@@ -197,6 +198,7 @@ class StreamedTrainer:
         """Every micro-batch through block ``i`` (layer-major); queued gradient copies are issued
         before each micro-batch's compute, which they then overlap."""
         layer, out = self.kernels.layers[i], []
+        w = self.kernels.compute_weights(w)
         for m, (h, mb) in enumerate(zip(hs, mbs)):
             self.updates.issue_ahead(i)
             out.append(layer.forward(w, h, mb.aux, m))
@@ -231,7 +233,7 @@ class StreamedTrainer:
     def _forward_again(self, b: int, hs: list, mbs: list[MicroBatch]) -> list:
         """Block ``b``'s forward again in the backward (``Boundaries`` recomputing an input the
         forward let go): its weights streamed again, the next block's put in flight first."""
-        w, layer = self.weights.take(b), self.kernels.layers[b]
+        w, layer = self.kernels.compute_weights(self.weights.take(b)), self.kernels.layers[b]
         self.weights.prefetch(b + 1)
         out = [layer.again(w, h, mb.aux, m) for m, (h, mb) in enumerate(zip(hs, mbs))]
         self._trace("compute", f"fwd again {b}", out[-1])
@@ -252,6 +254,7 @@ class StreamedTrainer:
         sweep): kept residuals were spent by the first, so such a block recomputes."""
         layer, g = self.kernels.layers[i], self.kernels.zeros(self.store[f"block_{i}"].size)
         backward = partial(Recompute.backward, layer) if again and isinstance(layer, KeepResiduals) else layer.backward
+        w = self.kernels.compute_weights(w)
         for m, mb in enumerate(mbs):
             dhs[m], g = backward(w, acts[m], mb.aux, m, dhs[m], g)
         return g
@@ -367,6 +370,7 @@ class StreamedTrainer:
 
     def close(self) -> None:
         self.updates.close()
+        self.io.close()  # its background gathers and scatters settle before their buffers are unregistered
         self.xfer.close()
 
     def params_tree(self) -> dict[str, Any]:

@@ -87,6 +87,10 @@ class Boundaries:
     """Each block's input activations (the boundary checkpoints the backward recomputes from), on
     the device or parked in pinned host memory (``activations=pinned_host``).
 
+    ``gpu_from`` (a split placement, ``activations_gpu_blocks``): blocks from there on keep their inputs on
+    the device even when parking; the GPU's free room takes the last ones, which the backward needs first
+    (no round trip where there is no compute left to hide it behind), the pinned share the first.
+
     ``every`` > 1 keeps only the inputs of blocks 0, k, 2k, ... (and of blocks ``keep_from`` on):
     boundary memory ~L/k + k inputs instead of L. The backward asks for the inputs of a segment's
     top block first; ``take`` then re-runs the forward of the blocks between the kept input and it
@@ -94,8 +98,11 @@ class Boundaries:
     keeping their inputs as the forward would have for the segment's backward.
     """
 
-    def __init__(self, xfer: Transfers, offload: bool, every: int = 1, keep_from: int | None = None):
+    def __init__(self, xfer: Transfers, offload: bool, every: int = 1, keep_from: int | None = None,
+                 gpu_from: int | None = None):
         self.xfer, self.offload, self.every = xfer, offload, int(every)
+        self.gpu_from = gpu_from  # blocks from here on keep their inputs on the device (None: every block parks)
+        self._parked: set[int] = set()  # blocks whose saved inputs are in pinned host memory
         self.keep_from = keep_from  # blocks from here on always keep their input (their kept residuals
         #                             need no recompute, so none of theirs is ever run again)
         self.forward: Callable[[int, list], list] | None = None
@@ -107,6 +114,7 @@ class Boundaries:
     def start(self, forward: Callable[[int, list], list] | None = None) -> None:
         """A new step; ``forward(b, hs)``: block b's forward of this step's micro-batches, again."""
         self._saved, self._back, self._count, self.forward = {}, {}, 0, forward
+        self._parked = set()
         self._landing = []  # parked layers whose copies to the host may still be in flight
 
     def kept(self, i: int) -> bool:
@@ -117,7 +125,7 @@ class Boundaries:
         """The next block's inputs (called once per block, in forward order): kept or let go."""
         i, self._count = self._count, self._count + 1
         if self.kept(i):
-            self._saved[i] = self._park(hs)
+            self._saved[i] = self._park(i, hs)
 
     def first(self, i: int) -> int:
         """The first block whose weights block ``i``'s backward needs: ``i``, or the block of the kept
@@ -131,7 +139,7 @@ class Boundaries:
             return
         j = i if (i in self._saved or i in self._back) else self._base(i)
         if j not in self._back:  # (a recomputed input already on the device stays where it is)
-            self._back[j] = self._unpark(self._saved[j])
+            self._back[j] = self._unpark(j, self._saved[j])
 
     def take(self, i: int, forget: bool = True) -> list[jax.Array]:
         """Block ``i``'s inputs, forgotten here (freed once the caller is done with them); recomputed
@@ -142,36 +150,43 @@ class Boundaries:
             self._recompute(self._base(i), i)
         back = self._back.pop(i, None)
         saved = self._saved.pop(i, None) if (forget or not self.kept(i)) else self._saved[i]
-        return back if back is not None else self._unpark(saved)
+        return back if back is not None else self._unpark(i, saved)
 
     def _recompute(self, j: int, i: int) -> None:
         """Inputs of blocks j+1..i from block j's: the forward of blocks j..i-1 once more. Those of
         blocks i and i-1 stay on the device (their backwards are next); the others are kept as the
         forward keeps them. Block j's own stay kept (parked: brought back again for its backward)."""
         hs = self._back.pop(j, None)
-        hs = self._unpark(self._saved[j]) if hs is None else hs
+        hs = self._unpark(j, self._saved[j]) if hs is None else hs
         for b in range(j, i):
             hs = self.forward(b, hs)
             if b + 1 >= i - 1:
                 self._back[b + 1] = hs
             else:
-                self._saved[b + 1] = self._park(hs)
+                self._saved[b + 1] = self._park(b + 1, hs)
 
     def _base(self, i: int) -> int:
         return max(b for b in self._saved if b <= i)
 
-    def _park(self, hs: list[jax.Array]) -> list[jax.Array]:
+    def _park(self, i: int, hs: list[jax.Array]) -> list[jax.Array]:
         """To pinned host memory. At most ``PINNED_ACT_LAYERS_ON_GPU`` layers' copies are in flight (their
         device buffers live until they land): the dispatching thread waits for the oldest beyond that,
         which has had a whole block's compute to land, so the GPU's queue does not run dry. Unbounded, async
         dispatch ran ~4 layers ahead and the 8B at 10 GB ran out of memory (RESULTS.md s8)."""
         if not self.offload:
             return hs
+        if self.gpu_from is not None and i >= self.gpu_from:
+            # the GPU's share: the parked layers still landing go first, so the GPU holds the split's layers
+            # and no copies besides (what the plan counts)
+            while self._landing:
+                jax.block_until_ready(self._landing.pop(0))
+            return hs
+        self._parked.add(i)
         parked = [self.xfer.offload(h) for h in hs]
         self._landing.append(parked)
         while len(self._landing) > PINNED_ACT_LAYERS_ON_GPU - 1:
             jax.block_until_ready(self._landing.pop(0))
         return parked
 
-    def _unpark(self, hs: list[jax.Array]) -> list[jax.Array]:
-        return [self.xfer.reload(h) for h in hs] if self.offload else hs
+    def _unpark(self, i: int, hs: list[jax.Array]) -> list[jax.Array]:
+        return [self.xfer.reload(h) for h in hs] if i in self._parked else hs

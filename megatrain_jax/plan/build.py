@@ -15,11 +15,11 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.plan import decisions as choose
 from megatrain_jax.plan import search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
-from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, IO_STAGES, EngineOptions, check_one_device
+from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check_one_device
 from megatrain_jax.optim.costs import auto_update_on, device_update_s, update_cost
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS,
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, MICRO_BATCH_BYTES_PER_PARAM, GRAD_SLAB_ELEMS, GRAD_SLABS,
                                       HOST_COPY_PARALLEL_RATE, HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
-                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, HOLD_RETURN_RATE, DISPATCH_BLOCK_S, DISPATCH_CALL_S, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_in_use, pinned_need, PINNED_REUSED,
+                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, HOLD_RETURN_RATE, DISPATCH_BLOCK_S, DISPATCH_CALL_S, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_in_use, pinned_need, PINNED_REUSED, kept_on_gpu,
                                       pinned_pool, usable)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
@@ -67,6 +67,7 @@ class Plan:
                 "gpu_preallocate": r.gpu_preallocate, "keep_residuals": o.keep_residuals,
                 "seq_tile": o.seq_tile, "loss_chunk": o.loss_chunk, "stream_io": o.stream_io,
                 "boundary_every": o.boundary_every, "grad_hold_gpu_groups": o.grad_hold_gpu_groups,
+                "activations_gpu_blocks": o.activations_gpu_blocks,
                 "blocks_queued": o.blocks_queued}
 
     @property
@@ -211,7 +212,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         rows = _host_rows(cfg, shapes, moment_bytes, host_copy=host_copy, on_gpu=on_gpu, n_dev=n_dev, placed=p,
                           host_act_bytes=host_act_bytes, slab_row=slab_row)
         arrays = pinned_need(rows)
-        in_use = pinned_in_use(rows, shapes, p.boundary_every, p.gpu_groups, arrays) \
+        in_use = pinned_in_use(rows, shapes, p.boundary_every, p.gpu_groups, arrays, p.gpu_act_blocks) \
             if p.activations == p.grad_hold == "pinned_host" else arrays
         if in_use < arrays:
             rows.append(Row("host", PINNED_REUSED, in_use - arrays,
@@ -235,7 +236,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     def step_of(p: choose.Placement) -> dict:
         """The candidate's predicted step (the same for candidates that differ only in the loss chunk or GPU bytes)."""
         key = (p.grad_hold, p.activations, p.boundary_every, p.stream_io, p.gpu_group_params, p.micro_batches,
-               p.blocks_queued)
+               p.blocks_queued, p.gpu_act_blocks)
         if key not in steps:
             steps[key] = predicted_step(cfg, shapes, rates, n_dev=n_dev, n_keep=0, stream_bytes=stream_bytes,
                                         moment_bytes=moment_bytes, update_on=update_on, cpu_cores=machine.cpu_cores,
@@ -247,7 +248,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     placed_sums: dict[tuple, float] = {}
 
     def host_of(p: choose.Placement) -> tuple[float, float]:
-        key = (p.grad_hold, p.activations, p.boundary_every, p.stream_io, p.gpu_groups, p.gpu_group_params)
+        key = (p.grad_hold, p.activations, p.boundary_every, p.stream_io, p.gpu_groups, p.gpu_group_params,
+               p.gpu_act_blocks)
         fixed = placed_sums.get(key)
         if fixed is None:
             fixed = placed_sums[key] = sum(r.bytes for r in placement_rows(p, GRAD_SLABS[0]))
@@ -269,6 +271,20 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         # the host updates instead (e.g. 18.1B parameters on an 80 GB GPU)
         host_cfg = dataclasses.replace(cfg, train=dataclasses.replace(train, update_on="host"))
         return _make_plan(host_cfg, machine, devices, attention)
+    if placed.fits and train.update_on == "auto" and update_on == "device" and train.gpu_memory_gb \
+            and optim.kernel == "fused":
+        # on a GPU budget the device-side update's own memory (the state in flight, the gradients it reads held on
+        # the GPU) can cost more than a host update's wait after the norm: the 8B at 24 GB keeps 25 blocks' inputs
+        # and every gradient on the GPU with a host update, with a device-side one a pinned hold and recompute.
+        # Both are planned; the host update is taken where its predicted step is shorter
+        host_cfg = dataclasses.replace(cfg, train=dataclasses.replace(train, update_on="host"))
+        host_plan = _make_plan(host_cfg, machine, devices, attention)
+        if host_plan.found.best.fits and host_plan.step["predicted_step_s"] \
+                < placed.step["predicted_step_s"] * (1 - search.STEP_TOL):
+            host_plan.notes.append(f"train.update_on=auto: host, whose placement's predicted step "
+                                   f"({host_plan.step['predicted_step_s']:.2f} s) is shorter than the device-side "
+                                   f"update's ({placed.step['predicted_step_s']:.2f} s) on this GPU budget")
+            return host_plan
     phases, gpu_rows, gpu_need = placed.phases, placed.gpu_rows, placed.gpu_need
     notes.extend(placed.notes)
     n_keep, per_block = choose.choose_keep_residuals(
@@ -312,7 +328,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     settings = choose.RuntimeSettings(
         attention=attn_info["impl"] if attn_info else None,
         attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=n_dev,
-        pinned_pool_bytes=pinned_in_use(rows, shapes, placed.boundary_every, placed.gpu_groups),
+        pinned_pool_bytes=pinned_in_use(rows, shapes, placed.boundary_every, placed.gpu_groups,
+                                        gpu_act_blocks=placed.gpu_act_blocks),
         gpu_mem_fraction=gpu_mem_fraction, gpu_preallocate=preallocate)
     options = EngineOptions(compute_dtype=train.compute_dtype, micro_batches=placed.micro_batches,
                             loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
@@ -321,6 +338,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                             update_on=update_on, keep_residuals=n_keep, devices=train.devices,
                             device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile,
                             grad_hold_gpu_groups=placed.gpu_groups, stream_io=placed.stream_io,
+                            activations_gpu_blocks=placed.gpu_act_blocks,
                             boundary_every=placed.boundary_every, vocab_chunk=IO_VOCAB_CHUNK,
                             blocks_queued=placed.blocks_queued)
     plan = Plan(rows=rows + gpu_rows + disk_rows, settings=settings, options=options, host_need=host_need,
@@ -384,11 +402,14 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
         rows.append(Row("host", "embedding + head gradients (train.stream_io)", 4.0 * io_grads,
                         "fp32, made in host memory"))
     if placed.stream_io:
-        # the head's vocabulary chunks: the engine's staging buffers (io.STAGES, registered host memory) and two chunk
-        # gradients on their way to the host (XLA's pinned pool); the 3B at 10 GB ran 2.9 GB over a plan without
-        # them and without the parked segment inputs below (RESULTS.md s14 call 6)
-        chunk = 4.0 * shapes.hidden * min(IO_VOCAB_CHUNK, shapes.vocab)
-        rows.append(Row("host", "head chunks' staging (train.stream_io)", IO_STAGES * chunk, f"{IO_STAGES} chunks"))
+        # the head's vocabulary chunks: the engine's staging buffers (one per chunk, the whole output matrix gathered
+        # once a step in the background: engine/io.py; registered host memory) and two chunk gradients on their way
+        # to the host (XLA's pinned pool); the 3B at 10 GB ran 2.9 GB over a plan without them and without the
+        # parked segment inputs below (RESULTS.md s14 call 6)
+        vc = min(IO_VOCAB_CHUNK, shapes.vocab)
+        chunk, chunks = 4.0 * shapes.hidden * vc, -(-shapes.vocab // vc)
+        rows.append(Row("host", "head chunks' staging (train.stream_io)", chunks * chunk,
+                        f"{chunks} chunks: the output matrix, vocabulary-major"))
         rows.append(Row("host", "head chunks' gradients on their way (pinned)", 2.0 * chunk, "two chunks"))
     held = shapes.params - io_grads - placed.gpu_group_params
     split = f"; the first {placed.gpu_groups} groups wait on the GPU" if placed.gpu_groups else ""
@@ -402,11 +423,13 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
         rows.append(Row("host", "pageable hold's staging (one group in fp32)", 4.0 * shapes.largest_group))
     if placed.activations == "pinned_host":
         k = placed.boundary_every
-        kept = -(-shapes.layers // k)
+        kept = -(-shapes.layers // k) - kept_on_gpu(shapes.layers, k, placed.gpu_act_blocks)
         parked = max(k - 2, 0)  # a segment's recomputed inputs below its top two wait parked too (weights.Boundaries)
         rows.append(Row("host", "boundary activations (pinned)", host_act_bytes * (kept + parked) / shapes.layers,
-                        (f"every {k}th block input" + (f", {parked} recomputed parked" if parked else ""))
-                        if k > 1 else ""))
+                        ", ".join(x for x in (f"every {k}th block input" if k > 1 else "",
+                                              f"{parked} recomputed parked" if parked else "",
+                                              f"the last {placed.gpu_act_blocks} blocks' on the GPU"
+                                              if placed.gpu_act_blocks else "") if x)))
     if train.final_checkpoint or train.ckpt_every:
         rows.append(Row("host", "checkpoint writer (one group in flight)", shapes.largest_group * (4 + moment_bytes)))
     rows.append(Row("host", "data loader (one batch, index)",
@@ -526,12 +549,17 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     compute_s = hw_flops / rate
     # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
     cast = shapes.params if hold in ("gpu_bf16", "host_bf16") else (p.gpu_group_params if p else 0)
-    compute_s += 6.0 * cast / GPU_MEMORY_RATE
+    memory_s = 6.0 * cast / GPU_MEMORY_RATE
+    # each micro-batch's gradient accumulation in fp32, per block (a resweep's second sweep accumulates again)
+    mb = p.micro_batches if p else (train.micro_batches if isinstance(train.micro_batches, int) else 1)
+    memory_s += MICRO_BATCH_BYTES_PER_PARAM * shapes.layers * shapes.block * mb * (2 if hold == "resweep" else 1) \
+        / (GPU_MEMORY_RATE * n_dev)
+    compute_s += memory_s  # (the GPU's memory-bound passes: they do not scale with its TFLOPS)
     if p and p.blocks_queued == 1:  # a dispatch bubble per block, forward and backward (and each recompute)
         sweeps = 2 + (k - 1) / k + (2 if hold == "resweep" else 0)
         compute_s += sweeps * shapes.layers * (DISPATCH_BLOCK_S + p.micro_batches * DISPATCH_CALL_S)
-    if io:  # the head's vocabulary chunks gathered from the (H, V) store on the host, twice, on the step's path
-        compute_s += 2 * 4.0 * shapes.vocab * shapes.hidden / IO_GATHER_RATE
+    if io:  # the head gathered vocabulary-major from the (H, V) store once a step, off the dispatching thread
+        compute_s += 4.0 * shapes.vocab * shapes.hidden / IO_GATHER_RATE
     # blocks twice (forward, backward), embedding and head once (stream_io: head twice, the batch's rows)
     out_matrix = shapes.vocab * shapes.hidden + shapes.hidden  # the head's (tied: the embedding) and final norm
     io_bytes = 2 * 4 * out_matrix + 4 * tokens // n_dev * shapes.hidden if io else 4 * (shapes.embed + shapes.head)
@@ -543,9 +571,9 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     h2d_s = max(h2d_bytes / rates["h2d"], n_dev * h2d_bytes / rates["host_read"])
     grad_d2h = 4.0 * shapes.params
     extra_h2d = extra_d2h = copy_bytes = widen_bytes = 0.0
-    if p is not None and p.activations == "pinned_host":
-        act = shapes.layers * shapes.tokens * shapes.hidden * shapes.dtype_bytes * (-(-shapes.layers // k)) \
-            / shapes.layers
+    if p is not None and p.activations == "pinned_host":  # the parked inputs (a split keeps the last ones on the GPU)
+        act = shapes.tokens * shapes.hidden * shapes.dtype_bytes \
+            * (-(-shapes.layers // k) - kept_on_gpu(shapes.layers, k, p.gpu_act_blocks))
         extra_d2h += act
         extra_h2d += act * (2 if hold == "resweep" else 1)
     # stream_io with a device-side update: the embedding and head (gradients in host memory) update on the host
@@ -564,7 +592,8 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
                 widen_bytes = 2 * held  # widened to fp32 for the host update, after the norm
     step = {"compute_s": compute_s, "h2d_s": h2d_s + extra_h2d / rates["h2d"],
             "d2h_s": grad_d2h / (rates["d2h"] * n_dev) + extra_d2h / rates["d2h"],
-            "optimizer_s": shapes.params / opt_rate, "host_copy_s": (copy_bytes + widen_bytes) / copy_rate}
+            "optimizer_s": shapes.params / opt_rate, "host_copy_s": (copy_bytes + widen_bytes) / copy_rate,
+            "gpu_memory_s": memory_s}
     if update_on == "device":  # the state crosses PCIe both ways instead of the gradient; the host kernel only
         dev_params = shapes.params - host_params  # for what stays in host memory (stream_io's embedding, head)
         step["h2d_s"] = (h2d_bytes + moment_bytes * dev_params + extra_h2d) / rates["h2d"]

@@ -61,6 +61,7 @@ class Placement:
     stream_io: bool = False  # embedding and head not resident
     gpu_groups: int = 0  # a host hold's first groups held on the GPU in bf16 (grad_hold_gpu_groups)
     gpu_group_params: int = 0  # their parameters
+    gpu_act_blocks: int = 0  # pinned activations: the last this-many blocks keep their inputs on the GPU (a split)
     loss_chunk: int = 1024
     blocks_queued: int = BLOCKS_QUEUED  # the engine's pace (EngineOptions.blocks_queued)
     host_need: float = 0.0  # the plan's host need with this candidate (fewest slabs)

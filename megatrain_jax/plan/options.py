@@ -21,7 +21,6 @@ DEVICE_UPDATE_CHUNK = 8192 * 2048  # values per slice of a device-side update (b
 # pageable hold and 28 updated blocks waiting for their write-back, 3.4x and 2.3x the plan (RESULTS.md, s9)
 BLOCKS_QUEUED = 2  # blocks dispatched and not yet computed (one computing, the next queued behind it)
 WRITEBACKS_IN_FLIGHT = 3  # device-side updates whose new master and state wait for their copy to the host
-IO_STAGES = 3  # stream_io: the head's chunk staging buffers (chunk c+1 gathered while c computes, c-1 may still run)
 HOLD_COPIES_IN_FLIGHT = 1  # gradients on the GPU waiting for their copy into a pageable host hold
 
 Activations = Literal["device", "pinned_host"]
@@ -71,6 +70,8 @@ class EngineOptions:
     #                          loss in vocabulary chunks: neither is resident on the GPU for the step
     vocab_chunk: int = 8192  # with stream_io: vocabulary entries per chunk of the streamed head (H x chunk fp32
     #                          per chunk in flight)
+    activations_gpu_blocks: int = 0  # with activations=pinned_host: the last this-many blocks keep their inputs on
+    #                                  the GPU (its free room), the others park theirs in pinned host memory
     boundary_every: int = 1  # keep every k-th block's input; the backward recomputes the blocks between from
     #                          the nearest kept one (1: keep every input)
     blocks_queued: int = BLOCKS_QUEUED  # blocks dispatched ahead of the device (weights.Pace): 1 on the smallest
@@ -94,6 +95,8 @@ class EngineOptions:
             bad("train.grad_hold", f"{self.grad_hold!r}", f"use one of {', '.join(GRAD_HOLDS)}")
         if int(self.grad_hold_gpu_groups) < 0:
             bad("train.grad_hold_gpu_groups", f"must be >= 0, got {self.grad_hold_gpu_groups}", "set 0 or more")
+        if int(self.activations_gpu_blocks) < 0:
+            bad("activations_gpu_blocks", f"must be >= 0, got {self.activations_gpu_blocks}", "set 0 or more")
         if int(self.vocab_chunk) < 1:
             bad("train.vocab_chunk", f"must be >= 1, got {self.vocab_chunk}", "set a positive integer")
         if int(self.blocks_queued) < 1:

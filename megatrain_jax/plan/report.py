@@ -48,8 +48,9 @@ def plan_table(p: Plan) -> str:
     o, r = p.options, p.settings
     if r.attention_summary:
         lines.append(r.attention_summary)
-    lines.append(f"decisions: micro_batches={o.micro_batches}, activations={o.activations}, "
-                 f"boundary_every={o.boundary_every}, grad_hold={o.grad_hold}"
+    lines.append(f"decisions: micro_batches={o.micro_batches}, activations={o.activations}"
+                 + (f" (the last {o.activations_gpu_blocks} blocks' on the GPU)" if o.activations_gpu_blocks else "")
+                 + f", boundary_every={o.boundary_every}, grad_hold={o.grad_hold}"
                  + (f" (first {o.grad_hold_gpu_groups} groups on the GPU)" if o.grad_hold_gpu_groups else "")
                  + f", stream_io={'true' if o.stream_io else 'false'}, loss_chunk={o.loss_chunk}, "
                  f"stream_copy={o.stream_copy}, moments={r.moments}, update_on={o.update_on}, "

@@ -43,6 +43,7 @@ class Axes:
     stream_io: tuple[bool, ...]
     loss_chunks: tuple[int, ...]
     split: bool  # a host hold may keep its first groups on the GPU (grad_hold_gpu_groups)
+    act_blocks: int | None = None  # pinned activations: the last blocks whose inputs stay on the GPU (None: searched)
 
     @property
     def size(self) -> int:
@@ -75,8 +76,11 @@ def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, updat
         chunks.append(chunks[-1] // 2)
     if cpu_only:
         chunks = chunks[:1]
+    act_blocks = None if train.activations_gpu_blocks == "auto" else int(train.activations_gpu_blocks)
+    if act_blocks is None and (not on_gpu or devices > 1 or cpu_only):  # a GPU's free room, one GPU
+        act_blocks = 0
     return Axes(tuple(micro), tuple(acts), tuple(holds), tuple(boundary), tuple(io), tuple(chunks),
-                split=on_gpu and not cpu_only)
+                split=on_gpu and not cpu_only, act_blocks=act_blocks)
 
 
 @dataclass
@@ -147,27 +151,66 @@ def group_params(shapes: Shapes, n: int, io: bool = False) -> int:
 
 
 def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k: int, io: bool, chunk: int,
-             groups: int = 0) -> Placement:
+             groups: int = 0, act_blocks: int = 0) -> Placement:
     """One candidate: its GPU phases, host need, predicted step, and whether it fits both."""
     phases, rows = gpu_phases(shapes, micro_batches=micro, stream_bytes=ctx.stream_bytes,
                               device_cast=ctx.device_cast, act_on_gpu=act == "device", hold_bytes=HOLD_BYTES[hold],
                               loss_chunk=chunk, deferred=True, attn=ctx.attn,
                               update_state_bytes=ctx.update_state_bytes, boundary_every=k, stream_io=io,
-                              gpu_group_bytes=group_bytes(shapes, groups, io), resweep=hold == "resweep")
+                              gpu_group_bytes=group_bytes(shapes, groups, io), resweep=hold == "resweep",
+                              act_gpu_blocks=act_blocks)
     need = max(phases.values())
     p = Placement(micro, act, hold, phases, rows, need, False, seq_tile=shapes.seq_tile, boundary_every=k,
                   stream_io=io, gpu_groups=groups, gpu_group_params=group_params(shapes, groups, io), loss_chunk=chunk,
-                  blocks_queued=shapes.blocks_queued)
+                  blocks_queued=shapes.blocks_queued, gpu_act_blocks=act_blocks)
     p.host_need, p.host_placed = ctx.host_of(p)
     p.step = ctx.step_of(p)
     p.fits = (ctx.gpu_usable is None or need <= ctx.gpu_usable) and p.host_need <= ctx.host_usable
     return p
 
 
+def _again(shapes: Shapes, ctx: Context, base: Placement, **change: int) -> Placement:
+    """``base`` evaluated with its split counts changed (``groups``, ``act_blocks``)."""
+    kw = {"groups": base.gpu_groups, "act_blocks": base.gpu_act_blocks, **change}
+    return evaluate(shapes, ctx, micro=base.micro_batches, act=base.activations, hold=base.grad_hold,
+                    k=base.boundary_every, io=base.stream_io, chunk=base.loss_chunk, **kw)
+
+
+def _most(shapes: Shapes, ctx: Context, base: Placement, what: str, top: int) -> Placement | None:
+    """``base`` with the largest count ``what`` (1..``top``) whose GPU phases fit: each phase grows by
+    a fixed number of bytes per unit of it (a layer of activations, a group's bf16 gradient), read off
+    the counts 1 and 2, so the largest that fits is computed, then checked."""
+    if ctx.gpu_usable is None or top < 1:
+        return None
+    one = _again(shapes, ctx, base, **{what: 1})
+    if one.gpu_need > ctx.gpu_usable:
+        return None
+    if top == 1:
+        return one
+    two = _again(shapes, ctx, base, **{what: 2})
+    n = top
+    for name, at_one in one.phases.items():
+        per = two.phases[name] - at_one
+        if per > 0:
+            n = min(n, 1 + int((ctx.gpu_usable - at_one) // per))
+    for _ in range(4):  # (the counts are whole blocks: a phase's growth may not be exactly linear)
+        if n <= 1:
+            return one
+        p = two if n == 2 else _again(shapes, ctx, base, **{what: n})
+        if p.gpu_need <= ctx.gpu_usable:
+            return p
+        n -= max(1, n // 8)
+    return one
+
+
 def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
-    """A host hold with as many of its first groups on the GPU (bf16) as the room its peak leaves."""
+    """A host hold with as many of its first groups on the GPU (bf16) as the room its peak leaves; on a split
+    placement of the activations (whose phases fill the room), as many as the held gradients' own phases
+    leave (``_most``)."""
     if ctx.gpu_usable is None:
         return None
+    if base.gpu_act_blocks:
+        return _most(shapes, ctx, base, "groups", shapes.layers + 1)
     room = ctx.gpu_usable - base.gpu_need
     n = 0
     while n < shapes.layers + 1 and group_bytes(shapes, n + 1, base.stream_io) <= room:
@@ -175,12 +218,17 @@ def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
     for _ in range(4):  # the room is the peak's; another phase may be where the groups do not fit
         if n <= 0:
             break
-        p = evaluate(shapes, ctx, micro=base.micro_batches, act=base.activations, hold=base.grad_hold,
-                     k=base.boundary_every, io=base.stream_io, chunk=base.loss_chunk, groups=n)
+        p = _again(shapes, ctx, base, groups=n)
         if p.gpu_need <= ctx.gpu_usable:
             return p
         n -= max(1, n // 4)
     return None
+
+
+def _split_acts(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
+    """Pinned activations with as many of the last blocks' inputs on the GPU as its room allows (the
+    held gradients' phases are not the activations': both take the same free room, at other times)."""
+    return _most(shapes, ctx, base, "act_blocks", shapes.layers - 1)
 
 
 def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
@@ -202,14 +250,24 @@ def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
                         if k > 1 and k >= shapes.layers:
                             continue
                         found = False  # a smaller chunk changes only the loss's GPU bytes: the first that fits
+                        fixed = min(axes.act_blocks or 0, shapes.layers - 1) if act == "pinned_host" else 0
                         for chunk in axes.loss_chunks:
-                            p = evaluate(shapes, ctx, micro=micro, act=act, hold=hold, k=k, io=io, chunk=chunk)
+                            p = evaluate(shapes, ctx, micro=micro, act=act, hold=hold, k=k, io=io, chunk=chunk,
+                                         act_blocks=fixed)
                             consider(p)
+                            bases = [p]
+                            if axes.act_blocks is None and act == "pinned_host" and k == 1:
+                                acts = _split_acts(shapes, ctx, p)
+                                if acts is not None:
+                                    consider(acts)
+                                    bases.append(acts)
+                                    found = found or acts.fits
                             if axes.split and hold in HOST_HOLDS:
-                                extra = _split(shapes, ctx, p)
-                                if extra is not None:
-                                    consider(extra)
-                                    found = found or extra.fits
+                                for b in bases:
+                                    extra = _split(shapes, ctx, b)
+                                    if extra is not None:
+                                        consider(extra)
+                                        found = found or extra.fits
                             if p.fits or found:
                                 break
     fitting = [p for p in every if p.fits]
@@ -261,6 +319,8 @@ def describe(p: Placement) -> str:
              f"train.stream_io={'true' if p.stream_io else 'false'}", f"train.loss_chunk={p.loss_chunk}"]
     if p.gpu_groups:
         parts.append(f"grad_hold_gpu_groups={p.gpu_groups}")
+    if p.gpu_act_blocks:
+        parts.append(f"activations_gpu_blocks={p.gpu_act_blocks}")
     if p.seq_tile:
         parts.append(f"model.seq_tile={p.seq_tile}")
     return " ".join(parts)

@@ -75,8 +75,10 @@ MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
 HOLD_BYTES = {"gpu_fp32": 4, "gpu_bf16": 2, "pinned_host": None, "host_fp32": None, "host_bf16": None,
               "resweep": None}  # GPU bytes/param of each gradient hold
 HOST_HOLD_BYTES = {"pinned_host": 4, "host_fp32": 4, "host_bf16": 2}  # host bytes/param of each host hold
-IO_GATHER_RATE = 3.7e9  # bytes/s of the streamed head's host gather as the step sees it: an 8B (128256 x 4096) head
-# cost 1.13 s more per step than the resident one (experiments/probe_stream_io.py, H100 machine, RESULTS.md s7)
+IO_GATHER_RATE = 20e9  # bytes/s of the streamed head's host gather as the step sees it. Gathered twice a step on the
+# dispatching thread, an 8B (128256 x 4096) head cost 1.13 s more per step than the resident one (3.7e9 then:
+# experiments/probe_stream_io.py, H100 machine, RESULTS.md s7); now once, in the background (engine/io.py): an
+# estimate until measured
 IO_VOCAB_CHUNK = 16384  # vocabulary rows of the head on the GPU at once with train.stream_io (the engine's chunk)
 PINNED_LIMIT_FACTOR = 1.02  # XLA's pinned-host pool limit over the plan's pinned bytes (+ PINNED_LIMIT_ROOM):
 # the pool's arrays are few sizes (activation layers, slabs), so little is lost between them; every byte of the
@@ -84,6 +86,10 @@ PINNED_LIMIT_FACTOR = 1.02  # XLA's pinned-host pool limit over the plan's pinne
 PINNED_LIMIT_ROOM = 2  # GiB over the factor: the small first regions no array fits in, and the tail of each region
 PINNED_ACT_LAYERS_ON_GPU = 3  # layers of parked activations on the GPU at once while their copies run (the engine
 #                               waits for the oldest beyond it: weights.Boundaries)
+MICRO_BATCH_BYTES_PER_PARAM = 12.0  # GPU memory traffic each micro-batch adds per block parameter and step: the
+# backward's fp32 accumulation of its weight gradient (read, add the bf16 dW, write). With the cast inside each call
+# as well (24), the 8B ran 3% under its predicted step at 4 micro-batches, 1% over at 8 and 8% over at 16 (H100,
+# RESULTS.md s15 call 1); the engine now casts each block once a pass (Kernels.compute_weights)
 HOST_COPY_RATE = 10e9  # bytes/s of one host thread's memcpy (a pageable hold's copier; a bf16 conversion)
 HOLD_RETURN_RATE = 39e9  # bytes/s at which a pageable hold's return (copier -> slab -> GPU) delays a device-side
 # update's next forward: each block waits for its update. 8B at 24 GB on the H100, 10.2 GB held in bf16: 8.11 s steps
@@ -198,14 +204,16 @@ AttentionExtra = Callable[[int], "tuple[float, str]"]  # sequences per micro-bat
 def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_cast: bool, act_on_gpu: bool,
                hold_bytes: int | None, loss_chunk: int, deferred: bool, attn: AttentionExtra | None = None,
                update_state_bytes: float | None = None, boundary_every: int = 1, stream_io: bool = False,
-               gpu_group_bytes: float = 0.0, resweep: bool = False) -> tuple[dict[str, float], list[Row]]:
+               gpu_group_bytes: float = 0.0, resweep: bool = False,
+               act_gpu_blocks: int = 0) -> tuple[dict[str, float], list[Row]]:
     """Bytes on the GPU at each phase of a step, and the rows that explain them.
     ``update_state_bytes``: optimizer state bytes/param of a device-side update (``train.update_on=device``),
     None for host updates. ``boundary_every`` k: every k-th block input is kept (L/k layers), and the
     backward holds the k-1 inputs it recomputes for one segment. ``stream_io``: neither embedding nor head
     is resident; one vocabulary chunk of the head (fp32 + cast + its fp32 gradient), one logits tile and
     the fp32 dx are. ``gpu_group_bytes``: the bf16 share of a split hold (``grad_hold_gpu_groups``).
-    ``resweep``: no hold; the activations stay for a second backward sweep."""
+    ``resweep``: no hold; the activations stay for a second backward sweep. ``act_gpu_blocks`` (pinned
+    activations split): the last this-many blocks keep their inputs on the GPU."""
     dt = shapes.dtype_bytes
     tok_mb = shapes.batch * shapes.seq // micro_batches
     rows = []
@@ -232,9 +240,15 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
     segment = (k - 1) * act_layer  # the inputs of one segment, recomputed in the backward
     # parked in pinned host memory: the copies of the last layers out are still in flight (the engine bounds them;
     # unbounded, the H100 held 31 micro-batch inputs of 64 MiB at once at 8 x 8192 tokens, ~4 layers: RESULTS.md s8)
-    acts = (kept_layers * act_layer if act_on_gpu else PINNED_ACT_LAYERS_ON_GPU * act_layer) + segment
+    split = 0 if act_on_gpu else kept_on_gpu(shapes.layers, k, act_gpu_blocks)
+    # a split: the engine lets the parked layers land before the first the GPU keeps (weights.Boundaries), and in
+    # the backward one parked layer comes back while the GPU's last one is used
+    acts = (kept_layers * act_layer if act_on_gpu else
+            ((split + 1) if split else PINNED_ACT_LAYERS_ON_GPU) * act_layer) + segment
     rows.append(Row("gpu", "boundary activations", acts,
                     (f"{kept_layers} layers x {shapes.tokens} tokens" if act_on_gpu
+                     else f"the last {act_gpu_blocks} blocks' inputs here ({split} layers), the others in pinned "
+                          "host memory, one in flight" if split
                      else f"in pinned host memory; {PINNED_ACT_LAYERS_ON_GPU} layers in flight")
                     + (f"; every {k}th block input, {k - 1} recomputed per segment" if k > 1 else "")))
     ws = block_working_set(shapes, tok_mb)
@@ -308,7 +322,10 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         # + the cotangents flowing down the blocks (one layer's worth; the VJP's new one is in its working set)
         "backward start (activations, accumulators)": fixed + acts + accum + head_acc + ws + head_hold + act_layer
         + top,
-        "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu else 0)
+        # (a split: the last pinned input comes back while the one before it is on its way: H100 s15 call 1 peaked
+        # 0.5 GB over a plan without it)
+        "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu or split
+                                                                                 else 0)
         + act_layer + segment + top,
         **({"embedding backward (held gradients, the rows' gradient)": fixed + held + emb_acc + 2 * act_layer + top}
            if stream_io else {}),
@@ -316,6 +333,11 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
     if resweep:  # the first sweep takes only the norm: every activation stays for the second, and dx of the top
         phases["second backward (activations kept, top dx)"] = fixed + acts + accum + head_acc + ws + act_layer + top
     return phases, rows
+
+
+def kept_on_gpu(layers: int, every: int, gpu_blocks: int) -> int:
+    """Kept block inputs among the last ``gpu_blocks`` blocks (a split placement keeps those on the GPU)."""
+    return sum(1 for i in range(max(layers - gpu_blocks, 0), layers) if i % max(every, 1) == 0)
 
 
 def pinned_pool(pinned: float, limit: float | None = None) -> float:
@@ -370,7 +392,7 @@ def pinned_need(rows: list[Row]) -> float:
 
 
 def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_groups: int = 0,
-                  total: float | None = None) -> float:
+                  total: float | None = None, gpu_act_blocks: int = 0) -> float:
     """Pinned bytes in use at the step's peak, what XLA's pinned pool must hold. With pinned activations and
     a pinned hold both, the backward trades one for the other: block i's gradient lands (block L-1's first)
     while the inputs of blocks <= i still wait, so the peak is the largest of those sums, not activations +
@@ -378,7 +400,8 @@ def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_
     conservatively: block i's own input is still there when its gradient lands, and the hold's groups
     that are not blocks (the head lands first, the embedding last) are there throughout. The first
     ``gpu_groups`` groups of the forward (embedding, block 0, ...) wait on the GPU, not here; PINNED_REUSE_ROOM
-    over it, never more than the arrays' sum."""
+    over it, never more than the arrays' sum. A split placement (``gpu_act_blocks``) parks only the inputs
+    of blocks below the last ``gpu_act_blocks``."""
     total = pinned_need(rows) if total is None else total
     acts = sum(r.bytes for r in rows if r.what == PINNED_ACTS)
     held = sum(r.bytes for r in rows if r.what == PINNED_HOLD)
@@ -387,7 +410,9 @@ def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_
     n, k = shapes.layers, max(1, boundary_every)
     first_host = max(gpu_groups - 1, 0)  # the first block whose gradient waits here
     block = 4.0 * shapes.block
-    per_input = acts / len(range(0, n, k))
+    parked_below = n - gpu_act_blocks  # blocks below it park their kept inputs
+    per_input = acts / max(len(range(0, parked_below, k)), 1)
     rest = max(held - (n - first_host) * block, 0.0)
-    peak = max(per_input * len(range(0, i + 1, k)) + block * (n - max(i, first_host)) for i in range(n))
+    peak = max(per_input * len(range(0, min(i, parked_below - 1) + 1, k)) + block * (n - max(i, first_host))
+               for i in range(n))
     return min(total, total - acts - held + rest + peak + PINNED_REUSE_ROOM)
