@@ -182,26 +182,6 @@ def test_device_side_cast_equals_host_bf16_copy():
         np.testing.assert_array_equal(host_w[name], dev_w[name])
 
 
-def test_a_blocks_fp32_master_is_cast_once_for_all_its_micro_batches(monkeypatch):
-    """stream_copy=device: each block's fp32 master is cast to bf16 once per pass (forward, backward), not once per
-    micro-batch inside each call; the cast's transpose only widens the cotangent, so the step is bit-identical."""
-    from megatrain_jax.engine import kernels
-
-    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)
-    ocfg = OptimConfig(lr=3e-3, clip_norm=1.0)
-    batches = _batches(np.random.default_rng(4), 3, 4, 32, 64)
-    casts = []
-    real = kernels.block_to_bf16
-    monkeypatch.setattr(kernels, "block_to_bf16", lambda w: casts.append(w.shape) or real(w))
-    once_l, once_w = _bf16_run(cfg, ocfg, batches, "device", micro=4)
-    assert len(casts) == len(batches) * cfg.num_layers * 2  # forward and backward of each block, whatever M
-    monkeypatch.setattr(kernels.Kernels, "compute_weights", lambda self, w: w)  # cast inside every call
-    each_l, each_w = _bf16_run(cfg, ocfg, batches, "device", micro=4)
-    assert once_l == each_l
-    for name in once_w:
-        np.testing.assert_array_equal(once_w[name], each_w[name])
-
-
 def test_bf16_gradient_hold_tracks_fp32_hold():
     """Gradients held in bf16 for clipping (norm taken in fp32 first): the loss curve stays within
     bf16 rounding of the fp32 hold's, and the weights move the same way. Two micro-batches: with one,

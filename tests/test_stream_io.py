@@ -167,6 +167,16 @@ def test_bf16_stream_io_tracks_the_resident_head():
         st = StreamedTrainer(parts, build_host_optimizer(ocfg, 4), compute_dtype="bfloat16", clip_norm=1.0,
                              store=store, stream_io=stream, vocab_chunk=64, loss_chunk=48)
         runs[stream] = [st.step(b).loss for b in batches]
+        if stream:  # the head is staged in bf16, cast on the host exactly as the device casts it
+            import jax.numpy as jnp
+
+            st.finish()
+            head = st.io.head
+            head._gather_rows(0, 0, head.H, [])
+            assert head._stages[0].dtype == jnp.bfloat16
+            on_device = np.asarray(jnp.asarray(head.out[:, :head.Vc]).astype(jnp.bfloat16))
+            np.testing.assert_array_equal(head._stages[0].reshape(head.H, head.Vc).view(np.uint16),
+                                          on_device.view(np.uint16))
         st.close()
     np.testing.assert_allclose(runs[True], runs[False], rtol=1e-3)
 

@@ -29,8 +29,9 @@ step 1.13 s slower than with a resident head). Both passes transfer from the sam
 2's gradient chunks are scattered into the dense host gradient on the same threads, off the
 dispatching thread too (it waits for them only before handing the gradient to the updater).
 
-Host memory: the staging is one registered buffer per chunk, ``n`` x H x Vc fp32 (the whole head,
-padded to whole chunks), counted by the plan's host row for the head chunks' staging.
+Host memory: the staging is one registered buffer per chunk, ``n`` x H x Vc (the whole head, padded to
+whole chunks) in the compute dtype (bf16: cast by the gather as the device would), counted by the plan's host
+row for the head chunks' staging.
 """
 from __future__ import annotations
 
@@ -400,8 +401,12 @@ class HeadStream:
             self.small = _with_shape(g.layout, oi, (H, 0))  # the final norm's weights (and any other small ones)
             self._small_pairs = [(s, d) for j, (s, d) in enumerate(zip(g.layout.leaves, self.small.leaves)) if j != oi]
         self._small_buf = np.zeros(max(self.small.size, 1), np.float32)
-        # one staging buffer per chunk (the whole head, chunk-major), page-aligned: DMA-registered
-        self._stages = [alloc_aligned(H * Vc, np.float32) for _ in range(self.n)]
+        # one staging buffer per chunk (the whole head, chunk-major), page-aligned: DMA-registered. In bf16 compute
+        # the gather casts (round to nearest even, as the device's cast: the same values), halving the staging's
+        # host memory and the chunks' PCIe bytes
+        self.stage_bf16 = self.k.dtype == jnp.bfloat16
+        self._stages = [alloc_aligned(H * Vc, np.uint16).view(jnp.bfloat16) if self.stage_bf16
+                        else alloc_aligned(H * Vc, np.float32) for _ in range(self.n)]
         for j, b in enumerate(self._stages):
             self.xfer.register(f"head/chunk{j}", b)
         # what read each chunk's buffer last (device arrays: the CPU backend even aliases the buffer); its

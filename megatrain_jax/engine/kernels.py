@@ -53,7 +53,6 @@ def named(name: str, fn: Callable) -> Callable:
 # (each trainer's own lambdas were traced and lowered anew: 190 of the 568 lowerings of test_engine.py).
 grad_sqnorm = jax.jit(named("grad_sqnorm", lambda g: jnp.sum(jnp.square(g))), compiler_options=NO_AUTOTUNE)
 grad_to_bf16 = jax.jit(named("grad_to_bf16", lambda g: g.astype(jnp.bfloat16)), compiler_options=NO_AUTOTUNE)
-block_to_bf16 = jax.jit(named("block_to_bf16", lambda w: w.astype(jnp.bfloat16)), compiler_options=NO_AUTOTUNE)
 grad_slab_slice = jax.jit(named("grad_slab_slice", lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32)),
                           static_argnums=2, compiler_options=NO_AUTOTUNE)
 step_totals = jax.jit(named("step_totals", lambda losses, sqs: (sum(losses), sum(sqs))))  # one fetch per step
@@ -152,13 +151,6 @@ class Kernels:
     def zeros(self, size: int) -> jax.Array:
         """A gradient accumulator: ``size`` fp32 values per device."""
         return self._zeros_fn(size)
-
-    def compute_weights(self, w: jax.Array) -> jax.Array:
-        """A block's streamed fp32 master cast to the bf16 compute dtype once, for all its micro-batches
-        (``stream_copy=device``). Cast inside each call, the cast ran once per micro-batch: 12 bytes a
-        parameter each time (RESULTS.md s15: the 8B at 16 micro-batches 8% over its predicted step, at 4
-        3% under). The weight gradient is the same: the cast's transpose only widens the bf16 cotangent."""
-        return block_to_bf16(w) if (self.dtype == jnp.bfloat16 and w.dtype == F32) else w
 
     def rng(self, layer: int, micro: int) -> jax.Array | None:
         """The dropout key of (this step, layer, micro-batch); None for blocks without randomness."""

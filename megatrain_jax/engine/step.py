@@ -198,7 +198,6 @@ class StreamedTrainer:
         """Every micro-batch through block ``i`` (layer-major); queued gradient copies are issued
         before each micro-batch's compute, which they then overlap."""
         layer, out = self.kernels.layers[i], []
-        w = self.kernels.compute_weights(w)
         for m, (h, mb) in enumerate(zip(hs, mbs)):
             self.updates.issue_ahead(i)
             out.append(layer.forward(w, h, mb.aux, m))
@@ -233,7 +232,7 @@ class StreamedTrainer:
     def _forward_again(self, b: int, hs: list, mbs: list[MicroBatch]) -> list:
         """Block ``b``'s forward again in the backward (``Boundaries`` recomputing an input the
         forward let go): its weights streamed again, the next block's put in flight first."""
-        w, layer = self.kernels.compute_weights(self.weights.take(b)), self.kernels.layers[b]
+        w, layer = self.weights.take(b), self.kernels.layers[b]
         self.weights.prefetch(b + 1)
         out = [layer.again(w, h, mb.aux, m) for m, (h, mb) in enumerate(zip(hs, mbs))]
         self._trace("compute", f"fwd again {b}", out[-1])
@@ -254,7 +253,6 @@ class StreamedTrainer:
         sweep): kept residuals were spent by the first, so such a block recomputes."""
         layer, g = self.kernels.layers[i], self.kernels.zeros(self.store[f"block_{i}"].size)
         backward = partial(Recompute.backward, layer) if again and isinstance(layer, KeepResiduals) else layer.backward
-        w = self.kernels.compute_weights(w)
         for m, mb in enumerate(mbs):
             dhs[m], g = backward(w, acts[m], mb.aux, m, dhs[m], g)
         return g

@@ -408,8 +408,8 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
         # parked segment inputs below (RESULTS.md s14 call 6)
         vc = min(IO_VOCAB_CHUNK, shapes.vocab)
         chunk, chunks = 4.0 * shapes.hidden * vc, -(-shapes.vocab // vc)
-        rows.append(Row("host", "head chunks' staging (train.stream_io)", chunks * chunk,
-                        f"{chunks} chunks: the output matrix, vocabulary-major"))
+        rows.append(Row("host", "head chunks' staging (train.stream_io)", chunks * chunk * shapes.dtype_bytes / 4,
+                        f"{chunks} chunks: the output matrix, vocabulary-major, in the compute dtype"))
         rows.append(Row("host", "head chunks' gradients on their way (pinned)", 2.0 * chunk, "two chunks"))
     held = shapes.params - io_grads - placed.gpu_group_params
     split = f"; the first {placed.gpu_groups} groups wait on the GPU" if placed.gpu_groups else ""
@@ -552,8 +552,8 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     memory_s = 6.0 * cast / GPU_MEMORY_RATE
     # each micro-batch's gradient accumulation in fp32, per block (a resweep's second sweep accumulates again)
     mb = p.micro_batches if p else (train.micro_batches if isinstance(train.micro_batches, int) else 1)
-    memory_s += MICRO_BATCH_BYTES_PER_PARAM * shapes.layers * shapes.block * mb * (2 if hold == "resweep" else 1) \
-        / (GPU_MEMORY_RATE * n_dev)
+    per_param = MICRO_BATCH_BYTES_PER_PARAM / (1 if (stream_bytes == 4 and train.compute_dtype == "bfloat16") else 2)
+    memory_s += per_param * shapes.layers * shapes.block * mb * (2 if hold == "resweep" else 1) / (GPU_MEMORY_RATE * n_dev)
     compute_s += memory_s  # (the GPU's memory-bound passes: they do not scale with its TFLOPS)
     if p and p.blocks_queued == 1:  # a dispatch bubble per block, forward and backward (and each recompute)
         sweeps = 2 + (k - 1) / k + (2 if hold == "resweep" else 0)
@@ -562,7 +562,9 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         compute_s += 4.0 * shapes.vocab * shapes.hidden / IO_GATHER_RATE
     # blocks twice (forward, backward), embedding and head once (stream_io: head twice, the batch's rows)
     out_matrix = shapes.vocab * shapes.hidden + shapes.hidden  # the head's (tied: the embedding) and final norm
-    io_bytes = 2 * 4 * out_matrix + 4 * tokens // n_dev * shapes.hidden if io else 4 * (shapes.embed + shapes.head)
+    # (stream_io's head chunks cross in the compute dtype: the host's gather casts them)
+    io_bytes = 2 * shapes.dtype_bytes * out_matrix + 4 * tokens // n_dev * shapes.hidden if io \
+        else 4 * (shapes.embed + shapes.head)
     h2d_bytes = 2 * shapes.layers * shapes.block * stream_bytes + io_bytes
     if hold == "resweep":
         h2d_bytes += shapes.layers * shapes.block * stream_bytes

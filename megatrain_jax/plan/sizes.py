@@ -86,10 +86,11 @@ PINNED_LIMIT_FACTOR = 1.02  # XLA's pinned-host pool limit over the plan's pinne
 PINNED_LIMIT_ROOM = 2  # GiB over the factor: the small first regions no array fits in, and the tail of each region
 PINNED_ACT_LAYERS_ON_GPU = 3  # layers of parked activations on the GPU at once while their copies run (the engine
 #                               waits for the oldest beyond it: weights.Boundaries)
-MICRO_BATCH_BYTES_PER_PARAM = 12.0  # GPU memory traffic each micro-batch adds per block parameter and step: the
-# backward's fp32 accumulation of its weight gradient (read, add the bf16 dW, write). With the cast inside each call
-# as well (24), the 8B ran 3% under its predicted step at 4 micro-batches, 1% over at 8 and 8% over at 16 (H100,
-# RESULTS.md s15 call 1); the engine now casts each block once a pass (Kernels.compute_weights)
+MICRO_BATCH_BYTES_PER_PARAM = 24.0  # GPU memory traffic each micro-batch adds per block parameter and step: the
+# fp32 master cast to bf16 inside each call (forward and backward, 6 bytes each) and the backward's fp32 accumulation
+# of the weight gradient (12; alone where no cast runs: 12). Without this term the 8B's step was 3% under its prediction at 4 micro-batches, 1%
+# over at 8 and 8% over at 16 (H100, RESULTS.md s15 call 1). Casting once a pass for all micro-batches instead
+# (one jitted cast per block) was slower on the H100 (s15 call 2: 16 micro-batches 9.09 s against 8.44): reverted
 HOST_COPY_RATE = 10e9  # bytes/s of one host thread's memcpy (a pageable hold's copier; a bf16 conversion)
 HOLD_RETURN_RATE = 39e9  # bytes/s at which a pageable hold's return (copier -> slab -> GPU) delays a device-side
 # update's next forward: each block waits for its update. 8B at 24 GB on the H100, 10.2 GB held in bf16: 8.11 s steps
