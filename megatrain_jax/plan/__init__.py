@@ -12,7 +12,8 @@ import math
 import os
 from typing import Callable
 
-from megatrain_jax.plan.build import Plan, make_plan, predicted_step  # noqa: F401
+from megatrain_jax.plan.build import Plan, make_plan  # noqa: F401
+from megatrain_jax.plan.step_model import predicted_step  # noqa: F401
 from megatrain_jax.plan.decisions import MODES, Placement, RuntimeSettings  # noqa: F401
 from megatrain_jax.plan.machine import (Machine, _jax_backend_ready, detect_machine, host_limit,  # noqa: F401
                                         jax_backend_ready, memory_snapshot, target_machine)

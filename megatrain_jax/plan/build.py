@@ -16,13 +16,12 @@ from megatrain_jax.plan import decisions as choose
 from megatrain_jax.plan import search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check_one_device
-from megatrain_jax.optim.costs import auto_update_on, device_update_s, update_cost
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, MICRO_BATCH_BYTES_PER_PARAM, GRAD_SLAB_ELEMS, GRAD_SLABS,
-                                      HOST_COPY_PARALLEL_RATE, HOST_COPY_RATE, HOST_HOLD_BYTES, HOST_MARGIN, MOMENT_BYTES, RATES,
-                                      IO_VOCAB_CHUNK, IO_GATHER_RATE, HOLD_RETURN_RATE, DISPATCH_BLOCK_S, DISPATCH_CALL_S, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row, Shapes, grown_pool, pinned_in_use, pinned_need, PINNED_REUSED, kept_on_gpu,
+from megatrain_jax.optim.costs import auto_update_on
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS, HOST_HOLD_BYTES,
+                                      HOST_MARGIN, IO_VOCAB_CHUNK, MOMENT_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
+                                      XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_use, pinned_need,
                                       pinned_pool, usable)
-
-GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
+from megatrain_jax.plan.step_model import _optax_cost, _step_basis, predicted_step, step_rates
 
 
 @dataclass
@@ -285,7 +284,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                                    f"({host_plan.step['predicted_step_s']:.2f} s) is shorter than the device-side "
                                    f"update's ({placed.step['predicted_step_s']:.2f} s) on this GPU budget")
             return host_plan
-    phases, gpu_rows, gpu_need = placed.phases, placed.gpu_rows, placed.gpu_need
+    phases, gpu_rows, gpu_need = placed.phases, search.gpu_rows(found.shapes, found.ctx, placed), placed.gpu_need
     notes.extend(placed.notes)
     n_keep, per_block = choose.choose_keep_residuals(
         train.keep_residuals, shapes, on_gpu=on_gpu, devices=n_dev,
@@ -367,20 +366,6 @@ def search_summary(found: search.Result) -> dict[str, Any]:
     b = found.best
     return {"tried": found.tried, "fitting": found.fitting, "chosen": search.describe(b), "fits": b.fits,
             "gpu_need": b.gpu_need, "host_need": b.host_need, "predicted_step_s": b.step.get("predicted_step_s")}
-
-
-_OPTAX_COSTS: dict[str, Any] = {}
-
-
-def _optax_cost(cfg: Config):
-    """The configured optax optimizer's ``UpdateCost`` (compiled once per model and optimizer)."""
-    key = repr((cfg.model, cfg.optim))
-    if key not in _OPTAX_COSTS:
-        from megatrain_jax.models.common import abstract_model, streamed_parts
-
-        _OPTAX_COSTS[key] = update_cost(cfg.optim, streamed_parts(abstract_model(cfg.model)).host_trees(),
-                                        cfg.train.steps)
-    return _OPTAX_COSTS[key]
 
 
 def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bool, on_gpu: bool, n_dev: int,
@@ -498,129 +483,3 @@ def _disk_rows(cfg: Config, params: int, mom: float) -> tuple[list[Row], float]:
         rows.append(Row("disk", "Hugging Face export", params * (2 if t.export_dtype != "float32" else 4),
                         f"in {t.export}"))
     return rows, sum(r.bytes for r in rows)
-
-
-def step_rates(machine: Machine) -> dict[str, float]:
-    """The floor rates of the predicted step: the H100 machine's (RATES), or a target's PCIe and TFLOPS."""
-    rates = {k: v for k, v in RATES.items() if k != "adamw_elems"}
-    if machine.pcie_bytes_s:
-        rates["h2d"] = rates["d2h"] = machine.pcie_bytes_s
-    if machine.gpu_flops:
-        rates["matmul_bf16"] = machine.gpu_flops
-        rates["matmul_fp32"] = machine.gpu_flops * RATES["matmul_fp32"] / RATES["matmul_bf16"]
-    return rates
-
-
-def _step_basis(machine: Machine) -> str:
-    if machine.backend != "gpu":
-        return "H100 rates: a GPU prediction; this run is on the CPU backend, which is far slower"
-    if machine.pcie_bytes_s or machine.gpu_flops:
-        return "the target's rates" + ("" if machine.pcie_bytes_s and machine.gpu_flops else
-                                       " where given, the H100's elsewhere")
-    return "H100 rates"
-
-
-def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_dev: int, n_keep: int, stream_bytes: int,
-                   moment_bytes: float, update_on: str, cpu_cores: int, attention: bool = True,
-                   placement: choose.Placement | None = None) -> dict[str, Any]:
-    """The step's floor terms (compute, host->GPU, GPU->host, optimizer, host copies) and the largest of
-    them; ``work_s`` is their sum (the search's second key). N GPUs: each receives every block over its
-    own link, all read the one host memory at once; the summed gradient leaves once, its chunks spread
-    over the N links. ``placement`` adds its costs: ``boundary_every`` k recomputes (k-1)/k of the blocks'
-    forward; ``resweep`` runs the backward (with its recompute) once more and streams the blocks again;
-    pinned activations cross both ways; a host hold's gradient crosses back for a device-side update and
-    a pageable one is copied by one host thread; ``stream_io`` sends the head twice and the batch's
-    embedding rows instead of the whole embedding and head once."""
-    train, optim, model = cfg.train, cfg.optim, cfg.model
-    p = placement
-    k = p.boundary_every if p else 1
-    hold = p.grad_hold if p else "gpu_fp32"
-    io = bool(p and p.stream_io)
-    tokens = train.batch_size * cfg.data.seq_len
-    non_emb = model.non_embedding_params()
-    attn = 12.0 * model.num_layers * model.num_heads * model.dim_per_head * cfg.data.seq_len if attention else 0.0
-    hw_flops = tokens * (8 * non_emb - 2 * n_keep * shapes.block + 8 * shapes.vocab * shapes.hidden
-                         + 4.0 / 6.0 * attn)
-    fwd_blocks = tokens * (2 * non_emb + attn / 6.0)
-    hw_flops += (k - 1) / k * fwd_blocks
-    if hold == "resweep":  # recompute (1 forward) + backward (2 forwards) of every block once more: ~+75%
-        hw_flops += 3 * fwd_blocks
-    rate = rates["matmul_bf16" if train.compute_dtype == "bfloat16" else "matmul_fp32"] * n_dev
-    compute_s = hw_flops / rate
-    # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
-    cast = shapes.params if hold in ("gpu_bf16", "host_bf16") else (p.gpu_group_params if p else 0)
-    memory_s = 6.0 * cast / GPU_MEMORY_RATE
-    # each micro-batch's gradient accumulation in fp32, per block (a resweep's second sweep accumulates again)
-    mb = p.micro_batches if p else (train.micro_batches if isinstance(train.micro_batches, int) else 1)
-    per_param = MICRO_BATCH_BYTES_PER_PARAM / (1 if (stream_bytes == 4 and train.compute_dtype == "bfloat16") else 2)
-    memory_s += per_param * shapes.layers * shapes.block * mb * (2 if hold == "resweep" else 1) / (GPU_MEMORY_RATE * n_dev)
-    compute_s += memory_s  # (the GPU's memory-bound passes: they do not scale with its TFLOPS)
-    if p and p.blocks_queued == 1:  # a dispatch bubble per block, forward and backward (and each recompute)
-        sweeps = 2 + (k - 1) / k + (2 if hold == "resweep" else 0)
-        compute_s += sweeps * shapes.layers * (DISPATCH_BLOCK_S + p.micro_batches * DISPATCH_CALL_S)
-    if io:  # the head gathered vocabulary-major from the (H, V) store once a step, off the dispatching thread
-        compute_s += 4.0 * shapes.vocab * shapes.hidden / IO_GATHER_RATE
-    # blocks twice (forward, backward), embedding and head once (stream_io: head twice, the batch's rows)
-    out_matrix = shapes.vocab * shapes.hidden + shapes.hidden  # the head's (tied: the embedding) and final norm
-    # (stream_io's head chunks cross in the compute dtype: the host's gather casts them)
-    io_bytes = 2 * shapes.dtype_bytes * out_matrix + 4 * tokens // n_dev * shapes.hidden if io \
-        else 4 * (shapes.embed + shapes.head)
-    h2d_bytes = 2 * shapes.layers * shapes.block * stream_bytes + io_bytes
-    if hold == "resweep":
-        h2d_bytes += shapes.layers * shapes.block * stream_bytes
-    opt_rate = RATES["adamw_elems"]["optax" if optim.kernel == "optax" else optim.moments] * min(cpu_cores, 16) / 16
-    copy_rate = max(HOST_COPY_RATE, HOST_COPY_PARALLEL_RATE * min(cpu_cores, 16) / 16)
-    h2d_s = max(h2d_bytes / rates["h2d"], n_dev * h2d_bytes / rates["host_read"])
-    grad_d2h = 4.0 * shapes.params
-    extra_h2d = extra_d2h = copy_bytes = widen_bytes = 0.0
-    if p is not None and p.activations == "pinned_host":  # the parked inputs (a split keeps the last ones on the GPU)
-        act = shapes.tokens * shapes.hidden * shapes.dtype_bytes \
-            * (-(-shapes.layers // k) - kept_on_gpu(shapes.layers, k, p.gpu_act_blocks))
-        extra_d2h += act
-        extra_h2d += act * (2 if hold == "resweep" else 1)
-    # stream_io with a device-side update: the embedding and head (gradients in host memory) update on the host
-    io_params = (shapes.embed + shapes.head) if io else 0  # their gradients wait in host memory, outside any hold
-    host_params = io_params if update_on == "device" else 0
-    if hold in HOST_HOLD_BYTES:
-        held = HOST_HOLD_BYTES[hold] * (shapes.params - io_params - (p.gpu_group_params if p else 0))
-        if update_on == "device":  # out for the norm, back for the update
-            extra_d2h += held
-            extra_h2d += held
-        elif hold == "host_bf16":  # the held part leaves in bf16
-            grad_d2h -= held
-        if hold != "pinned_host":  # the copier moves each landed slab into the pageable hold
-            copy_bytes += held * (2 if update_on == "device" else 1)
-            if hold == "host_bf16" and update_on == "host":
-                widen_bytes = 2 * held  # widened to fp32 for the host update, after the norm
-    step = {"compute_s": compute_s, "h2d_s": h2d_s + extra_h2d / rates["h2d"],
-            "d2h_s": grad_d2h / (rates["d2h"] * n_dev) + extra_d2h / rates["d2h"],
-            "optimizer_s": shapes.params / opt_rate, "host_copy_s": (copy_bytes + widen_bytes) / copy_rate,
-            "gpu_memory_s": memory_s}
-    if update_on == "device":  # the state crosses PCIe both ways instead of the gradient; the host kernel only
-        dev_params = shapes.params - host_params  # for what stays in host memory (stream_io's embedding, head)
-        step["h2d_s"] = (h2d_bytes + moment_bytes * dev_params + extra_h2d) / rates["h2d"]
-        step["d2h_s"] = ((4 + moment_bytes) * dev_params + 4.0 * host_params + extra_d2h) / rates["d2h"]
-        step["optimizer_s"] = host_params / opt_rate
-        if optim.kernel == "optax":  # its update runs on the compute stream (Muon: Newton-Schulz matmuls)
-            cost = _optax_cost(cfg)
-            step["update_s"] = device_update_s(cost, rates["matmul_bf16" if cost.matmul_dtype == "bfloat16"
-                                                         else "matmul_fp32"], GPU_MEMORY_RATE)
-            step["compute_s"] += step["update_s"]
-    compute_s = step["compute_s"]
-    terms = ("compute_s", "h2d_s", "d2h_s", "optimizer_s", "host_copy_s")
-    # updates wait for the step's norm (clipping, the NaN check): the next forward is the only compute they can
-    # hide behind. A host update chain (widening a bf16 hold, the kernel) longer than the forward is exposed;
-    # a device-side one runs inside the forward, except the embedding's host update (stream_io) at its start
-    fwd_s = fwd_blocks / rate  # the forward sweep alone (a segment's recompute runs in the backward)
-    if update_on == "host":
-        chain = step["optimizer_s"] + widen_bytes / copy_rate
-        step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, chain)
-    else:
-        step["updates_after_norm_s"] = compute_s + (shapes.embed / opt_rate if host_params else 0.0)
-        if hold in ("host_fp32", "host_bf16"):  # a pageable hold comes back through the copier on that path
-            step["updates_after_norm_s"] += held / HOLD_RETURN_RATE
-    step["work_s"] = sum(step[t] for t in terms)
-    terms = terms + ("updates_after_norm_s",)
-    step["predicted_step_s"] = max(step[t] for t in terms)
-    step["binding"] = max(terms, key=lambda t: step[t])
-    return step

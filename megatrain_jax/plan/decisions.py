@@ -66,7 +66,7 @@ class Placement:
     blocks_queued: int = BLOCKS_QUEUED  # the engine's pace (EngineOptions.blocks_queued)
     host_need: float = 0.0  # the plan's host need with this candidate (fewest slabs)
     host_placed: float = 0.0  # the same without XLA's GPU pool table (what the search's order compares)
-    step: dict[str, Any] = field(default_factory=dict)  # its predicted step (build.predicted_step)
+    step: dict[str, Any] = field(default_factory=dict)  # its predicted step (step_model.predicted_step)
 
 
 def resolve_devices(train_devices: Any, gpu_count: int, processes: int, devices: int | None) -> int:

@@ -95,7 +95,7 @@ class Context:
     host_usable: float
     host_of: Callable[[Placement], tuple[float, float]]  # the candidate's host need (build.py: the plan's host
     #                                      rows) and the part of it the order compares (without XLA's GPU pool table)
-    step_of: Callable[[Placement], dict]  # the candidate's predicted step (build.predicted_step)
+    step_of: Callable[[Placement], dict]  # the candidate's predicted step (step_model.predicted_step)
 
 
 @dataclass
@@ -151,14 +151,15 @@ def group_params(shapes: Shapes, n: int, io: bool = False) -> int:
 
 
 def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k: int, io: bool, chunk: int,
-             groups: int = 0, act_blocks: int = 0) -> Placement:
-    """One candidate: its GPU phases, host need, predicted step, and whether it fits both."""
+             groups: int = 0, act_blocks: int = 0, want_rows: bool = False) -> Placement:
+    """One candidate: its GPU phases, host need, predicted step, and whether it fits both (its GPU rows
+    only with ``want_rows``: ``gpu_rows`` makes them for the one taken)."""
     phases, rows = gpu_phases(shapes, micro_batches=micro, stream_bytes=ctx.stream_bytes,
                               device_cast=ctx.device_cast, act_on_gpu=act == "device", hold_bytes=HOLD_BYTES[hold],
                               loss_chunk=chunk, deferred=True, attn=ctx.attn,
                               update_state_bytes=ctx.update_state_bytes, boundary_every=k, stream_io=io,
                               gpu_group_bytes=group_bytes(shapes, groups, io), resweep=hold == "resweep",
-                              act_gpu_blocks=act_blocks)
+                              act_gpu_blocks=act_blocks, want=want_rows)
     need = max(phases.values())
     p = Placement(micro, act, hold, phases, rows, need, False, seq_tile=shapes.seq_tile, boundary_every=k,
                   stream_io=io, gpu_groups=groups, gpu_group_params=group_params(shapes, groups, io), loss_chunk=chunk,
@@ -167,6 +168,11 @@ def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k
     p.step = ctx.step_of(p)
     p.fits = (ctx.gpu_usable is None or need <= ctx.gpu_usable) and p.host_need <= ctx.host_usable
     return p
+
+
+def gpu_rows(shapes: Shapes, ctx: Context, p: Placement) -> list:
+    """The GPU rows of candidate ``p`` (evaluated again, with them)."""
+    return _again(shapes, ctx, p, want_rows=True).gpu_rows
 
 
 def _again(shapes: Shapes, ctx: Context, base: Placement, **change: int) -> Placement:

@@ -206,7 +206,7 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
                hold_bytes: int | None, loss_chunk: int, deferred: bool, attn: AttentionExtra | None = None,
                update_state_bytes: float | None = None, boundary_every: int = 1, stream_io: bool = False,
                gpu_group_bytes: float = 0.0, resweep: bool = False,
-               act_gpu_blocks: int = 0) -> tuple[dict[str, float], list[Row]]:
+               act_gpu_blocks: int = 0, want: bool = True) -> tuple[dict[str, float], list[Row]]:
     """Bytes on the GPU at each phase of a step, and the rows that explain them.
     ``update_state_bytes``: optimizer state bytes/param of a device-side update (``train.update_on=device``),
     None for host updates. ``boundary_every`` k: every k-th block input is kept (L/k layers), and the
@@ -214,7 +214,8 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
     is resident; one vocabulary chunk of the head (fp32 + cast + its fp32 gradient), one logits tile and
     the fp32 dx are. ``gpu_group_bytes``: the bf16 share of a split hold (``grad_hold_gpu_groups``).
     ``resweep``: no hold; the activations stay for a second backward sweep. ``act_gpu_blocks`` (pinned
-    activations split): the last this-many blocks keep their inputs on the GPU."""
+    activations split): the last this-many blocks keep their inputs on the GPU. ``want=False``: the phases
+    only (the search evaluates thousands of candidates; the rows of the one it takes are made again)."""
     dt = shapes.dtype_bytes
     tok_mb = shapes.batch * shapes.seq // micro_batches
     rows = []
@@ -222,18 +223,18 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
     if stream_io:
         vc = min(IO_VOCAB_CHUNK, shapes.vocab)
         resident = vc * shapes.hidden * (4 + dt + 4)
-        rows.append(Row("gpu", "head: one vocabulary chunk (train.stream_io)", resident,
+        want and rows.append(Row("gpu", "head: one vocabulary chunk (train.stream_io)", resident,
                         f"{vc} rows fp32 + cast + fp32 gradient; embedding rows gathered per batch"))
     else:
         # the embedding and head always stream their fp32 master (hoststore.py) and are cast in each jit
         resident = (shapes.embed + shapes.head) * 4 + (shapes.embed + shapes.head) * (dt if dt == 2 else 0)
-        rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
+        want and rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
                         "fp32 + compute-dtype cast" if dt == 2 else "fp32"))
     # the engine's pace (weights.Pace): one block computing, BLOCKS_QUEUED - 1 queued behind it, the next in flight
     queued = shapes.blocks_queued
     blocks = queued + 1
     inflight = blocks * shapes.block * stream_bytes + (shapes.block * dt if device_cast else 0)
-    rows.append(Row("gpu", f"{blocks} blocks' weights (" + ("computing, queued, in flight)" if queued > 1 else
+    want and rows.append(Row("gpu", f"{blocks} blocks' weights (" + ("computing, queued, in flight)" if queued > 1 else
                                                             "computing, in flight)"), inflight,
                     "fp32 master, cast on the GPU" if device_cast else ""))
     act_layer = shapes.batch * shapes.seq * shapes.hidden * dt
@@ -246,18 +247,18 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
     # the backward one parked layer comes back while the GPU's last one is used
     acts = (kept_layers * act_layer if act_on_gpu else
             ((split + 1) if split else PINNED_ACT_LAYERS_ON_GPU) * act_layer) + segment
-    rows.append(Row("gpu", "boundary activations", acts,
+    want and rows.append(Row("gpu", "boundary activations", acts,
                     (f"{kept_layers} layers x {shapes.tokens} tokens" if act_on_gpu
                      else f"the last {act_gpu_blocks} blocks' inputs here ({split} layers), the others in pinned "
                           "host memory, one in flight" if split
                      else f"in pinned host memory; {PINNED_ACT_LAYERS_ON_GPU} layers in flight")
                     + (f"; every {k}th block input, {k - 1} recomputed per segment" if k > 1 else "")))
     ws = block_working_set(shapes, tok_mb)
-    rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"
+    want and rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"
                     + (f", sequence tiles of {shapes.seq_tile}" if 0 < shapes.seq_tile < shapes.seq else "")))
     if attn is not None:  # what the chosen attention path needs beyond the calibrated (cuDNN) coefficients
         extra, impl = attn(max(shapes.batch // micro_batches, 1))
-        rows.append(Row("gpu", "attention working set beyond cuDNN's", extra, impl))
+        want and rows.append(Row("gpu", "attention working set beyond cuDNN's", extra, impl))
         ws += extra
     # current block's fp32 accumulator + the embedding's (stream_io: the gathered rows' gradient)
     emb_acc = shapes.tokens * shapes.hidden * 4 if stream_io else shapes.embed * 4
@@ -268,19 +269,19 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
     host_hold = deferred and not hold_bytes
     # (stream_io: the embedding rows' gradient exists only in the embedding's backward, after the last block)
     accum = (queued + (HOLD_COPIES_IN_FLIGHT if host_hold else 0)) * shapes.block * 4 + (0 if stream_io else emb_acc)
-    rows.append(Row("gpu", "gradient accumulators (fp32)", accum + head_acc + (emb_acc if stream_io else 0),
+    want and rows.append(Row("gpu", "gradient accumulators (fp32)", accum + head_acc + (emb_acc if stream_io else 0),
                     f"{queued} blocks" + (f" + {HOLD_COPIES_IN_FLIGHT} on its way to the host hold" if host_hold else "")
                     + (", embedding rows" if stream_io else ", embedding, head")))
     if stream_io:
         vc = min(IO_VOCAB_CHUNK, shapes.vocab)
         loss_ws = min(loss_chunk, tok_mb) * vc * LOSS_BYTES_PER_LOGIT + shapes.tokens * shapes.hidden * 4 \
             + 3 * tok_mb * shapes.hidden * 4
-        rows.append(Row("gpu", "loss tile and dx (logits never exist whole)", loss_ws,
+        want and rows.append(Row("gpu", "loss tile and dx (logits never exist whole)", loss_ws,
                         f"{min(loss_chunk, tok_mb)} tokens x {vc} vocabulary, fp32 dx of the step"))
         out_grad = 0.0  # the head's gradient leaves one vocabulary chunk at a time
     else:
         loss_ws = loss_working_set(shapes, tok_mb, loss_chunk)
-        rows.append(Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
+        want and rows.append(Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
                         f"chunk {min(loss_chunk, tok_mb)} tokens"))
         out_grad = shapes.vocab * shapes.hidden * (4 + dt)  # the output matrix's fp32 gradient and its cast
     # (stream_io: the embedding's and head's gradients are made in host memory and wait there)
@@ -288,14 +289,14 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
     held = (on_gpu_params * hold_bytes) if (deferred and hold_bytes) else 0
     held += gpu_group_bytes if deferred else 0.0
     if deferred:
-        rows.append(Row("gpu", "gradients held for clipping", held,
+        want and rows.append(Row("gpu", "gradients held for clipping", held,
                         "none: a second backward sweep (resweep)" if resweep else
                         {4: "fp32", 2: "bf16"}.get(hold_bytes or 0, "in host memory")
                         + (", the first groups in bf16 on the GPU" if gpu_group_bytes else "")))
     # the step's inputs (tokens, labels, loss mask, positions: 4 bytes each) and every micro-batch's aux, made once
     # for the step and read by each block: the rotary tables, cos and sin in fp32 (models/common.rope_tables)
     inputs = shapes.tokens * (16 + 4 * shapes.head_dim)
-    rows.append(Row("gpu", "step inputs and the blocks' aux (rotary tables)", inputs, "for the whole step"))
+    want and rows.append(Row("gpu", "step inputs and the blocks' aux (rotary tables)", inputs, "for the whole step"))
     fixed = resident + inflight + inputs
     update = 0.0
     if update_state_bytes is not None:
@@ -307,14 +308,14 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
         largest = shapes.block if stream_io else max(shapes.embed, shapes.head, shapes.block)
         update = update_state_bytes * (2 * shapes.block + big) + (4 + update_state_bytes) * WRITEBACKS_IN_FLIGHT * shapes.block \
             + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, largest) if shapes.update_chunked else largest)
-        rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
+        want and rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
                         "train.update_on=device"))
     head_hold = shapes.head * (hold_bytes or 0) if (deferred and not stream_io) else 0
     # resweep with stream_io: the first sweep keeps the top cotangents for the second (the streamed head is not
     # run again), a layer of activations on the GPU from the loss to the second sweep's start
     top = act_layer if (resweep and stream_io) else 0
     if top:
-        rows.append(Row("gpu", "top cotangents kept for the second sweep", top, "resweep with train.stream_io"))
+        want and rows.append(Row("gpu", "top cotangents kept for the second sweep", top, "resweep with train.stream_io"))
     phases = {
         "forward start (all held gradients, no activations)": fixed + held + act_layer + ws / 2 + update,
         # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
