@@ -77,8 +77,8 @@ HOLD_BYTES = {"gpu_fp32": 4, "gpu_bf16": 2, "pinned_host": None, "host_fp32": No
 HOST_HOLD_BYTES = {"pinned_host": 4, "host_fp32": 4, "host_bf16": 2}  # host bytes/param of each host hold
 IO_GATHER_RATE = 20e9  # bytes/s of the streamed head's host gather as the step sees it. Gathered twice a step on the
 # dispatching thread, an 8B (128256 x 4096) head cost 1.13 s more per step than the resident one (3.7e9 then:
-# experiments/probe_stream_io.py, H100 machine, RESULTS.md s7); now once, in the background (engine/io.py): an
-# estimate until measured
+# experiments/probe_stream_io.py, H100 machine, RESULTS.md s7); now once, in the background (engine/io_head.py): with
+# it the 8B at 24 GB predicts 8.24 s against 7.88 measured, as over as the whole GPU's prediction (RESULTS.md s15)
 IO_VOCAB_CHUNK = 16384  # vocabulary rows of the head on the GPU at once with train.stream_io (the engine's chunk)
 PINNED_LIMIT_FACTOR = 1.02  # XLA's pinned-host pool limit over the plan's pinned bytes (+ PINNED_LIMIT_ROOM):
 # the pool's arrays are few sizes (activation layers, slabs), so little is lost between them; every byte of the
