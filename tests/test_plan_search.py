@@ -163,8 +163,8 @@ CASES = [("configs/llama3.1-8b.yaml", ()), ("configs/3b.yaml", ("train.batch_siz
 
 
 def _every_candidate(found):
-    """The whole product of the search's axes, each candidate evaluated afresh (with a host hold, also
-    the split the search would try)."""
+    """The whole product of the search's axes, each candidate evaluated afresh (and
+    the split placements the search tries beside each, search.variants)."""
     from megatrain_jax.plan import search
 
     ax, out = found.axes, []
@@ -178,16 +178,7 @@ def _every_candidate(found):
                         for chunk in ax.loss_chunks:
                             p = search.evaluate(found.shapes, found.ctx, micro=micro, act=act, hold=hold, k=k,
                                                 io=io, chunk=chunk)
-                            out.append(p)
-                            bases = [p]
-                            if ax.act_blocks is None and act == "pinned_host" and k == 1:
-                                a = search._split_acts(found.shapes, found.ctx, p)
-                                bases += [a] if a is not None else []
-                            if ax.split and hold in search.HOST_HOLDS:
-                                for b in bases:
-                                    q = search._split(found.shapes, found.ctx, b)
-                                    out += [q] if q is not None else []
-                            out += bases[1:]
+                            out += [p] + search.variants(found.shapes, found.ctx, ax, p)
     return out
 
 

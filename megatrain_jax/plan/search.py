@@ -237,6 +237,21 @@ def _split_acts(shapes: Shapes, ctx: Context, base: Placement) -> Placement | No
     return _most(shapes, ctx, base, "act_blocks", shapes.layers - 1)
 
 
+def variants(shapes: Shapes, ctx: Context, axes: Axes, p: Placement) -> list[Placement]:
+    """The split placements tried beside candidate ``p``: pinned activations (every input kept) with the last
+    blocks' inputs on the GPU, where that count is searched; and a host hold with its first groups on the GPU,
+    on ``p`` and on that split."""
+    bases, out = [p], []
+    if axes.act_blocks is None and p.activations == "pinned_host" and p.boundary_every == 1:
+        acts = _split_acts(shapes, ctx, p)
+        if acts is not None:
+            bases.append(acts)
+            out.append(acts)
+    if axes.split and p.grad_hold in HOST_HOLDS:
+        out += [q for q in (_split(shapes, ctx, b) for b in bases) if q is not None]
+    return out
+
+
 def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
     """Every combination of the axes, except smaller loss chunks once one fits (with the other decisions
     equal, a smaller chunk changes only the loss's GPU bytes and ranks lower)."""
@@ -261,19 +276,9 @@ def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
                             p = evaluate(shapes, ctx, micro=micro, act=act, hold=hold, k=k, io=io, chunk=chunk,
                                          act_blocks=fixed)
                             consider(p)
-                            bases = [p]
-                            if axes.act_blocks is None and act == "pinned_host" and k == 1:
-                                acts = _split_acts(shapes, ctx, p)
-                                if acts is not None:
-                                    consider(acts)
-                                    bases.append(acts)
-                                    found = found or acts.fits
-                            if axes.split and hold in HOST_HOLDS:
-                                for b in bases:
-                                    extra = _split(shapes, ctx, b)
-                                    if extra is not None:
-                                        consider(extra)
-                                        found = found or extra.fits
+                            for q in variants(shapes, ctx, axes, p):
+                                consider(q)
+                                found = found or q.fits
                             if p.fits or found:
                                 break
     fitting = [p for p in every if p.fits]
