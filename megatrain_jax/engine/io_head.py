@@ -316,9 +316,8 @@ class HeadStream:
         self._small_w, self._staged = None, None
         # the updater reads ``dense`` (tied: the embedding's backward adds to it next): every scatter first
         jobs, self._scatters = self._scatters, []
-        wait_all(jobs)
         for f in jobs:
-            f.result()
+            f.result()  # (the first error, on this thread)
         self.upd.gradient("head", self.dense)
         return list(losses), dhs, sq
 
