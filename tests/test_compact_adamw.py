@@ -10,7 +10,7 @@ from megatrain_jax.config import ModelConfig, OptimConfig, load_config
 from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
 from megatrain_jax.models.llama import init_host_store
-from megatrain_jax.optim import CompactAdamW, build_host_optimizer
+from megatrain_jax.optim import CompactAdamW, FusedAdamW, build_host_optimizer
 from megatrain_jax.optim import compact_adamw as ca
 from megatrain_jax.optim.fused_adamw import bf16_bits_to_f32, f32_to_bf16_bits
 
@@ -111,6 +111,30 @@ def test_bf16_moments_kernel_equals_numpy_and_tracks_optax_bf16_mu():
     # optax keeps nu in fp32: close, not equal (relative to the size of the update)
     step = np.abs(po - p).max() / (5 * KW["lr"])
     assert step < 0.05, step
+
+
+@pytest.mark.parametrize("moments", ["float32", "int8", "bfloat16"])
+def test_kernels_take_a_bf16_gradients_bits_exactly_as_its_widened_fp32(moments):
+    """A gradient held in bf16 reaches the kernel as its bits (uint16), widened as it is read: the same
+    update, bit for bit, as the fp32 values a widening pass would have made first."""
+    rng = np.random.default_rng(5)
+    n = ca.BLOCK * 3 + 211
+    opt = FusedAdamW(1e-3, b1=0.9, b2=0.95, weight_decay=0.1) if moments == "float32" else \
+        CompactAdamW(1e-3, moments, b1=0.9, b2=0.95, weight_decay=0.1)
+    assert opt.bf16_grads
+    p0 = rng.standard_normal(n).astype(np.float32)
+    pa, pb = p0.copy(), p0.copy()
+    sa, sb = opt.init_state(pa), opt.init_state(pb)
+    oa, ob = np.zeros(n, np.uint16), np.zeros(n, np.uint16)
+    for count in (1, 2, 3):
+        g_bits = f32_to_bf16_bits(_grads(rng, n))
+        opt.update(pa, bf16_bits_to_f32(g_bits), sa, count, 0.5, oa)
+        opt.update(pb, g_bits, sb, count, 0.5, ob)
+        np.testing.assert_array_equal(pa, pb)
+        np.testing.assert_array_equal(oa, ob)
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k])
+    assert not np.array_equal(pa, p0)
 
 
 @pytest.mark.parametrize("moments", ["int8", "bfloat16"])

@@ -91,13 +91,17 @@ def test_exact_hold_equals_reference_and_the_gpu_hold(case):
     _assert_equal_weights(weights, base_w)
 
 
-@pytest.mark.parametrize("update_on", ["host", "device"])
-def test_host_bf16_hold_equals_the_gpu_bf16_hold_and_tracks_the_reference(update_on):
-    """bf16 on the device before the copy (norm in fp32 first), widened exactly on the host: the same
-    update as the GPU's bf16 hold, bit for bit; within bf16 rounding of the reference (two micro-batches,
-    so the gradients are not bf16 values already)."""
+@pytest.mark.parametrize("hold,update_on", [("host_bf16", "host"), ("host_bf16", "device"),
+                                             ("pinned_bf16", "host"), ("pinned_bf16", "device")])
+def test_bf16_host_holds_equal_the_gpu_bf16_hold_and_track_the_reference(hold, update_on):
+    """bf16 on the device before the copy (norm in fp32 first), widened exactly on the host (pageable, or
+    pinned beside the parked activations): the same update as the GPU's bf16 hold, bit for bit; within
+    bf16 rounding of the reference (two micro-batches, so the gradients are not bf16 values already)."""
     ref, want = _reference()
-    st, got, weights = _run("host_bf16", micro_batches=2, update_on=update_on)
+    acts = dict(activations="pinned_host") if hold == "pinned_bf16" else {}
+    st, got, weights = _run(hold, micro_batches=2, update_on=update_on, **acts)
+    if hold == "pinned_bf16":
+        assert st.last_step_info["offload_activations"]
     _, base, base_w = _run("gpu_bf16", micro_batches=2, update_on=update_on)
     assert got == base
     _assert_equal_weights(weights, base_w)
@@ -111,6 +115,32 @@ def test_host_bf16_hold_equals_the_gpu_bf16_hold_and_tracks_the_reference(update
         flat = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
         dr, dh = flat - init[name].master, weights[name] - init[name].master
         assert np.linalg.norm(dr - dh) < 0.05 * np.linalg.norm(dr), name
+
+
+def test_pinned_bf16_hold_waits_in_pinned_bf16_arrays_and_reads_back_exactly(monkeypatch):
+    """Each block's gradient waits as one pinned bf16 array (half of pinned_host's), and the host update
+    reads it widened to fp32 exactly."""
+    from megatrain_jax.engine import holds
+
+    made = []
+    real = holds.PinnedHeld.__init__
+
+    def spy(self, arr, xfer, scratch=None):
+        real(self, arr, xfer, scratch)
+        made.append(self)
+
+    monkeypatch.setattr(holds.PinnedHeld, "__init__", spy)
+    parts, store = init_host_store(MODEL, 0, bf16_stream=False)
+    st = StreamedTrainer(parts, build_host_optimizer(OCFG, STEPS), compute_dtype="float32", clip_norm=CLIP,
+                         loss_chunk=48, store=store, grad_hold="pinned_bf16", activations="pinned_host", **SLABS)
+    st.step(_batches_5()[0])
+    st.close()
+    assert len(made) == MODEL.num_layers + 2  # every group
+    for held in made:
+        assert held.arr.dtype == jax.numpy.bfloat16 and held.arr.sharding.memory_kind == "pinned_host"
+        bits = np.asarray(held.xfer.host_view(held.arr)).view(np.uint16)
+        got = held.read(0, bits.size)
+        np.testing.assert_array_equal(got.view(np.uint32), bits.astype(np.uint32) << 16)
 
 
 def test_split_hold_keeps_the_first_groups_on_the_gpu_in_bf16():

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from megatrain_jax.config import load_config
+from megatrain_jax.config.schema import GRAD_HOLDS
 from megatrain_jax.plan import GB, GiB, make_plan, target_machine
 from megatrain_jax.plan.sizes import (GPU_MARGIN, PINNED_ACTS, PINNED_HOLD, PINNED_REUSED, grown_pool, pinned_limit,
                                      pinned_need, pinned_pool, usable)
@@ -79,7 +80,7 @@ def test_the_plan_builds_the_new_engine_options():
     p = make_plan(_cfg("configs/llama3.1-8b.yaml"), _target(24, 128))
     o = p.options
     assert p.verdict() is None
-    assert o.grad_hold in ("gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep")
+    assert o.grad_hold in GRAD_HOLDS and o.grad_hold != "auto"
     assert (o.stream_io, o.boundary_every, o.grad_hold_gpu_groups) == (
         p.decisions["stream_io"], p.decisions["boundary_every"], p.decisions["grad_hold_gpu_groups"])
     assert p.gpu_need <= usable(p.gpu_budget, GPU_MARGIN)

@@ -8,7 +8,7 @@ from typing import Any
 from megatrain_jax.errors import UserError
 from megatrain_jax.families import get_family
 
-GRAD_HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep")  # train.grad_hold
+GRAD_HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "pinned_bf16", "host_fp32", "host_bf16", "resweep")  # train.grad_hold
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # model.lora.targets: q_proj .. down_proj
 LORA_BASE_DTYPES = ("bfloat16", "int8", "float32")  # model.lora.base_dtype
 
@@ -237,7 +237,8 @@ class TrainConfig:
     #                            where the plan predicts the doubled transfer hides behind compute (or the copy
     #                            does not fit), else host
     grad_hold: str = "auto"  # where gradients wait for the clipping norm: auto | gpu_fp32 | gpu_bf16 | pinned_host
-    #                          | host_fp32 | host_bf16 (ordinary host memory) | resweep (no hold: a second backward)
+    #                          | pinned_bf16 (XLA's pinned pool, beside parked activations) | host_fp32 | host_bf16
+    #                          (ordinary host memory) | resweep (no hold: a second backward)
     stream_io: bool | str = "auto"  # true: the embedding and head are not resident on the GPU (rows gathered, head
     #                                 streamed in vocabulary chunks) | false | auto (the plan decides)
     boundary_every: int | str = "auto"  # keep every k-th block input for the backward (recompute between) | auto

@@ -1,6 +1,8 @@
 """Where a deferred gradient waits for the step's clipping norm when it does not stay on the GPU.
 
-- ``PinnedHeld`` (``grad_hold=pinned_host``): the whole group in one pinned host array.
+- ``PinnedHeld`` (``grad_hold=pinned_host`` / ``pinned_bf16``): the whole group in one pinned host array
+  (XLA's pinned pool, where parked activations live too: the backward's gradients land where the inputs it
+  has consumed were). ``pinned_bf16`` casts on the GPU first (the norm was taken in fp32): half the pool.
 - ``PageableHold`` (``grad_hold=host_fp32`` / ``host_bf16``): ordinary (pageable) host memory, one
   buffer per group allocated once and reused every step. The gradient leaves the GPU through the
   pinned gradient slabs (the fixed pool the host updates use: ``grad_slabs`` buffers of at most
@@ -50,14 +52,40 @@ def parallel(fn: Callable[[int, int], Any], n: int) -> None:
         f.result()
 
 
+def widen_bf16(part: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """bf16 values as fp32 into ``out`` (exact: the bf16 bits are the fp32's top half), over the copier threads."""
+    src, dst = part.view(np.uint16), out.view(np.uint32)
+    parallel(lambda a, b: np.left_shift(src[a:b], 16, out=dst[a:b], dtype=np.uint32), len(part))
+    return out
+
+
+class Scratch:
+    """One fp32 buffer that widened bf16 reads land in, reused by the next read (one reader: the host
+    optimizer thread reads a chunk, updates with it, then reads the next)."""
+
+    def __init__(self):
+        self._buf: np.ndarray | None = None
+
+    def __call__(self, n: int) -> np.ndarray:
+        if self._buf is None or self._buf.size < n:
+            self._buf = np.empty(n, np.float32)
+        return self._buf[:n]
+
+
 class PinnedHeld:
-    """A group's gradient held in one pinned host array (``grad_hold=pinned_host``)."""
+    """A group's gradient held in one pinned host array (``grad_hold=pinned_host``; ``pinned_bf16``: a bf16
+    array, widened on reading into ``scratch``)."""
 
-    def __init__(self, arr: jax.Array, xfer: Transfers):
-        self.arr, self.xfer = arr, xfer
+    def __init__(self, arr: jax.Array, xfer: Transfers, scratch: Scratch | None = None):
+        self.arr, self.xfer, self.scratch = arr, xfer, scratch
 
-    def read(self, lo: int, hi: int) -> np.ndarray:
-        return self.xfer.host_view(self.arr)[lo:hi]
+    def read(self, lo: int, hi: int, bits: bool = False) -> np.ndarray:
+        """Values ``lo:hi`` as fp32; with ``bits`` a bf16 array's as its uint16 bits (for a kernel that widens
+        as it reads: ``HostOptimizer.bf16_grads``)."""
+        part = self.xfer.host_view(self.arr)[lo:hi]
+        if part.dtype == np.float32:
+            return part
+        return part.view(np.uint16) if bits else widen_bf16(part, self.scratch(hi - lo))
 
     def to_device(self) -> jax.Array:
         return jax.device_put(self.arr, self.xfer.device_sharding)
@@ -70,7 +98,7 @@ class HostArray:
     def __init__(self, arr: np.ndarray, xfer: Transfers):
         self.arr, self.xfer = arr, xfer
 
-    def read(self, lo: int, hi: int) -> np.ndarray:
+    def read(self, lo: int, hi: int, bits: bool = False) -> np.ndarray:
         return self.arr[lo:hi]
 
     def to_device(self) -> jax.Array:
@@ -101,17 +129,16 @@ class PageableHeld:
         if self.hold.error is not None:
             raise self.hold.error
 
-    def read(self, lo: int, hi: int) -> np.ndarray:
+    def read(self, lo: int, hi: int, bits: bool = False) -> np.ndarray:
         """Values ``lo:hi`` as fp32 (a bf16 buffer is widened into a scratch buffer, reused by the
-        next read: one reader, the host optimizer thread)."""
+        next read: one reader, the host optimizer thread); with ``bits`` a bf16 buffer's as uint16 bits."""
         self.wait()
         part = self.buf[lo:hi]
         if part.dtype == np.float32:
             return part
-        out = self.hold.scratch(hi - lo)
-        src, dst = part.view(np.uint16), out.view(np.uint32)
-        parallel(lambda a, b: np.left_shift(src[a:b], 16, out=dst[a:b], dtype=np.uint32), hi - lo)  # bf16 -> fp32
-        return out
+        if bits:
+            return part.view(np.uint16)
+        return widen_bf16(part, self.hold.scratch(hi - lo))
 
     def to_device(self) -> jax.Array:
         """The held gradient back on the device (a device-side update), fp32 or bf16 as held: a direct
@@ -154,7 +181,7 @@ class PageableHold:
         self._queue: deque = deque()  # [held, device gradient, chunks, next chunk, after]
         self._lock = threading.Lock()
         self._issued = threading.Condition()  # notified each time a group's last copy is issued
-        self._scratch: np.ndarray | None = None
+        self.scratch = Scratch()
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-hold")
         self._slice, self._to_bf16 = _hold_slab_slice, grad_to_bf16
 
@@ -236,11 +263,6 @@ class PageableHold:
             self.slabs.release()
             c.held.landed_one()
             self.pump(block=True)
-
-    def scratch(self, n: int) -> np.ndarray:
-        if self._scratch is None or self._scratch.size < n:
-            self._scratch = np.empty(n, np.float32)
-        return self._scratch[:n]
 
     def drain(self) -> None:
         """Wait until every queued copy has landed."""

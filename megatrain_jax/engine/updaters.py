@@ -27,7 +27,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from megatrain_jax.engine.holds import HostArray, PageableHold, PageableHeld, PinnedHeld
+from megatrain_jax.engine.holds import HostArray, PageableHold, PageableHeld, PinnedHeld, Scratch
 HELD_ON_HOST = (PinnedHeld, PageableHeld, HostArray)
 from megatrain_jax.engine.kernels import F32, Kernels, local_shard
 from megatrain_jax.errors import UserError
@@ -73,7 +73,8 @@ class _Updates:
         hold = options.grad_hold
         # no hold: a second backward sweep once the norm is known (``send``); only where it is needed
         self.resweep = hold == "resweep" and (options.clip_norm is not None or options.skip_nonfinite)
-        self._host_hold = hold in ("pinned_host", "host_fp32", "host_bf16")
+        self._host_hold = hold in ("pinned_host", "pinned_bf16", "host_fp32", "host_bf16")
+        self._pinned_scratch = Scratch()  # pinned_bf16: the widened chunk the host update reads
         self.pageable = PageableHold(xfer, self.slabs, options.grad_slab_elems, hold == "host_bf16",
                                      register=self.on_device, trace=self._trace) \
             if self.deferred and hold in ("host_fp32", "host_bf16") else None
@@ -123,8 +124,10 @@ class _Updates:
             grad = HostArray(grad, self.xfer)
         elif o.grad_hold == "gpu_bf16" or self._host_hold and self.groups.pos[name] < o.grad_hold_gpu_groups:
             grad = self.k.to_bf16(grad)  # the norm was taken in fp32
-        elif o.grad_hold == "pinned_host":
-            grad = PinnedHeld(self.xfer.to_host(local_shard(grad)), self.xfer)
+        elif o.grad_hold in ("pinned_host", "pinned_bf16"):
+            if o.grad_hold == "pinned_bf16":
+                grad = self.k.to_bf16(grad)  # the norm was taken in fp32
+            grad = PinnedHeld(self.xfer.to_host(local_shard(grad)), self.xfer, self._pinned_scratch)
             self._trace("d2h", name, grad.arr)
         elif self.pageable is not None:  # its buffer's last reader (a device-side update) goes first
             grad = self.pageable.put(name, grad, self.store[name].size, after=self.pending.get(name))
@@ -212,8 +215,8 @@ class GradOut:
         """Chunk ``j`` as a host numpy array; waits until it has landed."""
         while not self._events[j].wait(timeout=up.issue_wait_s):
             up.issue_for(self, j)
-        if self.on_host:
-            return self.grad.read(*self.chunks[j])
+        if self.on_host:  # a bf16 hold's bits where the optimizer's kernel widens as it reads
+            return self.grad.read(*self.chunks[j], bits=up.bf16_grads)
         return up.xfer.host_view(self.host[j])
 
     def release(self, j: int, up: "HostUpdates") -> None:
@@ -244,6 +247,7 @@ class HostUpdates(_Updates):
         # before issuing it itself: on a GPU a copy issued late queues behind the compute already
         # dispatched, so the dispatcher should issue it; the CPU backend has no such queue
         self.issue_wait_s = 0.2 if self.xfer.on_gpu else 0.02
+        self.bf16_grads = bool(getattr(self.opt, "bf16_grads", False))  # it reads a bf16 hold's bits as they are
         # gradient slabs: chunk size (aligned as the optimizer's state needs) and the pool's size
         align, n = getattr(self.opt, "chunk_align", None), self.o.grad_slab_elems
         self.slab = None if (n is None or align is None) else max(align, n // align * align)

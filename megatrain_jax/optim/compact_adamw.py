@@ -67,7 +67,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from megatrain_jax.optim.fused_adamw import _adamw_elem, _bf16_rne, bias_correction, launch
+from megatrain_jax.optim.fused_adamw import _adamw_elem, _bf16_rne, bias_correction, grad_f32, launch
 
 BLOCK = 2048
 CHUNK_BLOCKS = 16  # blocks a thread takes from the kernel's work queue at a time (32768 values)
@@ -396,7 +396,7 @@ def _adamw_bf16_core(param, grad, mu, nu, bf16_out, nlr, b1, omb1, b2, omb2, rbc
     decay = wd != np.float32(0.0)
     write_bf16 = bf16_out.shape[0] == n
     for i in prange(n):
-        g = grad[i] * gs
+        g = grad_f32(grad[i]) * gs
         m = omb1 * g + b1 * _bf16_bits_to_f32(mu[i])
         v = omb2 * (g * g) + b2 * _bf16_bits_to_f32(nu[i])
         u = (m * rbc1) / (np.sqrt(v * rbc2 + eps_root) + eps)

@@ -107,9 +107,25 @@ def _to_bf16_kernel(src, out):
 # --------------------------------------------------------------------------------------- the kernel
 
 
+@intrinsic
+def grad_f32(typingctx, g):
+    """A gradient value as float32: float32 as it is, or bfloat16 bits (uint16, a bf16 hold read as it
+    waits) widened exactly, so the kernels take a bf16 gradient without a widening pass over it first."""
+    if g == types.float32:
+        return types.float32(types.float32), lambda context, builder, signature, args: args[0]
+    if g != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        return builder.bitcast(builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16)), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
 @njit(inline="always")
 def _adamw_elem(p, g, m, v, gs, nlr, b1, omb1, b2, omb2, rbc1, rbc2, eps, eps_root, wd, decay):
-    g = g * gs
+    g = grad_f32(g) * gs
     m = omb1 * g + b1 * m
     v = omb2 * (g * g) + b2 * v
     u = (m * rbc1) / (np.sqrt(v * rbc2 + eps_root) + eps)
@@ -202,8 +218,9 @@ def bias_correction(decay: float, count: int) -> np.float32:
 def _check(name: str, a: np.ndarray, dtype, n: int | None) -> None:
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
-    if a.dtype != dtype or a.ndim != 1 or not a.flags.c_contiguous:
-        raise TypeError(f"{name} must be a 1-D contiguous {np.dtype(dtype)} array, "
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if a.dtype not in dtypes or a.ndim != 1 or not a.flags.c_contiguous:
+        raise TypeError(f"{name} must be a 1-D contiguous {' or '.join(str(np.dtype(d)) for d in dtypes)} array, "
                         f"got {a.dtype} with shape {a.shape} (contiguous: {a.flags.c_contiguous})")
     if n is not None and a.shape[0] != n:
         raise ValueError(f"{name} has {a.shape[0]} elements, expected {n}")
@@ -218,10 +235,11 @@ def fused_adamw_step(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np
                      bf16_out: np.ndarray | None, *, lr: float, b1: float, b2: float, eps: float,
                      eps_root: float, weight_decay: float, count: int, grad_scale: float = 1.0) -> None:
     """Checked, locked ``adamw_update_`` with optax-exact bias corrections. ``lr`` is the learning rate
-    of this step (a float, or a float32 that a schedule returned)."""
+    of this step (a float, or a float32 that a schedule returned). ``grad``: float32, or the bfloat16 bits
+    of a bf16 gradient as uint16 (widened in the kernel: no pass over it first)."""
     n = param.shape[0] if isinstance(param, np.ndarray) else None
     _check("param", param, np.float32, None)
-    _check("grad", grad, np.float32, n)
+    _check("grad", grad, (np.float32, np.uint16), n)  # uint16: bfloat16 bits (grad_f32)
     _check("mu", mu, np.float32, n)
     _check("nu", nu, np.float32, n)
     if bf16_out is None:

@@ -70,7 +70,9 @@ class HostOptimizer(Protocol):
 
     Contract:
     - ``params`` and ``grad`` are 1-D contiguous float32; ``bf16_out`` (optional) is 1-D uint16 of the
-      same length and receives the bfloat16 bits (round to nearest even) of the updated params.
+      same length and receives the bfloat16 bits (round to nearest even) of the updated params. Where
+      ``bf16_grads`` is true, ``grad`` may also be the bfloat16 bits (uint16) of a gradient held in bf16:
+      the kernel widens each value as it reads it, instead of a widening pass first.
     - ``count`` is the 1-based optimizer step; ``grad_scale`` multiplies the gradient first (global-norm
       clipping: ``global_norm_scale``). Call ``update`` exactly once per group per applied step.
     - ``unflatten`` maps a flat fp32 array of the group to its pytree of views (what optax sees); the
@@ -167,6 +169,7 @@ class FusedAdamW:
         return 8.0
 
     moments = "float32"  # the moment format (``device_adamw.device_adamw_step`` takes the same name)
+    bf16_grads = True  # ``update`` takes a bf16 gradient's bits (uint16): the kernels widen as they read
     runs_on_device = True  # ``train.update_on=device``: ``device_step`` runs this update on the accelerator
 
     def device_step(self, param, grad, state: dict, scalars: tuple, chunk: int | None = None,

@@ -18,7 +18,7 @@ from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check_one_device
 from megatrain_jax.optim.costs import auto_update_on
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS, HOST_HOLD_BYTES,
-                                      HOST_MARGIN, IO_VOCAB_CHUNK, MOMENT_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
+                                      HOST_MARGIN, IO_VOCAB_CHUNK, MOMENT_BYTES, PINNED_HOLDS, PINNED_REUSED, RUNTIME_HOST_BYTES,
                                       XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_use, pinned_need,
                                       pinned_pool, usable)
 from megatrain_jax.plan.step_model import _optax_cost, _step_basis, predicted_step, step_rates
@@ -211,8 +211,9 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         rows = _host_rows(cfg, shapes, moment_bytes, host_copy=host_copy, on_gpu=on_gpu, n_dev=n_dev, placed=p,
                           host_act_bytes=host_act_bytes, slab_row=slab_row)
         arrays = pinned_need(rows)
-        in_use = pinned_in_use(rows, shapes, p.boundary_every, p.gpu_groups, arrays, p.gpu_act_blocks) \
-            if p.activations == p.grad_hold == "pinned_host" else arrays
+        in_use = pinned_in_use(rows, shapes, p.boundary_every, p.gpu_groups, arrays, p.gpu_act_blocks,
+                               HOST_HOLD_BYTES[p.grad_hold]) \
+            if p.activations == "pinned_host" and p.grad_hold in PINNED_HOLDS else arrays
         if in_use < arrays:
             rows.append(Row("host", PINNED_REUSED, in_use - arrays,
                             "held gradients land where the activations they follow were"))
@@ -398,14 +399,18 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
         rows.append(Row("host", "head chunks' gradients on their way (pinned)", 2.0 * chunk, "two chunks"))
     held = shapes.params - io_grads - placed.gpu_group_params
     split = f"; the first {placed.gpu_groups} groups wait on the GPU" if placed.gpu_groups else ""
-    if placed.grad_hold == "pinned_host":
-        rows.append(Row("host", "gradients held for clipping (pinned)", 4.0 * held, "fp32" + split))
+    if placed.grad_hold in PINNED_HOLDS:
+        rows.append(Row("host", "gradients held for clipping (pinned)", HOST_HOLD_BYTES[placed.grad_hold] * held,
+                        placed.grad_hold[7:].replace("host", "fp32") + split))
     elif placed.grad_hold in HOST_HOLD_BYTES:
         rows.append(Row("host", "gradients held for clipping (pageable)", HOST_HOLD_BYTES[placed.grad_hold] * held,
                         placed.grad_hold[5:] + ", fed through the slabs" + split))
         # measured over the rows above with a pageable hold, never with the pinned one (H100, RESULTS.md s10:
-        # 8B +2.3 GB, 14B +2.7 GB at 24 GB): one group in fp32 beside the hold, the size of the largest
-        rows.append(Row("host", "pageable hold's staging (one group in fp32)", 4.0 * shapes.largest_group))
+        # 8B +2.3 GB, 14B +2.7 GB at 24 GB): one group in fp32 beside the hold, the size of the largest that goes
+        # through it (stream_io: a block; the embedding's and head's gradients are made in host memory, and
+        # counting the 8B's head there put the plan 5.3% over its run at 24 GB: RESULTS.md s15)
+        rows.append(Row("host", "pageable hold's staging (one group in fp32)",
+                        4.0 * (shapes.block if placed.stream_io else shapes.largest_group)))
     if placed.activations == "pinned_host":
         k = placed.boundary_every
         kept = -(-shapes.layers // k) - kept_on_gpu(shapes.layers, k, placed.gpu_act_blocks)

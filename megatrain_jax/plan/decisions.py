@@ -50,7 +50,7 @@ class Placement:
 
     micro_batches: int
     activations: str  # device | pinned_host
-    grad_hold: str  # gpu_fp32 | gpu_bf16 | pinned_host | host_fp32 | host_bf16 | resweep
+    grad_hold: str  # gpu_fp32 | gpu_bf16 | pinned_host | pinned_bf16 | host_fp32 | host_bf16 | resweep
     phases: dict[str, float]
     gpu_rows: list[Row]
     gpu_need: float

@@ -24,7 +24,7 @@ WRITEBACKS_IN_FLIGHT = 3  # device-side updates whose new master and state wait 
 HOLD_COPIES_IN_FLIGHT = 1  # gradients on the GPU waiting for their copy into a pageable host hold
 
 Activations = Literal["device", "pinned_host"]
-GradHold = Literal["gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep"]
+GradHold = Literal["gpu_fp32", "gpu_bf16", "pinned_host", "pinned_bf16", "host_fp32", "host_bf16", "resweep"]
 # gpu_*: on the GPU; pinned_host: pinned host arrays; host_*: ordinary (pageable) host memory, fed to the
 # updater through the pinned slabs; resweep: no hold, a second backward sweep once the norm is known
 StreamCopy = Literal["host", "device"]

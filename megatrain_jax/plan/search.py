@@ -3,7 +3,7 @@ candidate that fits the GPU budget and the host limit taken.
 
 Axes (a setting fixed in the config is the only value of its axis): micro-batches, where boundary
 activations live (device | pinned_host), ``boundary_every`` (1, 2, 4), where gradients wait for the
-clipping norm (gpu_fp32, gpu_bf16, pinned_host, host_fp32, host_bf16, resweep) with, for a host
+clipping norm (gpu_fp32, gpu_bf16, pinned_host, pinned_bf16, host_fp32, host_bf16, resweep) with, for a host
 hold, the first groups held on the GPU in bf16 where its free room allows (``grad_hold_gpu_groups``),
 ``stream_io`` (embedding and head not resident), the loss chunk (the configured one and halvings of
 it), and the blocks' sequence tile (``model.seq_tile=auto``). Each candidate's GPU phases come from
@@ -26,8 +26,8 @@ from megatrain_jax.plan.decisions import Placement
 from megatrain_jax.plan.sizes import (AUTO_SEQ_TILE, HOLD_BYTES, TILE_ABOVE, AttentionExtra, Shapes,
                                       block_working_set, gpu_phases)
 
-HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "host_fp32", "host_bf16", "resweep")
-HOST_HOLDS = ("pinned_host", "host_fp32", "host_bf16")
+HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "pinned_bf16", "host_fp32", "host_bf16", "resweep")
+HOST_HOLDS = ("pinned_host", "pinned_bf16", "host_fp32", "host_bf16")
 BOUNDARY_EVERY = (1, 2, 4)
 MIN_LOSS_CHUNK = 256  # the smallest loss chunk the search tries (below it the head's matmuls are too thin)
 

@@ -72,9 +72,11 @@ RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9,
          # 16 threads of the H100 machine's host (experiments/bench_compact_adamw.py)
          "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 3.5e9, "optax": 1.0e9}}
 MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
-HOLD_BYTES = {"gpu_fp32": 4, "gpu_bf16": 2, "pinned_host": None, "host_fp32": None, "host_bf16": None,
-              "resweep": None}  # GPU bytes/param of each gradient hold
-HOST_HOLD_BYTES = {"pinned_host": 4, "host_fp32": 4, "host_bf16": 2}  # host bytes/param of each host hold
+HOLD_BYTES = {"gpu_fp32": 4, "gpu_bf16": 2, "pinned_host": None, "pinned_bf16": None, "host_fp32": None,
+              "host_bf16": None, "resweep": None}  # GPU bytes/param of each gradient hold
+HOST_HOLD_BYTES = {"pinned_host": 4, "pinned_bf16": 2, "host_fp32": 4, "host_bf16": 2}  # host bytes/param of each
+#                                                                                  host hold
+PINNED_HOLDS = ("pinned_host", "pinned_bf16")  # the holds in XLA's pinned pool, beside the parked activations
 IO_GATHER_RATE = 20e9  # bytes/s of the streamed head's host gather as the step sees it. Gathered twice a step on the
 # dispatching thread, an 8B (128256 x 4096) head cost 1.13 s more per step than the resident one (3.7e9 then:
 # experiments/probe_stream_io.py, H100 machine, RESULTS.md s7); now once, in the background (engine/io_head.py): with
@@ -394,7 +396,7 @@ def pinned_need(rows: list[Row]) -> float:
 
 
 def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_groups: int = 0,
-                  total: float | None = None, gpu_act_blocks: int = 0) -> float:
+                  total: float | None = None, gpu_act_blocks: int = 0, hold_bytes: float = 4.0) -> float:
     """Pinned bytes in use at the step's peak, what XLA's pinned pool must hold. With pinned activations and
     a pinned hold both, the backward trades one for the other: block i's gradient lands (block L-1's first)
     while the inputs of blocks <= i still wait, so the peak is the largest of those sums, not activations +
@@ -403,7 +405,7 @@ def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_
     that are not blocks (the head lands first, the embedding last) are there throughout. The first
     ``gpu_groups`` groups of the forward (embedding, block 0, ...) wait on the GPU, not here; PINNED_REUSE_ROOM
     over it, never more than the arrays' sum. A split placement (``gpu_act_blocks``) parks only the inputs
-    of blocks below the last ``gpu_act_blocks``."""
+    of blocks below the last ``gpu_act_blocks``. ``hold_bytes``: 4 (pinned_host) or 2 (pinned_bf16) a value."""
     total = pinned_need(rows) if total is None else total
     acts = sum(r.bytes for r in rows if r.what == PINNED_ACTS)
     held = sum(r.bytes for r in rows if r.what == PINNED_HOLD)
@@ -411,7 +413,7 @@ def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_
         return total
     n, k = shapes.layers, max(1, boundary_every)
     first_host = max(gpu_groups - 1, 0)  # the first block whose gradient waits here
-    block = 4.0 * shapes.block
+    block = hold_bytes * shapes.block
     parked_below = n - gpu_act_blocks  # blocks below it park their kept inputs
     per_input = acts / max(len(range(0, parked_below, k)), 1)
     rest = max(held - (n - first_host) * block, 0.0)

@@ -13,7 +13,7 @@ from megatrain_jax.plan import decisions as choose
 from megatrain_jax.plan.machine import Machine
 from megatrain_jax.plan.sizes import (DISPATCH_BLOCK_S, DISPATCH_CALL_S, HOLD_RETURN_RATE, HOST_COPY_PARALLEL_RATE,
                                       HOST_COPY_RATE, HOST_HOLD_BYTES, IO_GATHER_RATE, MICRO_BATCH_BYTES_PER_PARAM,
-                                      RATES, Shapes, kept_on_gpu)
+                                      PINNED_HOLDS, RATES, Shapes, kept_on_gpu)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
 
@@ -80,7 +80,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     rate = rates["matmul_bf16" if train.compute_dtype == "bfloat16" else "matmul_fp32"] * n_dev
     compute_s = hw_flops / rate
     # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
-    cast = shapes.params if hold in ("gpu_bf16", "host_bf16") else (p.gpu_group_params if p else 0)
+    cast = shapes.params if hold in ("gpu_bf16", "host_bf16", "pinned_bf16") else (p.gpu_group_params if p else 0)
     memory_s = 6.0 * cast / GPU_MEMORY_RATE
     # each micro-batch's gradient accumulation in fp32, per block (a resweep's second sweep accumulates again)
     mb = p.micro_batches if p else (train.micro_batches if isinstance(train.micro_batches, int) else 1)
@@ -119,12 +119,13 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         if update_on == "device":  # out for the norm, back for the update
             extra_d2h += held
             extra_h2d += held
-        elif hold == "host_bf16":  # the held part leaves in bf16
+        elif hold in ("host_bf16", "pinned_bf16"):  # the held part leaves in bf16
             grad_d2h -= held
-        if hold != "pinned_host":  # the copier moves each landed slab into the pageable hold
+        if hold not in PINNED_HOLDS:  # the copier moves each landed slab into the pageable hold
             copy_bytes += held * (2 if update_on == "device" else 1)
-            if hold == "host_bf16" and update_on == "host":
-                widen_bytes = 2 * held  # widened to fp32 for the host update, after the norm
+        if hold in ("host_bf16", "pinned_bf16") and update_on == "host" and optim.kernel == "optax":
+            widen_bytes = 2 * held  # widened to fp32 for an optax host update, after the norm (the fused
+            #                         kernels widen each value as they read it: HostOptimizer.bf16_grads)
     step = {"compute_s": compute_s, "h2d_s": h2d_s + extra_h2d / rates["h2d"],
             "d2h_s": grad_d2h / (rates["d2h"] * n_dev) + extra_d2h / rates["d2h"],
             "optimizer_s": shapes.params / opt_rate, "host_copy_s": (copy_bytes + widen_bytes) / copy_rate,
