@@ -329,7 +329,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         attention=attn_info["impl"] if attn_info else None,
         attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=n_dev,
         pinned_pool_bytes=pinned_in_use(rows, shapes, placed.boundary_every, placed.gpu_groups,
-                                        gpu_act_blocks=placed.gpu_act_blocks),
+                                        gpu_act_blocks=placed.gpu_act_blocks,
+                                        hold_bytes=HOST_HOLD_BYTES.get(placed.grad_hold, 4.0)),
         gpu_mem_fraction=gpu_mem_fraction, gpu_preallocate=preallocate)
     options = EngineOptions(compute_dtype=train.compute_dtype, micro_batches=placed.micro_batches,
                             loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
