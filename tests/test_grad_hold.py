@@ -2,6 +2,7 @@
 (fp32 or bf16, fed through the pinned slab pool), split with the GPU, or nowhere (a second backward
 sweep). Each equals the reference trainer over several steps with clipping that triggers, and equals
 the GPU hold it replaces bit for bit."""
+import dataclasses
 import functools
 import weakref
 
@@ -45,8 +46,9 @@ def _run(hold, **kw):
 @functools.cache  # a run repeated by several tests (the GPU hold each case is compared with) runs once
 def _run_once(hold, kw):
     kw = dict(kw)
+    ocfg = dataclasses.replace(OCFG, kernel=kw.pop("kernel")) if "kernel" in kw else OCFG
     parts, store = init_host_store(MODEL, 0, bf16_stream=False)
-    st = StreamedTrainer(parts, build_host_optimizer(OCFG, STEPS), compute_dtype="float32", clip_norm=CLIP,
+    st = StreamedTrainer(parts, build_host_optimizer(ocfg, STEPS), compute_dtype="float32", clip_norm=CLIP,
                          loss_chunk=48, store=store, grad_hold=hold, **{**SLABS, **kw})
     res = [st.step(b) for b in _batches_5()]
     st.close()  # waits for the last updates
@@ -115,6 +117,15 @@ def test_bf16_host_holds_equal_the_gpu_bf16_hold_and_track_the_reference(hold, u
         flat = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
         dr, dh = flat - init[name].master, weights[name] - init[name].master
         assert np.linalg.norm(dr - dh) < 0.05 * np.linalg.norm(dr), name
+
+
+def test_a_bf16_holds_optax_host_update_reads_it_widened_like_the_gpu_bf16_hold():
+    """An optax host optimizer (no fused kernel to take the bits) reads a pinned bf16 hold widened to fp32: the
+    same steps, bit for bit, as with the GPU's bf16 hold."""
+    _, got, weights = _run("pinned_bf16", micro_batches=2, activations="pinned_host", kernel="optax")
+    _, base, base_w = _run("gpu_bf16", micro_batches=2, kernel="optax")
+    assert got == base
+    _assert_equal_weights(weights, base_w)
 
 
 def test_pinned_bf16_hold_waits_in_pinned_bf16_arrays_and_reads_back_exactly(monkeypatch):
