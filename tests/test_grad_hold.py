@@ -184,6 +184,38 @@ def test_split_hold_keeps_the_first_groups_on_the_gpu_in_bf16():
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=5e-3)
 
 
+RESWEEP_SPLIT = {
+    # name: engine options; each run with grad_hold_gpu_groups=2 (the embedding and block 0 held on the GPU in bf16)
+    "host_update": dict(micro_batches=2),
+    "device_update": dict(micro_batches=2, update_on="device"),
+    "pinned_activations_kept_residuals": dict(micro_batches=2, activations="pinned_host", keep_residuals=1),
+    "stream_io": dict(micro_batches=2, stream_io=True),
+}
+
+
+@pytest.mark.parametrize("case", list(RESWEEP_SPLIT))
+def test_a_resweep_holding_its_first_groups_reruns_only_the_blocks_above_them(case, monkeypatch):
+    """grad_hold=resweep with grad_hold_gpu_groups=2: the first sweep holds the embedding's and block 0's
+    gradients on the GPU in bf16 (the backward's last), and the second sweep recomputes only blocks 2 and 1.
+    Five clipped steps equal, bit for bit, the host hold that keeps the same two groups on the GPU in bf16 (the
+    rest exact in fp32 both ways), and the steps are counted once (the schedule would show it)."""
+    kw = RESWEEP_SPLIT[case]
+    swept = []
+    real = StreamedTrainer._backward_block
+
+    def spy(self, i, w, acts, mbs, dhs, again=False):
+        swept.append((i, again))
+        return real(self, i, w, acts, mbs, dhs, again)
+
+    monkeypatch.setattr(StreamedTrainer, "_backward_block", spy)
+    st, got, weights = _run_once("resweep", tuple(sorted({**kw, "grad_hold_gpu_groups": 2}.items())))
+    assert swept == [(2, False), (1, False), (0, False), (2, True), (1, True)] * STEPS
+    monkeypatch.setattr(StreamedTrainer, "_backward_block", real)
+    _, base, base_w = _run("host_fp32", grad_hold_gpu_groups=2, **kw)
+    assert got == base and st.count == STEPS
+    _assert_equal_weights(weights, base_w)
+
+
 def test_resweep_with_a_nan_step_changes_nothing_and_skips_the_second_sweep():
     parts, store = init_host_store(MODEL, 0, bf16_stream=False)
     st = StreamedTrainer(parts, build_host_optimizer(OCFG, STEPS), compute_dtype="float32", clip_norm=CLIP,

@@ -211,22 +211,28 @@ class StreamedTrainer:
         0's weights."""
         L, weights, acts = self.num_layers, self.weights, self.boundaries
         forget = scale is not None or not self.updates.resweep  # resweep: the inputs serve the second sweep too
+        # a resweep's second sweep stops above the blocks whose gradients the first held (updates.resweep_held:
+        # the embedding and blocks 0..low-1, the backward's last); the first lets their inputs go
+        low = max(self.updates.resweep_held - 1, 0)
         weights.prefetch(acts.first(L - 1))  # the last block and its inputs go in flight first, to overlap the loss
         acts.bring(L - 1)
         losses, dhs, sq = self.io.loss(head, emb, hs, mbs, inv, scale)  # M x (), M x (B/M, S, H), [head's sq]
         self._trace("compute", "loss", losses[-1])
         if forget or not self.io.second_loss_reads_outputs:  # the last block's outputs served the loss; gone,
             hs.clear()  # they leave a layer's room to the backward (a resweep's second loss may read them again)
-        for i in reversed(range(L)):  # recompute each block from its saved input, VJP, gradient out
-            h = acts.take(i, forget)  # M x (B/M, S, H); a dropped input: its segment's forward runs again first
+        stop = low if scale is not None else 0  # the lowest block this sweep runs
+        for i in reversed(range(stop, L)):  # recompute each block from its saved input, VJP, gradient out
+            h = acts.take(i, forget or i < low)  # M x (B/M, S, H); a dropped input: its segment's forward runs first
             w = weights.take(i)
-            weights.prefetch(acts.first(i - 1))  # before block i's backward: the transfer overlaps it
-            acts.bring(i - 1)
+            nxt = i - 1 if i > stop else -1
+            weights.prefetch(acts.first(nxt))  # before block i's backward: the transfer overlaps it
+            acts.bring(nxt)
             g = self._backward_block(i, w, h, mbs, dhs, again=scale is not None)
             sq.append(self._gradient(i, g, scale))  # g: (devices x block size,) fp32
             self._trace("compute", f"bwd {i}", sq[-1])  # (g itself may be donated later)
             self.pace.dispatched(sq[-1])  # waits for block i+1's backward
-        sq.append(self.io.embed_backward(emb, mbs, dhs, scale))
+        if scale is None or not self.updates.resweep_held:  # (held: the first sweep's embedding gradient waits)
+            sq.append(self.io.embed_backward(emb, mbs, dhs, scale))
         return losses, sq, w
 
     def _forward_again(self, b: int, hs: list, mbs: list[MicroBatch]) -> list:

@@ -73,6 +73,9 @@ class _Updates:
         hold = options.grad_hold
         # no hold: a second backward sweep once the norm is known (``send``); only where it is needed
         self.resweep = hold == "resweep" and (options.clip_norm is not None or options.skip_nonfinite)
+        # a resweep's first ``grad_hold_gpu_groups`` groups (embedding, block 0, ...: the backward's last) wait on
+        # the GPU in bf16, and its second sweep stops above them (never the head: it is the second sweep's first)
+        self.resweep_held = min(int(options.grad_hold_gpu_groups), len(groups.order) - 1) if self.resweep else 0
         self._host_hold = hold in ("pinned_host", "pinned_bf16", "host_fp32", "host_bf16")
         self._pinned_scratch = Scratch()  # pinned_bf16: the widened chunk the host update reads
         self.pageable = PageableHold(xfer, self.slabs, options.grad_slab_elems, hold == "host_bf16",
@@ -118,11 +121,12 @@ class _Updates:
         Host copies are issued here, before the next block's backward, which they then overlap. A
         numpy gradient (``stream_io``'s embedding and head) waits where it is."""
         o = self.o
-        if self.resweep:
+        if self.resweep and self.groups.pos[name] >= self.resweep_held:
             return  # dropped: the second sweep recomputes it once the norm is known
         if isinstance(grad, np.ndarray):  # complete in host memory already (stream_io): it waits there
             grad = HostArray(grad, self.xfer)
-        elif o.grad_hold == "gpu_bf16" or self._host_hold and self.groups.pos[name] < o.grad_hold_gpu_groups:
+        elif o.grad_hold == "gpu_bf16" or (self._host_hold or self.resweep) \
+                and self.groups.pos[name] < o.grad_hold_gpu_groups:
             grad = self.k.to_bf16(grad)  # the norm was taken in fp32
         elif o.grad_hold in ("pinned_host", "pinned_bf16"):
             if o.grad_hold == "pinned_bf16":
@@ -297,8 +301,9 @@ class HostUpdates(_Updates):
         held, self._held = self._held, {}
         if scale is None or not held:
             return
-        self.count += 1
-        for name in self.groups.order:
+        if not self.resweep:  # (a resweep's second sweep counted the step as it sent the head)
+            self.count += 1
+        for name in [n for n in self.groups.order if n in held]:  # (a resweep holds only its first groups)
             out = self.grad_out(name, held.pop(name))
             if not out.on_host:
                 self._queue.append((name, out))
@@ -480,8 +485,9 @@ class DeviceUpdates(_Updates):
         held, self._held = self._held, {}
         if scale is None or not held:
             return
-        self.count += 1
-        for name in self.groups.order:
+        if not self.resweep:  # (a resweep's second sweep counted the step as it sent the head)
+            self.count += 1
+        for name in [n for n in self.groups.order if n in held]:  # (a resweep holds only its first groups)
             grad = held.pop(name)
             if isinstance(grad, HostArray):  # complete in host memory (stream_io): updated there, now
                 self.pending[name] = self._host.submit(self._host_update, name, grad, scale, self.count)
