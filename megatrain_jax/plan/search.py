@@ -247,8 +247,8 @@ def variants(shapes: Shapes, ctx: Context, axes: Axes, p: Placement) -> list[Pla
         if acts is not None:
             bases.append(acts)
             out.append(acts)
-    if axes.split and p.grad_hold in HOST_HOLDS:
-        out += [q for q in (_split(shapes, ctx, b) for b in bases) if q is not None]
+    if axes.split and (p.grad_hold in HOST_HOLDS or p.grad_hold == "resweep"):  # (a resweep's second sweep stops
+        out += [q for q in (_split(shapes, ctx, b) for b in bases) if q is not None]  # above the groups it holds)
     return out
 
 

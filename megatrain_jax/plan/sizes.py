@@ -335,7 +335,9 @@ def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_
            if stream_io else {}),
     }
     if resweep:  # the first sweep takes only the norm: every activation stays for the second, and dx of the top
-        phases["second backward (activations kept, top dx)"] = fixed + acts + accum + head_acc + ws + act_layer + top
+        # (and the first groups it holds on the GPU in bf16, where it holds some: grad_hold_gpu_groups)
+        phases["second backward (activations kept, top dx)"] = fixed + acts + accum + head_acc + ws + act_layer + top \
+            + held
     return phases, rows
 
 

@@ -75,8 +75,12 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
                          + 4.0 / 6.0 * attn)
     fwd_blocks = tokens * (2 * non_emb + attn / 6.0)
     hw_flops += (k - 1) / k * fwd_blocks
-    if hold == "resweep":  # recompute (1 forward) + backward (2 forwards) of every block once more: ~+75%
-        hw_flops += 3 * fwd_blocks
+    # a resweep runs the recompute (1 forward) and backward (2 forwards) once more: ~+75%, over the blocks above
+    # those whose gradients it holds on the GPU (grad_hold_gpu_groups: the embedding and the lowest blocks)
+    again = 0.0
+    if hold == "resweep":
+        again = (shapes.layers - min(max((p.gpu_groups if p else 0) - 1, 0), shapes.layers)) / shapes.layers
+        hw_flops += 3 * fwd_blocks * again
     rate = rates["matmul_bf16" if train.compute_dtype == "bfloat16" else "matmul_fp32"] * n_dev
     compute_s = hw_flops / rate
     # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
@@ -86,10 +90,10 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     mb = p.micro_batches if p else (train.micro_batches if isinstance(train.micro_batches, int) else 1)
     per_param = MICRO_BATCH_BYTES_PER_PARAM / (1 if (stream_bytes == 4 and train.compute_dtype == "bfloat16") else 2)
     # (each GPU of a data-parallel run accumulates every micro-batch of its share: not divided by the GPUs)
-    memory_s += per_param * shapes.layers * shapes.block * mb * (2 if hold == "resweep" else 1) / GPU_MEMORY_RATE
+    memory_s += per_param * shapes.layers * shapes.block * mb * (1 + again) / GPU_MEMORY_RATE
     compute_s += memory_s  # (the GPU's memory-bound passes: they do not scale with its TFLOPS)
     if p and p.blocks_queued == 1:  # a dispatch bubble per block, forward and backward (and each recompute)
-        sweeps = 2 + (k - 1) / k + (2 if hold == "resweep" else 0)
+        sweeps = 2 + (k - 1) / k + 2 * again
         compute_s += sweeps * shapes.layers * (DISPATCH_BLOCK_S + p.micro_batches * DISPATCH_CALL_S)
     if io:  # the head gathered vocabulary-major from the (H, V) store once a step, off the dispatching thread
         compute_s += 4.0 * shapes.vocab * shapes.hidden / IO_GATHER_RATE
@@ -99,8 +103,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     io_bytes = 2 * shapes.dtype_bytes * out_matrix + 4 * tokens // n_dev * shapes.hidden if io \
         else 4 * (shapes.embed + shapes.head)
     h2d_bytes = 2 * shapes.layers * shapes.block * stream_bytes + io_bytes
-    if hold == "resweep":
-        h2d_bytes += shapes.layers * shapes.block * stream_bytes
+    h2d_bytes += shapes.layers * shapes.block * stream_bytes * again
     opt_rate = RATES["adamw_elems"]["optax" if optim.kernel == "optax" else optim.moments] * min(cpu_cores, 16) / 16
     copy_rate = max(HOST_COPY_RATE, HOST_COPY_PARALLEL_RATE * min(cpu_cores, 16) / 16)
     h2d_s = max(h2d_bytes / rates["h2d"], n_dev * h2d_bytes / rates["host_read"])
@@ -110,7 +113,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         act = shapes.tokens * shapes.hidden * shapes.dtype_bytes \
             * (-(-shapes.layers // k) - kept_on_gpu(shapes.layers, k, p.gpu_act_blocks))
         extra_d2h += act
-        extra_h2d += act * (2 if hold == "resweep" else 1)
+        extra_h2d += act * (1 + again)
     # stream_io with a device-side update: the embedding and head (gradients in host memory) update on the host
     io_params = (shapes.embed + shapes.head) if io else 0  # their gradients wait in host memory, outside any hold
     host_params = io_params if update_on == "device" else 0
