@@ -190,6 +190,8 @@ RESWEEP_SPLIT = {
     "device_update": dict(micro_batches=2, update_on="device"),
     "pinned_activations_kept_residuals": dict(micro_batches=2, activations="pinned_host", keep_residuals=1),
     "stream_io": dict(micro_batches=2, stream_io=True),
+    # block 1's input is recomputed from block 0's, which the first sweep must keep for the second
+    "boundary_every_2": dict(micro_batches=2, boundary_every=2),
 }
 
 

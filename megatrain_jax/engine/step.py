@@ -212,8 +212,10 @@ class StreamedTrainer:
         L, weights, acts = self.num_layers, self.weights, self.boundaries
         forget = scale is not None or not self.updates.resweep  # resweep: the inputs serve the second sweep too
         # a resweep's second sweep stops above the blocks whose gradients the first held (updates.resweep_held:
-        # the embedding and blocks 0..low-1, the backward's last); the first lets their inputs go
+        # the embedding and blocks 0..low-1, the backward's last); the first lets their inputs go, below the kept
+        # input that block low's recompute starts from (boundary_every: the second sweep needs it)
         low = max(self.updates.resweep_held - 1, 0)
+        keep_from = acts.first(low) if scale is None and low else 0
         weights.prefetch(acts.first(L - 1))  # the last block and its inputs go in flight first, to overlap the loss
         acts.bring(L - 1)
         losses, dhs, sq = self.io.loss(head, emb, hs, mbs, inv, scale)  # M x (), M x (B/M, S, H), [head's sq]
@@ -222,7 +224,7 @@ class StreamedTrainer:
             hs.clear()  # they leave a layer's room to the backward (a resweep's second loss may read them again)
         stop = low if scale is not None else 0  # the lowest block this sweep runs
         for i in reversed(range(stop, L)):  # recompute each block from its saved input, VJP, gradient out
-            h = acts.take(i, forget or i < low)  # M x (B/M, S, H); a dropped input: its segment's forward runs first
+            h = acts.take(i, forget or i < keep_from)  # M x (B/M, S, H); a dropped input: its segment's forward runs first
             w = weights.take(i)
             nxt = i - 1 if i > stop else -1
             weights.prefetch(acts.first(nxt))  # before block i's backward: the transfer overlaps it
