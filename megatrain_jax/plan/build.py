@@ -19,7 +19,7 @@ from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check
 from megatrain_jax.optim.costs import auto_update_on
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS, HOST_HOLD_BYTES,
                                       HOST_MARGIN, IO_VOCAB_CHUNK, MOMENT_BYTES, PINNED_HOLDS, PINNED_REUSED, RUNTIME_HOST_BYTES,
-                                      XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_use, pinned_need,
+                                      XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_rows, pinned_in_use, pinned_need,
                                       pinned_pool, usable)
 from megatrain_jax.plan.step_model import _optax_cost, _step_basis, predicted_step, step_rates
 
@@ -328,9 +328,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     settings = choose.RuntimeSettings(
         attention=attn_info["impl"] if attn_info else None,
         attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=n_dev,
-        pinned_pool_bytes=pinned_in_use(rows, shapes, placed.boundary_every, placed.gpu_groups,
-                                        gpu_act_blocks=placed.gpu_act_blocks,
-                                        hold_bytes=HOST_HOLD_BYTES.get(placed.grad_hold, 4.0)),
+        pinned_pool_bytes=pinned_in_rows(rows),
         gpu_mem_fraction=gpu_mem_fraction, gpu_preallocate=preallocate)
     options = EngineOptions(compute_dtype=train.compute_dtype, micro_batches=placed.micro_batches,
                             loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,

@@ -397,6 +397,13 @@ def pinned_need(rows: list[Row]) -> float:
     return sum(r.bytes for r in rows if "pinned" in r.what and r.what != PINNED_REUSED)
 
 
+def pinned_in_rows(rows: list[Row]) -> float:
+    """The pinned bytes in use at the peak as the host rows count them: the arrays, less the space the backward
+    reuses (the negative PINNED_REUSED row, where ``pinned_in_use`` found an exchange). XLA's pool limit is taken
+    from this, so it cannot drift from the rows (session 16: computed apart, it took a bf16 hold at 4 bytes)."""
+    return pinned_need(rows) + sum(r.bytes for r in rows if r.what == PINNED_REUSED)
+
+
 def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_groups: int = 0,
                   total: float | None = None, gpu_act_blocks: int = 0, hold_bytes: float = 4.0) -> float:
     """Pinned bytes in use at the step's peak, what XLA's pinned pool must hold. With pinned activations and
