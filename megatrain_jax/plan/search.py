@@ -4,7 +4,8 @@ candidate that fits the GPU budget and the host limit taken.
 Axes (a setting fixed in the config is the only value of its axis): micro-batches, where boundary
 activations live (device | pinned_host), ``boundary_every`` (1, 2, 4), where gradients wait for the
 clipping norm (gpu_fp32, gpu_bf16, pinned_host, pinned_bf16, host_fp32, host_bf16, resweep) with, for a host
-hold, the first groups held on the GPU in bf16 where its free room allows (``grad_hold_gpu_groups``),
+hold or a resweep, the first groups held on the GPU in bf16 where its free room allows (``grad_hold_gpu_groups``;
+a resweep's second sweep then stops above them),
 ``stream_io`` (embedding and head not resident), the loss chunk (the configured one and halvings of
 it), and the blocks' sequence tile (``model.seq_tile=auto``). Each candidate's GPU phases come from
 ``sizes.gpu_phases``, its host bytes and predicted step from the callbacks ``build.py`` gives
