@@ -1,6 +1,6 @@
 """Host <-> accelerator paths, at full speed where the platform allows it.
 
-Measured on an H100 (DESIGN.md §1): host->GPU from plain numpy is staged through a bounce buffer
+Measured on an H100 (docs/design.md section 1): host->GPU from plain numpy is staged through a bounce buffer
 (9-10 GB/s); from page-aligned numpy registered with ``client.dma_map`` it is a direct DMA
 (52-54 GB/s); GPU->host into ``pinned_host`` memory also runs at 53 GB/s, and
 ``np.asarray`` of such an array is a zero-copy view. ``np.asarray`` of a device array (1.6-2 GB/s)

@@ -329,7 +329,7 @@ class _Recorder:
 
 @pytest.mark.parametrize("update_on", ["host", "device"])
 def test_the_step_issues_each_transfer_before_the_compute_it_hides_behind(update_on):
-    """Issue order decides overlap (DESIGN.md §2), checked on the order of dispatch, not on time: block
+    """Issue order decides overlap (docs/design.md section 2), checked on the order of dispatch, not on time: block
     i+1's weights are put in flight before block i's forward is dispatched, block i-1's before block i's
     backward, and the head during the last blocks only; a device-side update is dispatched before the
     next block's transfer (an update dispatched after a transfer would wait for it)."""

@@ -1,5 +1,6 @@
 """Does a GPU->host copy overlap compute, and does issue order matter? jit-with-pinned-output vs
-device_put to pinned_host, issued before or after queued matmuls. Prints wall times (ms)."""
+device_put to pinned_host, issued before or after queued matmuls. Prints wall times (ms).
+Its figures: docs/design.md section 2."""
 import time
 
 import jax

@@ -11,13 +11,13 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from megatrain_jax.data import chat
+import megatrain_jax.data.chat as chat
 from megatrain_jax.data.tokenizer import load_tokenizer
 from megatrain_jax.errors import UserError
 
 if TYPE_CHECKING:
     from megatrain_jax.data.packed import _PackedWriter
-    from megatrain_jax.data.pipeline import _Progress
+    from megatrain_jax.data.progress import _Progress
 
 
 def _open_binary(path: str) -> IO[bytes]:

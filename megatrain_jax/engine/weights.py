@@ -1,6 +1,6 @@
 """What the step keeps in flight: the weight stream and the boundary activations.
 
-Issue order decides overlap (DESIGN.md §2): a transfer issued *before* the compute it should hide
+Issue order decides overlap (docs/design.md section 2): a transfer issued *before* the compute it should hide
 behind runs concurrently with it; issued after, it waits. The step therefore asks for a group
 (``prefetch``) one block ahead of the compute that hides it, and ``take``s it when it computes.
 """

@@ -26,7 +26,7 @@ from flax import nnx
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
-from megatrain_jax.models import hfconfig
+import megatrain_jax.models.hfconfig as hfconfig
 from megatrain_jax.models.hfnames import HFWarning
 from megatrain_jax.models.common import MLP, Attention, Aux, OffsetRMSNorm, dense_block_params
 from megatrain_jax.models.registry import Family, register

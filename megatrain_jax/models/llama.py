@@ -14,7 +14,7 @@ from flax import nnx
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
-from megatrain_jax.models import hfconfig
+import megatrain_jax.models.hfconfig as hfconfig
 from megatrain_jax.models.hfnames import HFWarning, default_hf_name
 from megatrain_jax.models.common import (Attention, Aux, Decoder, Embed, Head, MLP, RMSNorm, abstract_model,  # noqa: F401
                                          apply_rope, dense_block_params, dot_product_attention, init_host_store,

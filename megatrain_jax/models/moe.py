@@ -49,7 +49,7 @@ from flax import nnx
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.config.validate import MOE_IMPLS  # noqa: F401 (checked there)
 from megatrain_jax.errors import UserError
-from megatrain_jax.models import hfconfig
+import megatrain_jax.models.hfconfig as hfconfig
 from megatrain_jax.models.hfnames import default_hf_name
 from megatrain_jax.models.common import MLP, Attention, Aux, RMSNorm, dense_block_params
 from megatrain_jax.models.registry import Family, register

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
-from megatrain_jax.models import hfconfig
+import megatrain_jax.models.hfconfig as hfconfig
 from megatrain_jax.models.common import RMSNorm, dense_block_params
 from megatrain_jax.models.llama import Block, _no_gemma_fields
 from megatrain_jax.models.registry import Family, register

@@ -53,8 +53,7 @@ class UpdateCost:
 def update_cost(optim_cfg: OptimConfig, group_trees: dict[str, Any], total_steps: int | None = None) -> UpdateCost:
     """The configured optimizer's ``UpdateCost`` for a model's groups (``streamed_parts(abstract_model(
     cfg.model)).host_trees()``: pytrees of arrays or ``ShapeDtypeStruct``s)."""
-    from megatrain_jax.optim import build_host_optimizer
-    from megatrain_jax.optim.build import model_state_bytes
+    from megatrain_jax.optim.build import build_host_optimizer, model_state_bytes
     from megatrain_jax.optim.optax_flat import OptaxHostOptimizer
 
     steps = total_steps or optim_cfg.schedule.warmup_steps + 2  # any horizon: the shapes are the same

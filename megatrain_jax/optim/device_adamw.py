@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from megatrain_jax.optim import compact_adamw as _ca
+import megatrain_jax.optim.compact_adamw as _ca
 
 BLOCK = _ca.BLOCK
 STATE_KEYS = {"float32": ("mu", "nu"), "bfloat16": ("mu_bf16", "nu_bf16"),

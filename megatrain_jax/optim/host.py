@@ -225,7 +225,7 @@ class CompactAdamW(FusedAdamW):
             raise ValueError(f"moments must be bfloat16 or int8, got {moments!r}")
         super().__init__(learning_rate, **kwargs)
         self.moments = moments
-        from megatrain_jax.optim import compact_adamw
+        import megatrain_jax.optim.compact_adamw as compact_adamw
 
         self._ca = compact_adamw
         if moments == "int8":

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from megatrain_jax.optim import compact_adamw as _ca
+import megatrain_jax.optim.compact_adamw as _ca
 from megatrain_jax.optim.compact_adamw import BLOCK, CODE_SIGNED
 from megatrain_jax.optim.device_adamw import _nearest
 

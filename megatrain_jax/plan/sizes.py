@@ -66,8 +66,8 @@ AUTO_SEQ_TILE = 8192  # tokens per tile where the plan tiles by itself: matmuls 
 TILE_ABOVE = 0.25  # model.seq_tile=auto tiles where one untiled block's working set is above this share of the GPU
 #                   room (or nothing untiled fits): Llama-2-7B at 65k tokens (16 GB) stays untiled on an H100
 LOSS_BYTES_PER_LOGIT = 10.0  # fp32 logits + fp32 softmax - onehot + bf16 copy of one chunk, fwd/bwd
-# floor rates for the predicted step (H100 measurements, DESIGN.md §1 and RESULTS.md); host_read is all
-# GPUs' host->GPU streams together (an assumption: DDR bandwidth is the cap beyond two links)
+# floor rates for the predicted step (H100 measurements, docs/design.md section 1 and RESULTS.md); host_read is
+# all GPUs' host->GPU streams together (an assumption: DDR bandwidth is the cap beyond two links)
 RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9, "host_read": 200e9,
          # 16 threads of the H100 machine's host (experiments/bench_compact_adamw.py)
          "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 3.5e9, "optax": 1.0e9}}

@@ -9,7 +9,7 @@ from typing import Any
 
 from megatrain_jax.config import Config
 from megatrain_jax.optim.costs import device_update_s, update_cost
-from megatrain_jax.plan import decisions as choose
+import megatrain_jax.plan.decisions as choose
 from megatrain_jax.plan.machine import Machine
 from megatrain_jax.plan.sizes import (DISPATCH_BLOCK_S, DISPATCH_CALL_S, HOLD_RETURN_RATE, HOST_COPY_PARALLEL_RATE,
                                       HOST_COPY_RATE, HOST_HOLD_BYTES, IO_GATHER_RATE, MICRO_BATCH_BYTES_PER_PARAM,
