@@ -103,22 +103,26 @@ def test_refusals_name_the_component_the_bytes_and_the_fix(what, sets, machine, 
 
 def test_host_refusal_names_no_mode_that_does_not_fit():
     """7B on a 24 GiB machine: even the leanest state mode needs far more than the host (issue 26 item 7:
-    the fix named optim.moments=int8 while the modes line said it needs 81.5 GB). The fix names no mode and
-    no setting that leaves it refused; it says the machine cannot hold the model, and what host would (a
-    limit at which the leanest mode at the smallest batch fits), and still offers the override."""
+    the fix named optim.moments=int8 while the modes line said it needs 81.5 GB). The fix says the machine
+    cannot hold the model at the configured tokens and names, for each alternative, the least host limit at
+    which that config fits (issue 43: planned at the configured batch and sequence, not at 1 x 64 tokens):
+    applied, each fits, and 2 GB less does not; it still offers the override."""
     cpu24 = Machine("cpu", 24 * GiB, 22 * GiB, "MemTotal", None, "", 0, "", 2, {})
     for sets in (("train.stream_copy=host",), ()):
         p = _plan("configs/7b.yaml", *sets, machine=cpu24)
         err = p.verdict()
         assert not any(m["fits_host"] for m in p.modes.values())
-        assert "optim.moments" not in err.fix and "train.stream_copy" not in err.fix, err.fix
-        assert "cannot hold this model" in err.fix and "train.host_memory_gb" in err.fix
-        limit = int(re.search(r"a host limit of (\d+) GB or more would", err.fix).group(1))
-        batch, seq = re.search(r"at (\d+) x (\d+) tokens", err.fix).groups()
-        big = Machine("cpu", limit * GB, limit * GB, "MemTotal", None, "", 0, "", 2, {})
-        lean = _plan("configs/7b.yaml", *sets, "optim.moments=int8", "train.stream_copy=device",
-                     f"train.batch_size={batch}", f"data.seq_len={seq}", machine=big)
-        assert lean.fits_host()
+        assert "cannot hold this model at 16 x 4096 tokens" in err.fix and "if this machine's limit is misread" in err.fix
+        alternatives = err.fix.split(" fits:")[0].split(", or ")
+        assert alternatives
+        for alt in alternatives:
+            settings = re.findall(r"\b((?:optim|train|data)\.\w+=[^\s,()]+)", alt.split(" with ")[0]) \
+                if " with " in alt else []
+            limit = int(re.search(r"a host limit of (\d+) GB", alt).group(1))
+            assert _plan("configs/7b.yaml", *sets, *settings, f"train.host_memory_gb={limit}", machine=cpu24).verdict() \
+                is None, alt
+            assert not _plan("configs/7b.yaml", *sets, *settings, f"train.host_memory_gb={limit - 2}",
+                             machine=cpu24).fits_host(), alt
 
 
 def test_host_memory_override_is_used_and_named():
@@ -195,7 +199,7 @@ def test_plan_shows_each_state_mode_and_suggests_the_fullest_that_fits():
     assert f"({fitting}:" in err.fix and "fits" in err.fix
     assert "host state modes: full" in plan_table(p)
     # a mode that fits suggests nothing
-    assert _plan("configs/qwen2.5-14b.yaml").suggestion is None
+    assert _plan("configs/qwen2.5-14b.yaml").fix is None
 
 
 def test_moe_working_set_counts_every_expert_of_the_dense_formulation():

@@ -179,7 +179,8 @@ class OptimConfig:
     """The optimizer. Fields left null take the named optimizer's value (``OPTIMIZER_FIELDS``)."""
 
     name: str = "adamw"  # adamw | lion | adafactor | sgd | muon | optax (any optax optimizer: optax_name)
-    kernel: str = "fused"  # fused (numba AdamW, in place) | optax (any optax transformation on the CPU device)
+    kernel: str = "auto"  # auto (fused for adamw, optax for the others) | fused (numba AdamW, in place) |
+    #                       optax (any optax transformation on the CPU device)
     lr: float = 1e-3
     weight_decay: float = 0.0  # decoupled (adamw, lion, adafactor, muon: also its Adam part); sgd: added to the gradient
     clip_norm: float | None = 1.0  # global-norm clipping; None disables it
@@ -198,6 +199,10 @@ class OptimConfig:
     multiply_by_parameter_scale: bool | None = None  # adafactor: lr relative to each parameter's RMS, true
     optax_name: str | None = None  # name=optax: an optax optimizer function, e.g. "adabelief" (learning_rate=lr)
     optax_kwargs: dict | None = None  # name=optax: its other keyword arguments, e.g. {b1: 0.9}
+
+    def __post_init__(self):
+        if self.kernel == "auto":  # the kernel follows the optimizer: the fused one implements AdamW only
+            self.kernel = "fused" if self.name == "adamw" else "optax"
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 

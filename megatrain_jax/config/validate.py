@@ -120,7 +120,7 @@ def validate(cfg: Config) -> None:
             raise UserError(name, "is not available with train.engine=reference",
                             f"set train.engine=streamed, or remove {name}")
     if o.kernel not in ("fused", "optax"):
-        raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use fused or optax")
+        raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use auto, fused or optax")
     if o.name not in OPTIMIZER_FIELDS:
         raise UserError("optim.name", f"{o.name!r} is not an optimizer",
                         "use adamw, lion, adafactor, sgd, muon or optax (with optim.optax_name)")
@@ -128,7 +128,8 @@ def validate(cfg: Config) -> None:
         raise UserError("train.update_on", "device updates the fp32 master on the GPU, so no host bf16 copy can stream",
                         "set train.stream_copy=device (or auto), or train.update_on=host")
     if o.kernel == "fused" and o.name != "adamw":
-        raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}", "set optim.kernel=optax")
+        raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}",
+                        "set optim.kernel=auto (or optax)")
     _validate_optimizer(o)
     def _num(name, v, ok, rule):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v)):

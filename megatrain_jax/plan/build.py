@@ -12,8 +12,8 @@ from typing import Any
 
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
-from megatrain_jax.plan import decisions as choose
-from megatrain_jax.plan import search
+import megatrain_jax.plan.decisions as choose
+import megatrain_jax.plan.search as search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check_one_device
 from megatrain_jax.optim.costs import auto_update_on
@@ -41,12 +41,10 @@ class Plan:
     machine: Machine
     notes: list[str] = field(default_factory=list)
     modes: dict[str, dict[str, Any]] = field(default_factory=dict)  # host need of each state mode (MODES)
-    suggestion: str | None = None  # the fullest leaner mode that fits when the configured one does not
     options: EngineOptions | None = None  # the decisions, typed, as the engine takes them
     host_available: float | None = None  # free now (MemAvailable); a note warns when it is below the need
     step_basis: str = "H100 rates"  # what the predicted step assumes
-    host_fix: str | None = None  # the refusal's fix when no state mode fits (refusal.py)
-    gpu_fix: str | None = None  # the GPU refusal's fix, checked by planning it (refusal.gpu_fix)
+    fix: str | None = None  # a refusal's fix, each alternative checked by planning it (refusal.find_fix)
     token_bytes: float | None = None  # host bytes that grow with the tokens, when they are what does not fit
     search: dict[str, Any] = field(default_factory=dict)  # what the placement search tried (search_summary)
 
@@ -98,44 +96,26 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
               _modes: bool = True, _mode_table: bool = True) -> Plan:
     """The plan for ``cfg`` on ``machine`` (this one by default; ``target_machine`` describes another),
     with every 'auto' decided; with the host need of each state mode beside it and, when the
-    configured mode does not fit the host, the fix that would (``suggestion``, ``host_fix``).
+    plan does not fit, the fix that would (``fix``: refusal.find_fix).
     ``attention=False``: the model has no attention (no attention term or line). ``_mode_table=False``
     plans only the modes the verdict reads (the leaner ones up to the first that fits, when the host
     is short): the same verdict, fix and options, with ``modes`` partial (the tests' property runs)."""
-    from megatrain_jax.plan.refusal import fits, fits_gpu, gpu_fix
+    from megatrain_jax.plan.refusal import find_fix, fits
 
     plan = _make_plan(cfg, machine, devices, attention)
     if not _modes:
         return plan
-    if cfg.optim.kernel == "fused":
-        order = list(choose.MODES)  # fullest first; suggest only modes leaner than the configured one
-        current = {"float32": 0, "bfloat16": 1}.get(cfg.optim.moments, len(order))
-        names = order if _mode_table else [] if plan.fits_host() else order[current + 1:]
-        for name in names:
-            over = choose.MODES[name]
+    if cfg.optim.kernel == "fused" and _mode_table:
+        for name, over in choose.MODES.items():
             mode = _mode_plan(cfg, plan.machine, devices, attention, over)
             plan.modes[name] = {"host_gb": mode.host_need / GB, "bytes_per_param": mode.host_bytes_per_param,
                                 "fits_host": mode.fits_host(), "fits": fits(mode),
                                 "settings": choose.mode_settings(over)}
-            if not _mode_table and plan.modes[name]["fits"]:
-                break
-        if not plan.fits_host():
-            for name in order[current + 1:]:
-                if plan.modes[name]["fits"]:  # host and GPU: a fix that fits
-                    mode = plan.modes[name]
-                    plan.suggestion = (f"{mode['settings']} ({name}: {mode['bytes_per_param']:.1f} bytes/param, "
-                                       f"{mode['host_gb']:.1f} GB)")
-                    break
-    if plan.fits_host() and not fits_gpu(plan):
-        plan.gpu_fix = gpu_fix(cfg, plan, lambda variant, m: _make_plan(variant, m or plan.machine, devices, attention))
-    if not plan.fits_host() and plan.suggestion is None:
-        from megatrain_jax.plan.refusal import host_fix
+    if not fits(plan):
+        def replan(variant: Config, m: Machine | None = None) -> Plan:
+            return _make_plan(variant, m or plan.machine, devices, attention)
 
-        def replan(variant: Config, over: dict[str, str] | None) -> Plan:
-            return _make_plan(variant, plan.machine, devices, attention) if over is None else \
-                _mode_plan(variant, plan.machine, devices, attention, over)
-
-        plan.host_fix, plan.token_bytes = host_fix(cfg, plan, replan)
+        plan.fix, plan.token_bytes = find_fix(cfg, plan, replan)
     return plan
 
 
@@ -175,6 +155,17 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                                        bf16_host_copy=bf16 and train.stream_copy == "host")
     asked_keep = 0 if train.keep_residuals == "auto" else min(int(train.keep_residuals), shapes.layers - 1)
     check_one_device(n_dev, update_on=update_on, keep_residuals=asked_keep)
+    if train.update_on == "auto" and on_gpu and n_dev == 1 and _device_update_runs(cfg, bf16):
+        # update_on=auto: both placements of the update are planned and the faster fitting one taken (steps within
+        # UPDATE_SWITCH_TOL equal: then the one the rule above names, the measured path; a note names the other).
+        # A device-side update carries its state in flight and must hold every gradient (or resweep) on a small
+        # GPU; a host update waits for the norm with the host's cores: neither wins everywhere (issue 43)
+        other = "host" if update_on == "device" else "device"
+        mine = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=update_on)), machine,
+                          devices, attention)
+        alt = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=other)), machine,
+                         devices, attention)
+        return _faster_update(mine, alt)
     stream_copy = "device" if (update_on == "device" and bf16) else train.stream_copy
     # the runtime at its largest (a preallocated pool's allocator table) while choosing the options
     runtime_max = RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] \
@@ -266,25 +257,6 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                           devices=n_dev)
     found = search.search(shapes, axes, ctx)
     placed = found.best
-    if not placed.fits and train.update_on == "auto" and update_on == "device":
-        # the device-side update's own GPU memory (and the gradients it must hold there) does not fit:
-        # the host updates instead (e.g. 18.1B parameters on an 80 GB GPU)
-        host_cfg = dataclasses.replace(cfg, train=dataclasses.replace(train, update_on="host"))
-        return _make_plan(host_cfg, machine, devices, attention)
-    if placed.fits and train.update_on == "auto" and update_on == "device" and train.gpu_memory_gb \
-            and optim.kernel == "fused":
-        # on a GPU budget the device-side update's own memory (the state in flight, the gradients it reads held on
-        # the GPU) can cost more than a host update's wait after the norm: the 8B at 24 GB keeps 25 blocks' inputs
-        # and every gradient on the GPU with a host update, with a device-side one a pinned hold and recompute.
-        # Both are planned; the host update is taken where its predicted step is shorter
-        host_cfg = dataclasses.replace(cfg, train=dataclasses.replace(train, update_on="host"))
-        host_plan = _make_plan(host_cfg, machine, devices, attention)
-        if host_plan.found.best.fits and host_plan.step["predicted_step_s"] \
-                < placed.step["predicted_step_s"] * (1 - search.STEP_TOL):
-            host_plan.notes.append(f"train.update_on=auto: host, whose placement's predicted step "
-                                   f"({host_plan.step['predicted_step_s']:.2f} s) is shorter than the device-side "
-                                   f"update's ({placed.step['predicted_step_s']:.2f} s) on this GPU budget")
-            return host_plan
     phases, gpu_rows, gpu_need = placed.phases, search.gpu_rows(found.shapes, found.ctx, placed), placed.gpu_need
     notes.extend(placed.notes)
     n_keep, per_block = choose.choose_keep_residuals(
@@ -350,6 +322,43 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     return plan
 
 
+UPDATE_SWITCH_TOL = 0.05  # the other placement of the update is taken over the rule's where predicted this much faster
+
+
+def _device_update_runs(cfg: Config, bf16: bool) -> bool:
+    """Whether a device-side update can run this config (one GPU is checked by the caller): no host bf16 copy
+    streams, and the optimizer has a device form (the fused AdamW's, or an optax transformation's)."""
+    if bf16 and cfg.train.stream_copy == "host":
+        return False
+    return cfg.optim.kernel == "fused" or _optax_cost(cfg).runs_on_device
+
+
+def _faster_update(mine: Plan, alt: Plan) -> Plan:
+    """Of two plans differing in ``update_on`` (``mine``: the rule's), the one to take: the only one that fits; of
+    two, the other where it is faster by UPDATE_SWITCH_TOL, else the rule's (its path is the measured one: a
+    device-side update with fp32 moments was not measured to pay, docs/design.md); of none, the rule's where its search found a candidate,
+    else the other's (the nearer refusal)."""
+    from megatrain_jax.plan.refusal import fits
+
+    ok_mine, ok_alt = fits(mine), fits(alt)
+    if ok_mine != ok_alt:
+        pick = mine if ok_mine else alt
+    elif not ok_mine:  # the nearer refusal: one whose search found a placement for the GPU, then the smaller need
+        def near(p: Plan) -> tuple:
+            return (not p.found.best.fits, not p.search.get("gpu_fits_any", True), p.host_need)
+        pick = mine if near(mine) <= near(alt) else alt
+    else:
+        t_mine, t_alt = mine.step["predicted_step_s"], alt.step["predicted_step_s"]
+        pick = alt if t_alt < t_mine * (1 - UPDATE_SWITCH_TOL) else mine
+    other = alt if pick is mine else mine
+    if fits(other):
+        pick.notes.append(f"train.update_on=auto: {pick.options.update_on} (predicted step "
+                          f"{pick.step['predicted_step_s']:.2f} s, host {pick.host_need / GB:.1f} GB; "
+                          f"{other.options.update_on}: {other.step['predicted_step_s']:.2f} s, "
+                          f"{other.host_need / GB:.1f} GB)")
+    return pick
+
+
 def _host_sums(rows: list[Row]) -> tuple[float, float]:
     """(host need, the same without XLA's GPU pool table): the search compares the second."""
     need = sum(r.bytes for r in rows)
@@ -363,9 +372,13 @@ def _has_slabs(on_gpu: bool, update_on: str, p: choose.Placement) -> bool:
 
 def search_summary(found: search.Result) -> dict[str, Any]:
     """What the search tried and, where nothing fit, the candidate that came closest."""
-    b = found.best
+    b, room = found.best, found.ctx.gpu_usable if found.ctx else None
+    on_gpu = [c for c in found.candidates if room is None or c.gpu_need <= room]
     return {"tried": found.tried, "fitting": found.fitting, "chosen": search.describe(b), "fits": b.fits,
-            "gpu_need": b.gpu_need, "host_need": b.host_need, "predicted_step_s": b.step.get("predicted_step_s")}
+            "gpu_need": b.gpu_need, "host_need": b.host_need, "predicted_step_s": b.step.get("predicted_step_s"),
+            # whether any candidate fits the GPU (none: the GPU, not the host, is what refuses), and the least
+            # host need among those that do (the host limit a refusal names is planned from it)
+            "gpu_fits_any": bool(on_gpu), "least_host_on_gpu": min((c.host_need for c in on_gpu), default=None)}
 
 
 def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bool, on_gpu: bool, n_dev: int,

@@ -1,7 +1,7 @@
 """The machine a plan is made for: this one (``detect_machine``) or one described (``target_machine``).
 
 This machine is read without starting a JAX backend (XLA's allocator settings must be chosen
-first): host limits from the cgroup or /proc/meminfo, GPUs from nvidia-smi.
+first): host limits from the cgroup or /proc/meminfo, GPUs from nvidia-smi (those ``CUDA_VISIBLE_DEVICES`` leaves visible).
 """
 from __future__ import annotations
 
@@ -73,22 +73,42 @@ def host_limit() -> tuple[float, float, str]:
 
 
 def _gpu_from_nvidia_smi() -> tuple[list[float], str]:
-    """Per-GPU total memory without initialising a JAX backend."""
+    """Per-GPU total memory of the GPUs this process can see, without initialising a JAX backend:
+    nvidia-smi lists every GPU of the host, so ``CUDA_VISIBLE_DEVICES`` (``visible_gpus``) picks among them."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,name", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total,name",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return [], ""
     if out.returncode:
         return [], ""
-    sizes, name = [], ""
+    gpus = []
     for line in out.stdout.strip().splitlines():
-        mib, _, name = line.partition(",")
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) < 4:
+            continue
         try:
-            sizes.append(float(mib) * (1 << 20))
+            gpus.append((parts[0], parts[1], float(parts[2]) * (1 << 20), ",".join(parts[3:])))
         except ValueError:
             pass
-    return sizes, name.strip()
+    gpus = visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return [g[2] for g in gpus], (gpus[0][3] if gpus else "")
+
+
+def visible_gpus(gpus: list[tuple], spec: str | None) -> list[tuple]:
+    """The GPUs (index, uuid, ...) that ``CUDA_VISIBLE_DEVICES`` leaves visible, in its order, as CUDA reads it:
+    unset, all; empty, none; a comma list of indices or UUIDs (a unique prefix such as ``GPU-5f3a``), read up
+    to the first entry that names no GPU (CUDA ignores the rest)."""
+    if spec is None:
+        return list(gpus)
+    out = []
+    for item in (x.strip() for x in spec.split(",")):
+        match = [g for g in gpus if item and (g[0] == item or (item.startswith(("GPU-", "MIG-")) and
+                                                              str(g[1]).startswith(item)))]
+        if len(match) != 1 or match[0] in out:
+            break
+        out.append(match[0])
+    return out
 
 
 def jax_backend_ready() -> bool:

@@ -56,16 +56,15 @@ def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, updat
             devices: int = 1) -> Axes:
     """The search's axes from the config's settings. On the CPU backend the device memory is host
     memory: without a budget nothing is placed elsewhere; with one, only the placements of a GPU run
-    that need no pinned slabs or streamed embedding (those are GPU mechanisms) are tried. A device-side
-    update (``update_on``) needs a hold: no resweep. Data parallel (``devices`` > 1) searches only what the
-    engine runs on several GPUs (the GPU and pinned holds, every input kept, embedding and head resident)."""
+    that need no pinned slabs or streamed embedding (those are GPU mechanisms) are tried. Every hold is a
+    candidate whatever runs the update (a device-side update's resweep applies each group in the second
+    sweep) and whatever the number of GPUs (data parallel runs every hold, boundary_every and stream_io:
+    tests/test_data_parallel.py); a split of the activations (their last blocks on the GPU) is one GPU's."""
     holds = HOLDS if train.grad_hold == "auto" else (train.grad_hold,)
-    if update_on == "device" and train.grad_hold == "auto":  # a device-side update waits for the next
-        holds = tuple(h for h in holds if h != "resweep")  # forward: its gradient must be held somewhere
     acts = ("device", "pinned_host") if train.activations == "auto" else (train.activations,)
     boundary = BOUNDARY_EVERY if train.boundary_every == "auto" else (int(train.boundary_every),)
     io = (False, True) if train.stream_io == "auto" else (bool(train.stream_io),)
-    if not on_gpu or devices > 1:  # one-GPU mechanisms: a CPU or data-parallel run takes them only when asked for
+    if not on_gpu:  # GPU mechanisms: a CPU run takes them only when asked for
         holds = tuple(h for h in holds if h in ("gpu_fp32", "gpu_bf16", "pinned_host")) or holds
         boundary = (1,) if train.boundary_every == "auto" else boundary
         io = (False,) if train.stream_io == "auto" else io
@@ -291,7 +290,7 @@ def search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
     ``model.seq_tile=auto`` (``shapes.tile_auto``), where nothing untiled fits or one block's untiled
     working set is over ``TILE_ABOVE`` of the GPU room, the same search with the blocks tiled
     (``AUTO_SEQ_TILE`` tokens): XLA takes a block VJP's temporaries as one allocation, and at 131k
-    tokens that one allocation (23.31 GiB) is what ran out of memory (DESIGN.md section 6)."""
+    tokens that one allocation (23.31 GiB) is what ran out of memory (docs/design.md section 6)."""
     res = _tiled_search(shapes, axes, ctx)
     if res.best.fits or res.shapes is None or res.shapes.blocks_queued <= 1:
         return res
