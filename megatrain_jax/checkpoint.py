@@ -59,6 +59,7 @@ from typing import Any, Callable
 import numpy as np
 
 from megatrain_jax.errors import UserError
+from megatrain_jax.orbax_io import _checkpointer, _restore_array  # noqa: F401 - the orbax glue (export uses it)
 
 FORMAT = 1
 CKPT_SUBDIR = "checkpoints"
@@ -106,55 +107,7 @@ def leftovers(root: str) -> list[str]:
                   if n.startswith("step_") and (n.endswith(".tmp") or ".deleting" in n))
 
 
-# ------------------------------------------------------------------------------------ orbax glue
-
-
-def _checkpointer():
-    """A synchronous orbax PyTree checkpointer whose numpy handler does not copy its inputs.
-
-    orbax's default numpy handler deep-copies every array in ``save`` (so that the caller may
-    mutate it once an async save has returned): for a whole model that is the second full copy we
-    must avoid. Without the copy the arrays must stay untouched until ``save`` returns, which is
-    exactly what the per-group hold guarantees. Compression is off: weights barely compress and
-    zstd would compete with training for the CPU.
-    """
-    import jax
-    import orbax.checkpoint as ocp
-
-    import inspect
-
-    th = ocp.type_handlers
-    # older orbax releases (the GPU image's, for one) have no such switch and copy the group being
-    # saved: one group at a time, so the extra memory is one group's, never the model's
-    numpy_kwargs = {"deepcopy_host_arrays": False} \
-        if "deepcopy_host_arrays" in inspect.signature(th.NumpyHandler.__init__).parameters else {}
-    registry = th.create_type_handler_registry(
-        (np.ndarray, th.NumpyHandler(**numpy_kwargs)),
-        (jax.Array, th.ArrayHandler()),
-    )
-    handler_kwargs = dict(use_ocdbt=True, use_zarr3=True, type_handler_registry=registry)
-    params = inspect.signature(ocp.PyTreeCheckpointHandler.__init__).parameters
-    if "use_compression" in params:
-        handler_kwargs["use_compression"] = False
-    # each process reads and writes host-store groups (numpy, its own replica) alone: in a
-    # multi-process run only process 0 saves, and orbax's default cross-process barriers would wait
-    # for the others forever
-    me = jax.process_index()
-    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
-                                               barrier_sync_key_prefix=f"megatrain_p{me}")
-    if "multiprocessing_options" in params:
-        handler_kwargs["multiprocessing_options"] = alone
-    handler = ocp.PyTreeCheckpointHandler(**handler_kwargs)
-    return ocp.Checkpointer(handler, multiprocessing_options=alone)
-
-
-def _restore_array(ckptr, path: str, key: str) -> np.ndarray:
-    """One array of a group's orbax item (partial restore: peak memory is one array)."""
-    import orbax.checkpoint as ocp
-
-    args = ocp.args.PyTreeRestore(item={key: 0}, restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray)},
-                                  partial_restore=True)
-    return np.asarray(ckptr.restore(os.path.abspath(path), args=args)[key])
+# ------------------------------------------------------------------------------------ checksums, files
 
 
 def _bytes_view(a: np.ndarray) -> np.ndarray:
@@ -255,6 +208,10 @@ class _Job:
         self.abandoned = False
         self.stats = SaveStats(step, final)
         self.thread: threading.Thread | None = None
+        # set by the writer as its very last act. Waited on instead of Thread.join: a join that a signal
+        # interrupts marks the thread as finished while it still runs (CPython's bpo-45274 handling), and
+        # is_alive() then lies
+        self.done = threading.Event()
 
 
 class CheckpointSaver:
@@ -268,6 +225,7 @@ class CheckpointSaver:
         self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-crc")
         self._ckptr = None
         self.kill_in_save: int | None = None  # fault injection (train.TrainHooks): SIGKILL mid-save of this step
+        self.sigint_in_save: int | None = None  # fault injection: SIGINT to the main thread mid-save of this step
         self._ckptr_ready = threading.Thread(target=self._make_checkpointer, name="ckpt-init", daemon=True)
         self._ckptr_ready.start()  # importing orbax takes a second: not while groups are held
         self.history: list[SaveStats] = []
@@ -329,11 +287,13 @@ class CheckpointSaver:
 
     def wait(self) -> SaveStats | None:
         """Wait for the save in flight; raise ``UserError`` if it failed."""
-        job, self._job = self._job, None
+        job = self._job
         if job is None:
             return None
         t0 = time.perf_counter()
+        job.done.wait()  # a signal may interrupt it: the job stays in flight, for abandon() to give up
         job.thread.join()
+        self._job = None
         job.stats.call_s += time.perf_counter() - t0
         if job.error is not None:
             raise UserError("train.out_dir", f"saving checkpoint {job.final} failed: "
@@ -346,26 +306,44 @@ class CheckpointSaver:
 
     @property
     def busy(self) -> bool:
-        return self._job is not None and self._job.thread.is_alive()
+        return self._job is not None and not self._job.done.is_set()
 
     def poll(self) -> SaveStats | None:
         """The stats of a background save that has finished since the last call (else ``None``);
         raises like ``wait`` if it failed."""
-        if self._job is not None and not self._job.thread.is_alive():
+        if self._job is not None and self._job.done.is_set():
             return self.wait()
         return None
 
-    def abandon(self) -> None:
+    def abandon(self) -> int | None:
         """Give up the save in flight (an abort): release every held group at once and make sure
-        that save never commits (its ``.tmp`` is removed, or ignored by the next run)."""
+        that save never commits (its ``.tmp`` is removed, or ignored by the next run). Returns the
+        step of the save given up (None when none was in flight). ``settle()`` then waits for its
+        writer to stop."""
         job = self._job
+        step = None
         if job is not None:
             job.abandoned = True
             self._active = None
             for ev in job.released.values():
                 ev.set()
+            if not job.done.is_set():
+                step = job.step
         if getattr(self.trainer, "before_update", None) == self._before_update:
             self.trainer.before_update = None
+        return step
+
+    def settle(self, timeout: float = 300.0) -> bool:
+        """After ``abandon()`` (and once the trainer's queued updates have settled, which the writer
+        may be waiting for): wait for the abandoned save's writer to notice and remove its ``.tmp``,
+        so that no thread is writing, or asking orbax for more work, while the process exits. The
+        writer stops at the next group (one group's write at most). True when it has stopped."""
+        job = self._job
+        done = job is None or job.done.wait(timeout)
+        if done:
+            self._job = None
+            self._crc_pool.shutdown(wait=True)
+        return done
 
     def close(self) -> None:
         try:
@@ -411,6 +389,10 @@ class CheckpointSaver:
                 del item, state_arrays
                 if kill_step is not None and int(kill_step) == job.step:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if self.sigint_in_save is not None and int(self.sigint_in_save) == job.step and name == job.order[0]:
+                    from megatrain_jax.signals import interrupt_main_until
+
+                    interrupt_main_until(lambda: job.abandoned)  # the save stays in flight until given up
             meta = dict(job.meta)
             meta.update(format=FORMAT, step=job.step, count=job.count, layouts=store_layouts(store),
                         optimizer=getattr(opt, "label", type(opt).__name__), saved_at=time.time())
@@ -434,6 +416,7 @@ class CheckpointSaver:
             for ev in job.released.values():
                 ev.set()  # never leave the training waiting on a failed save
             self._active = None
+            job.done.set()
 
 
 # ------------------------------------------------------------------------------------- loading

@@ -20,7 +20,7 @@ def _train(args: argparse.Namespace) -> int:
 
     initialize_from_env()  # MEGATRAIN_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID: one of several processes
 
-    train(cfg, resume=args.resume)
+    train(cfg, resume=args.resume, inputs=[args.config])  # the config file: an input no output may be or hold
     return 0
 
 
@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # one line (train: what became of the save, the newest checkpoint)
+        print(str(e) or "interrupted", file=sys.stderr, flush=True)
         return 130
 
 

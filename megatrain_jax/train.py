@@ -15,8 +15,10 @@ checked before the output directory is written, so a bad run leaves nothing half
   schedule) are restored, the data continues at the saved step (batches are a pure function of
   the step), and ``metrics.jsonl`` is cut back to that step so that no step appears twice.
   Resuming reproduces an uninterrupted run bit for bit.
-- **Signals**: SIGINT / SIGTERM finish the current step, save a checkpoint and return normally
-  (exit 0); a second signal aborts at once.
+- **Signals** (``signals.py``): SIGINT / SIGTERM finish the current step, save a checkpoint and return
+  normally (exit 0); a second one abandons a save in flight cleanly (the checkpoints before it intact,
+  no thread left writing) and one line names the newest complete checkpoint (the CLI exits 130).
+- **Where it writes**: ``train.out_dir`` and ``train.export`` obey the writers' rule (``atomic.py``).
 - **Numerical faults**: a step whose loss or gradient norm is NaN/inf applies no update (weights and
   optimizer moments untouched: the engine defers every update until the norm is known), is logged
   and counted; ``train.max_bad_steps`` consecutive ones save a checkpoint and stop with a
@@ -30,9 +32,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,6 +40,8 @@ import numpy as np
 import yaml
 
 from megatrain_jax import checkpoint as ck
+from megatrain_jax.atomic import check_train_outputs
+from megatrain_jax.atomic import check_writable as check_out_dir  # train.out_dir's write probe
 from megatrain_jax.config import Config
 from megatrain_jax.distributed import is_main
 from megatrain_jax.engine import Batch, StreamedTrainer
@@ -48,6 +49,7 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.plan import memory_snapshot
 from megatrain_jax.metrics import MetricsWriter, attention_flops_per_token, model_flops_per_token
 from megatrain_jax.plan import few_malloc_arenas, plan_or_refuse  # noqa: F401 - importable here too
+from megatrain_jax.signals import StopSignals, abort_line
 from megatrain_jax.trainer import Trainer
 
 Log = Callable[[str], None]
@@ -98,11 +100,15 @@ class TrainHooks:
 
     ``nan_steps``: the forward of these (1-based) steps produces NaN; ``kill_after_step``: SIGKILL
     the process after that step once the saves in flight are committed; ``kill_in_save``: SIGKILL it
-    in the middle of the save of that step (``checkpoint.CheckpointSaver.kill_in_save``)."""
+    in the middle of the save of that step (``checkpoint.CheckpointSaver.kill_in_save``);
+    ``sigint_after_step`` / ``sigint_in_save``: a Ctrl-C after that step / in the middle of its save
+    (``CheckpointSaver.sigint_in_save``)."""
 
     nan_steps: frozenset = frozenset()
     kill_after_step: int | None = None
     kill_in_save: int | None = None
+    sigint_after_step: int | None = None  # SIGINT to the process once that step is logged (a first Ctrl-C)
+    sigint_in_save: int | None = None  # SIGINT to the main thread in the middle of the save of that step
 
 
 class _Timeline:
@@ -147,32 +153,6 @@ class _Timeline:
         self.log(f"timeline of step {self.step}: {t1 - self.t0:.3f} s, compute busy {exposed['compute_busy']:.3f} s; "
                  f"compute waited for " + ", ".join(f"{k} {v:.3f} s" for k, v in exposed.items()
                                                    if k not in ("compute_busy",)) + f"  [{base}.json/.png]")
-
-
-class _StopSignals:
-    """SIGINT / SIGTERM: remember it and let the loop finish the step; a second one aborts."""
-
-    def __init__(self, log: Log):
-        self.received: str | None = None
-        self._old: dict[int, Any] = {}
-        self._log = log
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.received is not None:
-            self.restore()
-            raise KeyboardInterrupt(f"second {name}: aborting without waiting for the checkpoint")
-        self.received = name
-        print(f"\n{name}: finishing the current step, then saving a checkpoint (send it again to abort)",
-              file=sys.stderr, flush=True)
-
-    def restore(self) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        self._old.clear()
 
 
 def _truncate_metrics(path: str, step: int, log: Log) -> None:
@@ -262,29 +242,6 @@ def _rng_state(cfg: Config) -> dict:
 # ------------------------------------------------------------------------------------ before anything is written
 
 
-def check_out_dir(out_dir: str) -> None:
-    """Refuse a ``train.out_dir`` that cannot be created and written, creating nothing: a file, a
-    path under a file, a directory without write permission, a read-only filesystem. The probe is
-    one temporary file in the nearest existing ancestor, removed at once."""
-    path = os.path.abspath(out_dir)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError("train.out_dir", f"{out_dir} is an existing file, not a directory",
-                        "choose a directory path for train.out_dir")
-    probe = path
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        raise UserError("train.out_dir", f"{out_dir} lies under {probe}, which is a file, not a directory",
-                        "choose a train.out_dir whose parents are directories")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".megatrain-write-check-", dir=probe)
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise UserError("train.out_dir", f"{out_dir} cannot be written ({probe}: {e.strerror or e})",
-                        "choose a train.out_dir you may create files in (not on a read-only filesystem)") from None
-
-
 def _warn_positions(cfg: Config, log: Log) -> None:
     """A ``model.from_hf`` checkpoint trained at fewer positions than ``data.seq_len``: one warning."""
     from megatrain_jax.hf import read_hf_config
@@ -305,34 +262,53 @@ class _Start:
     root: str  # the checkpoint directory
     start_step: int = 0
     state: dict = field(default_factory=dict)  # the resumed checkpoint's state.json
+    inputs: list = field(default_factory=list)  # what the run reads (the writers' rule keeps outputs off them)
 
 
-def _start(cfg: Config, resume: bool, log: Log, main: bool) -> _Start:
+def run_inputs(cfg: Config, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """What a run reads (no output may be, hold or lie in it): ``extra`` (the config file), the data, the
+    tokenizer, ``model.from_hf`` (for a Hub id: the Hugging Face cache). Paths only: nothing is opened."""
+    from megatrain_jax.data.load import _resolve_path
+    from megatrain_jax.data.packed import SUFFIXES
+    from megatrain_jax.hf.hub import input_paths
+
+    out = [p for p in extra if p]
+    d = cfg.data
+    if d.path:
+        p = _resolve_path(d.path)
+        out += [x for x in [p, *(p + s for s in SUFFIXES)] if os.path.lexists(x)]
+    if d.tokenizer and d.tokenizer != "byte":
+        out.append(d.tokenizer)
+    out += input_paths(cfg.model.from_hf)
+    return out
+
+
+def _start(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) -> _Start:
     """Every check, then the trainer; nothing is written here, so a refusal leaves no file behind."""
     from megatrain_jax.data import load_dataset
 
     t = cfg.train
     _check_fields(cfg)
+    inputs = run_inputs(cfg, extra_inputs)
+    root = ck.checkpoint_root(t.out_dir)
     if main:
-        check_out_dir(t.out_dir)  # before the plan: a bad path is not reported as 0.0 GB of free disk
-        if t.export:  # an export target that would replace a run is refused now, not after training
-            from megatrain_jax.hf import check_export_dir
-
-            check_export_dir(t.export, t.out_dir)
+        # the writers' rule (atomic.py) before anything is read: never an input, inside another run or
+        # over a folder of runs or data sets; an export that would replace a run is refused now, not after
+        check_train_outputs(t.out_dir, t.export, inputs)
+        existing = ck.list_checkpoints(root) if not resume else []
+        if existing:
+            raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
+                            f"pass --resume to continue that run, or choose another train.out_dir (or delete {root})")
+        check_out_dir(t.out_dir, "train.out_dir")  # before the plan: not reported as 0.0 GB of free disk
     if resume and t.engine == "reference":
         raise UserError("--resume", "checkpoints are written by the streamed engine only",
                         "set train.engine=streamed (or train without --resume)")
     if cfg.model.from_hf:
         from megatrain_jax.hf import resolve_hf_model_config
 
-        resolve_hf_model_config(cfg.model)  # architecture fields before anything uses the sizes
+        resolve_hf_model_config(cfg.model, log)  # sizes before anything uses them; a Hub id becomes its snapshot
         _warn_positions(cfg, log)
     dataset = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=t.batch_size)  # one batch must come out
-    root = ck.checkpoint_root(t.out_dir)
-    existing = ck.list_checkpoints(root) if (main and not resume) else []
-    if existing:
-        raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
-                        f"pass --resume to continue that run, or choose another train.out_dir (or delete {root})")
     if t.engine != "streamed":
         plan = None
     elif cfg.model.lora is not None:  # LoRA: a frozen base, adapters on the GPU (engine/lora_plan.py)
@@ -342,11 +318,12 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool) -> _Start:
     else:
         plan = plan_or_refuse(cfg, log)  # before anything is allocated
     if not resume:
-        return _Start(Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg), plan, dataset, root)
+        return _Start(Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg), plan, dataset, root,
+                      inputs=inputs)
     trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
     _resume_checks(cfg, dataset, state, log)
     log(f"resumed from {path}: step {int(state['step'])}, optimizer count {trainer.step_count}")
-    return _Start(trainer, plan, dataset, root, int(state["step"]), state)
+    return _Start(trainer, plan, dataset, root, int(state["step"]), state, inputs)
 
 
 def _open_outputs(cfg: Config, start: _Start, resume: bool, main: bool, log: Log) -> tuple[MetricsWriter, str]:
@@ -391,16 +368,19 @@ class _Loop:
             if main else None  # None too where the trainer writes no checkpoints (the reference engine)
         if self.saver is not None and hooks.kill_in_save is not None:
             self.saver.kill_in_save = hooks.kill_in_save
+        if self.saver is not None and hooks.sigint_in_save is not None:
+            self.saver.sigint_in_save = hooks.sigint_in_save
         self.losses: list[float] = []
         self.step_done = start.start_step
         self.stopped_by: str | None = None
         self.final_path: str | None = None
+        self.abandoned_step: int | None = None  # a save given up by an abort (a second signal)
 
     def run(self) -> None:
         """Steps ``start_step + 1 .. train.steps``; stops early (with a checkpoint) on a signal or on
         ``train.max_bad_steps`` non-finite steps in a row. Closes the saver and the trainer."""
         t = self.cfg.train
-        stop = _StopSignals(self.log)
+        stop = StopSignals()
         aborted = False
         try:
             t0 = last = time.perf_counter()
@@ -415,6 +395,8 @@ class _Loop:
                     self._log_step(s, res, rec, now - t0)
                 if self.saver is not None:
                     self._report(self.saver.poll())  # a background save that has committed since the last step
+                if s == self.hooks.sigint_after_step:
+                    signal.raise_signal(signal.SIGINT)  # test hook: a Ctrl-C now (handled before the next line)
                 self._stop_if_bad(s)
                 if stop.received:
                     self.stopped_by, self.final_path = stop.received, self.save(s, wait=True)
@@ -435,8 +417,10 @@ class _Loop:
             aborted = True
             raise _background_failure(e, t.out_dir, self.step_done) from None
         finally:
-            stop.restore()
-            self._close(aborted)
+            try:
+                self._close(aborted)  # on an abort: the save in flight abandoned, its writer ended
+            finally:
+                stop.restore()  # only now: a third signal must not cut that clean-up short
 
     def _step(self, s: int):
         """Step ``s`` (1-based): the batch of index ``s - 1`` (a pure function of the step)."""
@@ -521,16 +505,36 @@ class _Loop:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _close(self, aborted: bool) -> None:
+        """Close the saver (an abort: abandon its save in flight), the trainer and the metrics. After
+        an abort the abandoned save's writer is waited for, so no thread is left writing (or
+        starting orbax work) while the interpreter shuts down."""
         try:
             if self.saver is not None:
-                self.saver.abandon() if aborted else self.saver.close()
+                if aborted:
+                    self.abandoned_step = self.saver.abandon()
+                else:
+                    try:
+                        self.saver.close()
+                    except KeyboardInterrupt:  # a second signal while waiting for the last save
+                        aborted = True
+                        self.abandoned_step = self.saver.abandon()
+                        raise
         finally:
             try:
-                self.trainer.close()
+                self.trainer.close()  # settles the queued updates an abandoned save may wait for
             except Exception:  # noqa: BLE001 - after a failure, the pending updates fail the same way
                 if not aborted:
                     raise
-            self.metrics.close()
+            finally:
+                settle = getattr(self.saver, "settle", None)  # CheckpointSaver's; LoRA's saver writes in-line
+                if aborted and settle is not None:
+                    settle()
+                self.metrics.close()
+
+    def abort_line(self, why: str) -> str:
+        """The one line after an abort (``signals.abort_line``)."""
+        return abort_line(why, self.step_done, self.abandoned_step,
+                          ck.list_checkpoints(self.saver.root) if self.saver else None, self.cfg.train.out_dir, self.main)
 
 
 def _summary(cfg: Config, loop: _Loop, resume: bool, wall: float) -> dict[str, Any]:
@@ -547,31 +551,37 @@ def _summary(cfg: Config, loop: _Loop, resume: bool, wall: float) -> dict[str, A
             "checkpoint": loop.final_path, "stopped_by": loop.stopped_by}
 
 
-def train(cfg: Config, resume: bool = False, log: Log = print, hooks: TrainHooks | None = None) -> dict[str, Any]:
+def train(cfg: Config, resume: bool = False, log: Log = print, hooks: TrainHooks | None = None,
+          inputs: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
     """Run ``cfg.train.steps`` steps; returns a summary (first/last losses, throughput).
 
     ``resume`` continues from the newest complete checkpoint in ``train.out_dir``; ``hooks``: faults
-    a test injects (``TrainHooks``).
+    a test injects (``TrainHooks``); ``inputs``: files the run reads besides those the config names
+    (the config file itself), which ``train.out_dir`` and ``train.export`` may not be, hold or lie in.
     """
     t = cfg.train
     main = is_main()  # process 0 writes checkpoints, metrics and logs; the others only train
     if not main:
         log = lambda _msg: None  # noqa: E731
-    start = _start(cfg, resume, log, main)  # every check; nothing written yet
+    start = _start(cfg, resume, log, main, inputs)  # every check; nothing written yet
     metrics, metrics_path = _open_outputs(cfg, start, resume, main, log)
     log(f"model: {cfg.model.total_params() / 1e6:.2f}M parameters "
         f"({cfg.model.non_embedding_params() / 1e6:.2f}M non-embedding), engine={t.engine}, "
         f"compute={t.compute_dtype}, {t.batch_size * cfg.data.seq_len} tokens/step")
     loop = _Loop(cfg, start, metrics, hooks or TrainHooks(), main, log)
     t0 = time.perf_counter()
-    loop.run()
+    try:
+        loop.run()
+    except KeyboardInterrupt as e:  # a second signal (or Ctrl-C without our handler): one line, no traceback
+        raise KeyboardInterrupt(loop.abort_line(str(e) or "interrupted")) from None
     if t.export and loop.stopped_by is None and main:
         from megatrain_jax.hf import export_hf
 
         if cfg.model.lora is not None:  # the adapters, in the PEFT format
             start.trainer.save_adapter(t.export, log=log)
         else:
-            export_hf(start.trainer.store, cfg.model, t.export, t.export_dtype, overwrite=True, log=log)
+            export_hf(start.trainer.store, cfg.model, t.export, t.export_dtype, overwrite=True,
+                      sources=start.inputs, own_run=t.out_dir, log=log)
     summary = _summary(cfg, loop, resume, time.perf_counter() - t0)
     if main:
         with open(os.path.join(t.out_dir, "summary.json"), "w") as f:

@@ -443,6 +443,39 @@ def test_export_never_replaces_a_run_whatever_the_flags(llama_run, tmp_path, cap
     assert _tree_state(tmp_path) == before
 
 
+def test_export_never_writes_into_another_run_or_over_a_folder_of_data(llama_run, tmp_path, capsys):
+    """Issue 47 item 3: `export runs/tiny runs/opt-lion/hf` exited 0, though an output inside a run is
+    refused (that run's retention or --overwrite can later remove it, or it removes files of the run).
+    Another run is known by its checkpoints/ or by the config.yaml train writes first; a folder of
+    prepared data sets is never an output either. Whatever the flags: exit 2, one line, nothing changed."""
+    import yaml
+
+    from megatrain_jax.config import Config
+
+    _, _, run = llama_run
+    lion = tmp_path / "opt-lion"  # a run that has written its config.yaml, no checkpoint yet
+    lion.mkdir()
+    (lion / "config.yaml").write_text(yaml.safe_dump(Config().to_dict(), sort_keys=False))
+    other = tmp_path / "other" / "checkpoints" / "step_00000003"
+    other.mkdir(parents=True)
+    (other / "manifest.json").write_text("{}")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ds.json").write_text("{}")
+    (data / "ds.tokens.bin").write_bytes(b"\0" * 8)
+    before = _tree_state(tmp_path)
+    for out, needle in [(lion / "hf", "opt-lion"), (lion / "hf" / "deeper", "opt-lion"),
+                        (tmp_path / "other" / "export", "other"), (os.path.join(run, "hf"), "run"),
+                        (data, "data set"), (tmp_path, "contains")]:
+        for flags in ([], ["--overwrite"], ["--format", "mt", "--overwrite"]):
+            capsys.readouterr()
+            assert cli_main(["export", run, str(out), *flags]) == 2, (out, flags)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("error: OUT:") and needle in err[0], err
+            assert _tree_state(tmp_path) == before
+    assert cli_main(["export", run, str(tmp_path / "exports" / "hf")]) == 0  # beside the runs: fine
+
+
 def test_export_overwrite_replaces_only_an_earlier_export(llama_run, tmp_path, capsys):
     """--overwrite replaces what an earlier export of the same kind wrote and keeps the rest (e.g.
     tokenizer files); a directory it did not write, or one of the other kind, is refused untouched."""
@@ -503,8 +536,12 @@ def test_train_export_cannot_replace_a_run(llama_run, tmp_path):
     with pytest.raises(UserError, match="train.export"):
         check_export_dir(fresh, fresh)  # not there yet: it would be, by the end of the run
     check_export_dir(os.path.join(run, "export"), run)  # the documented place: fine
-    export_hf(store, cfg, os.path.join(run, "export"), overwrite=True, log=None)
-    export_hf(store, cfg, os.path.join(run, "export"), overwrite=True, log=None)  # the next run's export
+    export_hf(store, cfg, os.path.join(run, "export"), overwrite=True, own_run=run, log=None)
+    export_hf(store, cfg, os.path.join(run, "export"), overwrite=True, own_run=run, log=None)  # its resume's export
+    with pytest.raises(UserError, match="lies inside"):  # issue 47: from anything but that run, it lies in a run
+        export_hf(store, cfg, os.path.join(run, "export"), overwrite=True, log=None)
+    with pytest.raises(UserError, match="lies inside"):
+        check_export_dir(os.path.join(run, "export"), str(tmp_path / "another_run"))
 
 
 def test_optax_optimizer_state_roundtrip(tmp_path):

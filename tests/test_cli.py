@@ -195,6 +195,100 @@ def test_out_dir_check_leaves_nothing(tmp_path):
             check_out_dir("/proc/self/megatrain-run")
 
 
+# ---------------------------------------------------------------------- where a run may write (issue 47)
+
+
+def _user_workspace(root):
+    """A user's folder: runs/base30 (checkpoints/step_00000030 and its config.yaml), runs/opt-lion (only the
+    config.yaml train writes first), notes/ (another tool's config.yaml), data/ (the input text and a
+    prepared data set), configs/tiny.yaml."""
+    import yaml
+
+    from megatrain_jax.config import Config
+
+    step = root / "runs" / "base30" / "checkpoints" / "step_00000030"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    (step / "state.json").write_text("{}")
+    (root / "runs" / "opt-lion").mkdir()
+    for run in ("base30", "opt-lion"):  # the config.yaml train writes (every section of the config)
+        (root / "runs" / run / "config.yaml").write_text(yaml.safe_dump(Config().to_dict(), sort_keys=False))
+    (root / "notes").mkdir()  # another tool's config.yaml: not a run
+    (root / "notes" / "config.yaml").write_text("model: {name: other}\ntrain: {epochs: 3}\n")
+    (root / "data").mkdir()
+    shutil.copy(SHAKESPEARE, root / "data" / "tiny.txt")
+    (root / "data" / "other.json").write_text("{}")
+    (root / "data" / "other.tokens.bin").write_bytes(b"\0" * 8)
+    (root / "configs").mkdir()
+    shutil.copy(TINY, root / "configs" / "tiny.yaml")
+    return root
+
+
+def _tree(root):
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (st.st_size if n in files else -1, st.st_mtime_ns)
+    return out
+
+
+# (field, overrides, what the line names): every one refused before anything is read, whatever else is set
+BAD_PLACES = {
+    "out_dir_a_checkpoint_of_another_run": ("train.out_dir", ["train.out_dir=runs/base30/checkpoints/step_00000030"],
+                                            "base30"),
+    "out_dir_inside_another_run": ("train.out_dir", ["train.out_dir=runs/base30/sub"], "base30"),
+    "out_dir_inside_a_run_by_its_config": ("train.out_dir", ["train.out_dir=runs/opt-lion/inner"], "opt-lion"),
+    "out_dir_the_folder_of_runs": ("train.out_dir", ["train.out_dir=runs"], "base30"),
+    "out_dir_the_folder_of_the_data": ("train.out_dir", ["train.out_dir=data"], "tiny.txt"),
+    "out_dir_the_folder_of_the_config": ("train.out_dir", ["train.out_dir=configs"], "tiny.yaml"),
+    "out_dir_the_workspace": ("train.out_dir", ["train.out_dir=."], "contains"),
+    "export_into_another_run": ("train.export", ["train.out_dir=runs/new", "train.export=runs/base30/export"],
+                                "base30"),
+    "export_into_a_run_by_its_config": ("train.export", ["train.out_dir=runs/new", "train.export=runs/opt-lion/hf"],
+                                        "opt-lion"),
+    "export_the_folder_of_runs": ("train.export", ["train.out_dir=new_run", "train.export=runs"], "base30"),
+    "export_into_its_own_checkpoints": ("train.export", ["train.out_dir=runs/new",
+                                                         "train.export=runs/new/checkpoints/hf"], "checkpoints"),
+    "export_over_the_data": ("train.export", ["train.out_dir=runs/new", "train.export=data"], "data"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_PLACES))
+def test_a_run_never_writes_into_another_run_its_folder_or_its_inputs(tmp_path, capsys, monkeypatch, name):
+    """Issue 47 items 2 and 3: `train.out_dir=runs/base30/checkpoints/step_00000030` trained a whole run
+    into that checkpoint (base30's next --resume removed it by retention), `train.out_dir=runs` and
+    `train.out_dir=data` were accepted, `train.export=runs/base30/export` too. Now: one line naming the
+    field, exit 2, the workspace byte-identical (nothing read first, nothing written)."""
+    field, overrides, needle = BAD_PLACES[name]
+    ws = _user_workspace(tmp_path / "ws")
+    monkeypatch.chdir(ws)
+    before = _tree(ws)
+    res = run_in_process(["train", "configs/tiny.yaml", *sets(*TINY_RUN[:-1], "data.path=data/tiny.txt",
+                                                               "optim.schedule.warmup_steps=0",
+                                                               "train.steps=1", "train.final_checkpoint=false",
+                                                               *overrides)], capsys)
+    line = check_user_error(res, field)
+    assert needle in line, line
+    assert _tree(ws) == before
+
+
+def test_a_run_may_write_beside_runs_and_export_inside_itself(tmp_path, monkeypatch):
+    """The rule's other side: a new run beside the others (runs/new), its export inside it (the
+    documented <out_dir>/export) or beside it, a data set beside the data; an existing run as its own."""
+    from megatrain_jax.atomic import check_place, check_train_outputs
+
+    ws = _user_workspace(tmp_path / "ws")
+    monkeypatch.chdir(ws)
+    inputs = ["configs/tiny.yaml", "data/tiny.txt"]
+    check_train_outputs("runs/new", "runs/new/export", inputs)
+    check_train_outputs("runs/new", "exports/new", inputs)
+    check_train_outputs("runs/base30", "runs/base30/export", inputs)  # --resume: its own run
+    check_place("data/new", inputs=["y.json"], field="--out", files=["data/new.json", "data/new.tokens.bin"])
+    check_place("notes/out", field="OUT")  # beside another tool's config.yaml
+
+
 @pytest.mark.parametrize("case", ["seq_len_above_data", "batch_above_data"])
 def test_data_too_small_writes_nothing(tmp_path, capsys, case):
     """Issue 26 item 4: data too small for one batch is refused before config.yaml, metrics.jsonl,

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from megatrain_jax.cli import main  # noqa: E402
@@ -196,3 +198,171 @@ def test_a_broken_config_file_is_one_line_exit_2(workspace, text):
 def test_a_bad_command_line_is_one_line_exit_2_and_touches_nothing(workspace, argv):
     names = [a for a in argv[1:] if not a.startswith("--")] + ["--devices", "convert", "sideways"]
     _check(workspace, argv, names)
+
+
+# ------------------------------------------------------------------ every writer under the one rule (issue 47)
+
+SMALL_RUN = ["model.num_layers=1", "model.hidden_size=64", "model.intermediate_size=128", "data.seq_len=32",
+             "train.batch_size=2", "optim.schedule.warmup_steps=0", "train.steps=1", "data.path=data/text.txt"]
+RUNS = ["runs/base", "runs/cfgonly"]  # the workspace's training runs (checkpoints/; only its config.yaml)
+DATA_SET_FOLDERS = ["data"]  # folders holding a prepared data set
+OWN_RUN = "newrun"  # train.out_dir of the train.export commands
+_TRAIN = ["train", "configs/tiny.yaml", *[x for s in SMALL_RUN for x in ("--set", s)], "--set",
+          "train.final_checkpoint=false"]
+# name -> (argv for an output path, the command's inputs, what the output is: dir | files | run | export)
+WRITERS = {
+    "prepare_chat": (lambda o: ["prepare", "y.json", "--out", o, "--chat-template", "chatml", "--quiet"],
+                     ["y.json"], "files"),
+    "prepare_text": (lambda o: ["prepare", "data/text.txt", "--out", o, "--quiet"], ["data/text.txt"], "files"),
+    "export_hf": (lambda o: ["export", "runs/base", o], ["runs/base"], "dir"),
+    "export_mt": (lambda o: ["export", "runs/base", o, "--format", "mt"], ["runs/base"], "dir"),
+    "convert_hf_to_mt": (lambda o: ["convert", "hf-to-mt", "models/hf", o], ["models/hf"], "dir"),
+    "convert_mt_to_hf": (lambda o: ["convert", "mt-to-hf", "models/mt", o], ["models/mt"], "dir"),
+    "train_out_dir": (lambda o: [*_TRAIN, "--set", f"train.out_dir={o}"], ["configs/tiny.yaml", "data/text.txt"],
+                      "run"),
+    "train_export": (lambda o: [*_TRAIN, "--set", f"train.out_dir={OWN_RUN}", "--set", f"train.export={o}"],
+                     ["configs/tiny.yaml", "data/text.txt"], "export"),
+}
+# outputs: one of these places in the workspace (or a new one), then nothing, a new name or two below it
+PLACES = [".", "data", "data/ds", "data/text.txt", "y", "y.json", "runs", "runs/base", "runs/base/checkpoints",
+          "runs/base/checkpoints/step_00000001", "runs/cfgonly", "models", "models/hf", "models/mt", "configs",
+          "configs/tiny.yaml", OWN_RUN, "fresh"]
+TAILS = ["", "/new", "/new/deeper"]
+PREPARED = (".json", ".tokens.bin", ".mask.bin", ".docs.npy")
+
+
+@pytest.fixture(scope="module")
+def writers_ws(tmp_path_factory) -> Path:
+    """A user's folder made by the commands themselves: configs/, data/ (a text and a data set prepared from
+    it), y.json (conversations), runs/base (a real run), runs/cfgonly (a run that has written only its
+    config.yaml), models/hf and models/mt (model directories, not outputs of a writer: no marker)."""
+    ws = tmp_path_factory.mktemp("writers")
+    (ws / "configs").mkdir()
+    shutil.copy(ROOT / "configs" / "tiny.yaml", ws / "configs" / "tiny.yaml")
+    (ws / "data").mkdir()
+    (ws / "data" / "text.txt").write_bytes((ROOT / "data" / "tinyshakespeare.txt").read_bytes()[:20_000])
+    chat = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i} " * 6}]}
+            for i in range(8)]
+    (ws / "y.json").write_text("".join(json.dumps(c) + "\n" for c in chat))
+    for argv in (["prepare", "data/text.txt", "--out", "data/ds", "--quiet"],
+                 [*_TRAIN[:-2], "--set", "train.out_dir=runs/base"],
+                 ["export", "runs/base", "models/hf", "--dtype", "float32"],
+                 ["convert", "hf-to-mt", "models/hf", "models/mt"]):
+        rc, lines = _run(ws, argv)
+        assert rc == 0, (argv, lines)
+    for d in ("models/hf", "models/mt"):
+        os.remove(ws / d / "megatrain_export.json")
+    (ws / "runs" / "cfgonly").mkdir()
+    shutil.copy(ws / "runs" / "base" / "config.yaml", ws / "runs" / "cfgonly" / "config.yaml")
+    return ws
+
+
+def _within(a: str, b: str) -> bool:
+    """``a`` is ``b`` or lies inside it (workspace-relative, normalised paths; "." is the workspace)."""
+    return b == "." or a == b or a.startswith(b + "/")
+
+
+def _breaks_the_rule(name: str, out: str) -> bool:
+    """The oracle: the rule of atomic.py written out for this workspace, independently of the code."""
+    _, inputs, what = WRITERS[name]
+    targets = _outputs_of(name, out) if what == "files" else [out]
+    if any(_within(t, i) or (what != "files" and _within(i, t)) for t in targets for i in inputs):
+        return True
+    for run in RUNS:
+        if any(_within(t, run) for t in targets) and not (what == "run" and out == run):
+            return True  # in a run (train.out_dir may be a run: its own)
+        if what != "files" and _within(run, out) and run != out:
+            return True  # holds a run
+    if what == "files":
+        return False
+    if any(_within(d, out) for d in DATA_SET_FOLDERS):
+        return True  # is or holds a folder of data sets
+    if what == "export" and (_within(OWN_RUN, out) or _within(out, OWN_RUN + "/checkpoints")):
+        return True  # the run itself, a folder holding it, or its checkpoints
+    return False
+
+
+def _files(root: Path) -> dict[str, tuple]:
+    """Every entry: a file's size, mtime and crc32 (its bytes), a directory's mtime."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames:
+            p = os.path.join(dirpath, n)
+            out[os.path.relpath(p, root)] = ("dir", os.lstat(p).st_mtime_ns)
+        for n in filenames:
+            p = os.path.join(dirpath, n)
+            st_ = os.lstat(p)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = (st_.st_size, st_.st_mtime_ns, zlib.crc32(f.read()))
+    return out
+
+
+def _under_a_directory(ws: Path, out: str) -> bool:
+    parent = os.path.dirname(os.path.join(ws, out))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    return os.path.isdir(parent)
+
+
+def _outputs_of(name: str, out: str) -> list[str]:
+    what = WRITERS[name][2]
+    if what == "files":  # prepare's --out is a prefix; a .json or .tokens.bin on it names the same prefix
+        prefix = next((out[: -len(x)] for x in (".json", ".tokens.bin") if out.endswith(x)), out)
+        return [prefix + x for x in PREPARED]
+    return [out, OWN_RUN] if what == "export" else [out]
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(name=st.sampled_from(sorted(WRITERS)), place=st.sampled_from(PLACES), tail=st.sampled_from(TAILS),
+       overwrite=st.booleans())
+def test_every_writer_keeps_off_inputs_runs_and_data(writers_ws, name, place, tail, overwrite):
+    """Issue 47: for every writer (prepare, train.out_dir, train.export, export, convert), an output placed
+    anywhere relative to the command's inputs, the runs and the data: a refusal is one line, exit 2, the
+    workspace byte-identical; a success changes nothing outside its output. What the rule forbids is
+    refused whatever the flags; a new place the rule allows is written."""
+    ws = writers_ws
+    out = os.path.normpath(place + tail)
+    argv = WRITERS[name][0](out) + (["--overwrite"] if overwrite and not name.startswith("train") else [])
+    forbidden = _breaks_the_rule(name, out)
+    outputs = _outputs_of(name, out)
+    existed = [o for o in outputs if os.path.lexists(ws / o)]
+    backup = ws.parent / f"{ws.name}-backup"
+    shutil.rmtree(backup, ignore_errors=True)
+    for o in existed:  # put back after a success, so that every example sees the same workspace
+        (backup / o).parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if os.path.isdir(ws / o) else shutil.copy2)(ws / o, backup / o)
+    before = _files(ws)
+    rc, lines = _run(ws, argv)
+    after = _files(ws)
+    event(f"{name}: {'written' if rc == 0 else 'refused by the rule' if forbidden else 'refused'}")  # statistics
+    try:
+        if forbidden:
+            assert rc == 2, (argv, rc, lines)
+        elif not existed and not os.path.isdir(ws / out) and _under_a_directory(ws, out):
+            assert rc == 0, (argv, rc, lines)  # a new place the rule allows
+        if rc != 0:
+            assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, rc, lines)
+            assert after == before, (argv, lines, sorted(set(after.items()) ^ set(before.items()))[:6])
+            return
+        dirs_above = {os.path.normpath(os.path.join(*o.split("/")[:k])) for o in outputs
+                      for k in range(1, o.count("/") + 1)}
+
+        def outside(p: str, v: tuple) -> bool:
+            return not any(_within(p, o) for o in outputs) and not (v[0] == "dir" and p in dirs_above)
+
+        assert {p: v for p, v in before.items() if outside(p, v)} == \
+               {p: v for p, v in after.items() if outside(p, v)}, (argv, lines)
+    finally:
+        if rc == 0:
+            for o in outputs:
+                p = ws / o
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p)
+                elif os.path.lexists(p):
+                    os.remove(p)
+            for o in existed:
+                (shutil.copytree if os.path.isdir(backup / o) else shutil.copy2)(backup / o, ws / o)
+            for d in sorted(set(after) - set(before), key=len, reverse=True):  # directories made on the way
+                if os.path.isdir(ws / d) and not os.listdir(ws / d):
+                    os.rmdir(ws / d)
+        shutil.rmtree(backup, ignore_errors=True)

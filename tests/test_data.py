@@ -531,3 +531,34 @@ def test_load_dataset_with_a_batch_size_refuses_too_little_data(tmp_path):
     assert e.value.field == "train.batch_size" and "4 samples" in e.value.problem
     assert D.load_dataset(Cfg(path, seq_len=64), vocab_size=256, batch_size=4).n_samples() == 4
     assert D.load_dataset(Cfg(path, seq_len=512), vocab_size=256).n_tokens == 300  # no batch size: no batch check
+
+
+def test_prepare_never_writes_over_its_own_input_whatever_the_flags(tmp_path, capsys):
+    """Issue 47 item 1: a chat file ``y.json`` (read as JSONL) and ``prepare y.json --out y``: refused as if
+    y.json were an earlier output, and with the suggested --overwrite the input was replaced by the data
+    index. An output file that is an input, or lies in an input directory, is refused whatever the flags;
+    a ``PREFIX.json`` that prepare did not write is never replaced either."""
+    from megatrain_jax.cli import main
+
+    chat = [{"messages": [{"role": "user", "content": f"question {i}"},
+                          {"role": "assistant", "content": f"answer {i} " * 8}]} for i in range(20)]
+    y = _jsonl(tmp_path / "y.json", chat)
+    text = _write(tmp_path / "corpus.txt", "some text " * 50)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")  # refused before it is read: its content does not matter
+    before = _snapshot(tmp_path)
+    for flags in ([], ["--overwrite"]):
+        for argv, names in [
+            ([y, "--out", str(tmp_path / "y"), "--chat-template", "chatml"], ["--out", "y.json", "input"]),
+            ([y, "--out", str(tmp_path / "y.json"), "--chat-template", "chatml"], ["--out", "y.json", "input"]),
+            ([str(tmp_path), "--out", str(tmp_path / "new")], ["--out", "lies inside the input"]),
+            ([text, "--out", str(tok / "tokenizer"), "--tokenizer", str(tok / "tokenizer.json")],
+             ["--out", "tokenizer.json", "input"]),
+            ([text, "--out", str(tmp_path / "y")], ["--out", "y.json", "not a file prepare wrote"]),
+        ]:
+            _refused(capsys, [*argv, "--quiet", *flags], *names)
+            assert _snapshot(tmp_path) == before  # the input is untouched, nothing created
+    assert main(["prepare", y, "--out", str(tmp_path / "ds"), "--chat-template", "chatml", "--quiet"]) == 0
+    assert _snapshot(tmp_path)["y.json"] == before["y.json"]
+    assert D.load_dataset(Cfg(str(tmp_path / "ds")), vocab_size=256).n_tokens > 0

@@ -573,3 +573,102 @@ def test_export_of_a_training_checkpoint_loads_in_transformers(torch_python, tmp
     got = np.load(tmp_path / "out.npz")
     assert json.loads(str(got["info"]))[0]["class"] == "Qwen2ForCausalLM"
     assert rel(got["logits:0"], np.asarray(model_from_store(store, cfg)(jnp.asarray(tokens)))) < 1e-5
+
+
+# ------------------------------------------------------------------------------ Hub ids (issue 47 item 5)
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hub_model(cache: Path, repo: str, cfg_json: dict, tensors: dict, refs=("main",)) -> Path:
+    """A model laid out in a Hugging Face cache as the hub lays it: ``models--ORG--NAME/refs/<ref>``
+    holding the commit hash, ``snapshots/<commit>/`` the files. Returns the snapshot directory."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    snap = _write_hf(folder / "snapshots" / COMMIT, cfg_json, tensors)
+    (folder / "refs").mkdir(parents=True)
+    for ref in refs:
+        (folder / "refs" / ref).write_text(COMMIT)
+    return snap
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An offline Hugging Face cache in ``tmp_path`` (no network here): HF_HUB_OFFLINE=1 and HF_HUB_CACHE, in
+    the environment and in huggingface_hub's constants (which it reads once, when imported)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf_cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_from_hf_takes_a_hub_id_from_the_cache(hub_cache, tmp_path, capsys):
+    """Issue 47 item 5: `--set model.from_hf=Qwen/Qwen2.5-0.5B` gave "is not a directory". A Hub id
+    ORG/NAME[@REVISION] goes through huggingface_hub (its cache, its offline setting) to the snapshot,
+    which then loads exactly as that directory does: the import, plan, train, convert hf-to-mt."""
+    cfg_json = _hf_config("Qwen2ForCausalLM", tied=True, vocab_size=256)
+    snap = _hub_model(hub_cache, "tiny-org/tiny-qwen", cfg_json, _hf_tensors(cfg_json), refs=("main", "v1"))
+    _, want = load_hf_into_store(ModelConfig(from_hf=str(snap)), bf16_stream=False, log=None)
+    for spec in ("tiny-org/tiny-qwen", "tiny-org/tiny-qwen@v1", f"tiny-org/tiny-qwen@{COMMIT}"):
+        cfg = ModelConfig(from_hf=spec)
+        _, got = load_hf_into_store(cfg, bf16_stream=False, log=None)
+        assert os.path.realpath(cfg.from_hf) == os.path.realpath(snap) and cfg.qkv_bias and cfg.hidden_size == 32
+        for g in want:
+            assert np.array_equal(g.master, got[g.name].master), (spec, g.name)
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    assert cli.main(["plan", tiny, "--set", "model.from_hf=tiny-org/tiny-qwen"]) == 0
+    run = tmp_path / "run"
+    assert cli.main(["train", tiny, "--set", "model.from_hf=tiny-org/tiny-qwen@v1", "--set", "train.steps=2",
+                     "--set", "optim.schedule.warmup_steps=0", "--set", "data.seq_len=32", "--set", "train.batch_size=2",
+                     "--set", "train.final_checkpoint=false", "--set", f"train.out_dir={run}"]) == 0
+    printed = capsys.readouterr().out
+    assert f"hf: tiny-org/tiny-qwen@v1 is {snap}" in printed and "hf import: " in printed, printed
+    assert (run / "metrics.jsonl").is_file()
+    mt = tmp_path / "mt"
+    assert cli.main(["convert", "hf-to-mt", "tiny-org/tiny-qwen@v1", str(mt)]) == 0
+    assert (mt / "model.yaml").is_file() and json.loads((mt / "hf_config.json").read_text()) == cfg_json
+    capsys.readouterr()  # an output inside the Hugging Face cache (the input of a Hub id) is refused
+    assert cli.main(["convert", "hf-to-mt", "tiny-org/tiny-qwen", str(hub_cache / "mt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: OUT:") and "input" in err[0], err
+    assert not (hub_cache / "mt").exists()
+
+
+def test_a_hub_id_that_cannot_be_had_is_one_line_naming_it_and_the_fix(hub_cache, tmp_path, capsys):
+    """Offline and not in the cache, or a revision the cache does not hold: one line naming the field and
+    the id, with the fix (HF_HUB_OFFLINE, a local path); nothing written."""
+    cfg_json = _hf_config(tied=True)
+    _hub_model(hub_cache, "tiny-org/tiny-llama", cfg_json, _hf_tensors(cfg_json))
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    for argv, field, spec in [
+        (["plan", tiny, "--set", "model.from_hf=Qwen/Qwen2.5-0.5B"], "model.from_hf", "Qwen/Qwen2.5-0.5B"),
+        (["plan", tiny, "--set", "model.from_hf=tiny-org/tiny-llama@v9"], "model.from_hf", "tiny-org/tiny-llama@v9"),
+        (["train", tiny, "--set", "model.from_hf=Qwen/Qwen2.5-0.5B", "--set", f"train.out_dir={tmp_path / 'run'}"],
+         "model.from_hf", "Qwen/Qwen2.5-0.5B"),
+        (["convert", "hf-to-mt", "tiny-org/nope", str(tmp_path / "mt")], "HF_DIR", "tiny-org/nope"),
+    ]:
+        before = sorted(os.listdir(tmp_path))
+        capsys.readouterr()
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {field}: {spec} "), err
+        assert "HF_HUB_OFFLINE" in err[0] and "local" in err[0] and "(fix: " in err[0], err
+        assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_hub_id_through_the_environment_in_a_fresh_process(tmp_path, cli_env):
+    """The real settings, read by huggingface_hub at import: HF_HOME (its hub/ cache) and HF_HUB_OFFLINE."""
+    from cli_runner import run_cli
+
+    cfg_json = _hf_config(tied=True)
+    _hub_model(tmp_path / "hf_home" / "hub", "tiny-org/tiny-llama", cfg_json, _hf_tensors(cfg_json))
+    env = dict(cli_env, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
+    for k in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        env.pop(k, None)
+    r = run_cli(["convert", "hf-to-mt", "tiny-org/tiny-llama", str(tmp_path / "mt")], env=env)
+    assert r.rc == 0 and "hf: tiny-org/tiny-llama is " in r.stdout, str(r)
+    assert (tmp_path / "mt" / "model.yaml").is_file()

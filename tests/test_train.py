@@ -200,6 +200,32 @@ def test_signal_finishes_step_saves_and_exits_0(runs, sig):
     assert state["loop"]["step"] == state["count"] == step
 
 
+def test_a_second_sigint_during_a_save_abandons_it_and_names_the_newest_checkpoint(env, tmp_path):
+    """Issue 47 item 4: a second Ctrl-C during the save the first one asked for exited 130 with an orbax
+    traceback ("cannot schedule new futures after interpreter shutdown"): the writer thread was still
+    saving while the interpreter shut down, and nothing said the checkpoints were intact. Now the save
+    is abandoned cleanly (its .tmp removed, the writer waited for), one line names the newest complete
+    checkpoint, exit 130, no traceback. (Hooks: SIGINT after step 5, again once step 5's save has
+    written its first group; checkpoints every 2 steps.)"""
+    from cli_runner import NOISE
+
+    out = str(tmp_path / "run")
+    r = _run(env, out, steps=100, ckpt_every=2, hooks={"sigint_after_step": 5, "sigint_in_save": 5})
+    assert r.returncode == 130, f"rc={r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert "Traceback" not in r.stderr and "cannot schedule" not in r.stderr, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not NOISE.match(ln)]
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("SIGINT: finishing the current step"))
+    assert len(lines) == first + 2, lines  # the first signal's notice, then exactly one line
+    last = lines[-1]
+    root = ck.checkpoint_root(out)
+    assert last.startswith("second SIGINT: aborted after step 5") and "save of step 5 was abandoned" in last, last
+    assert f"newest complete checkpoint is {os.path.join(root, ck.step_dirname(4))} (step 4)" in last, last
+    assert "--resume" in last, last
+    assert [c.step for c in ck.list_checkpoints(root)] == [2, 4] and ck.leftovers(root) == []
+    _, state = _final_arrays(out, 4)  # intact: every array passes its crc32
+    assert state["loop"]["step"] == 4
+
+
 def test_nan_steps_are_skipped_then_max_bad_steps_stops_with_a_good_checkpoint(runs):
     """NaN at steps 3, 4 (skipped, run goes on), then 6, 7, 8: the third in a row stops the run."""
     out, res, _ = runs

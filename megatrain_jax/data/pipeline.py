@@ -8,15 +8,16 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import sys
 import time
 from typing import IO, Any, Iterator
 
 import numpy as np
 
-from megatrain_jax.data import chat
+import megatrain_jax.data.chat as chat
+from megatrain_jax.atomic import check_place
 from megatrain_jax.data.jsonl import NO_ASSISTANT, _open_binary, _prepare_jsonl, _Report
 from megatrain_jax.data.packed import SUFFIXES, _PackedWriter
+from megatrain_jax.data.progress import _Progress
 from megatrain_jax.data.tokenizer import ByteTokenizer, dtype_for_vocab, load_tokenizer
 from megatrain_jax.errors import UserError
 
@@ -49,29 +50,6 @@ def _expand_inputs(inputs: list[str]) -> list[str]:
         else:
             raise UserError("INPUTS", f"input {p!r} does not exist", "pass existing .txt / .jsonl files or directories")
     return files
-
-
-class _Progress:
-    """Prints a progress line to stderr at most every few seconds (silent for short runs)."""
-
-    def __init__(self, total_bytes: int, quiet: bool, every: float = 5.0):
-        self.total, self.quiet, self.every = max(total_bytes, 1), quiet, every
-        self.t0 = self.last = time.time()
-        self.bytes = 0
-
-    def update(self, nbytes: int, writer: "_PackedWriter", file_i: int, n_files: int) -> None:
-        self.bytes += nbytes
-        now = time.time()
-        if self.quiet or now - self.last < self.every:
-            return
-        self.last = now
-        secs = max(now - self.t0, 1e-9)
-        frac = min(1.0, self.bytes / self.total)
-        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-        eta = secs * (1 - frac) / max(frac, 1e-9)
-        print(f"prepare: [{bar}] {100 * frac:3.0f}% file {file_i}/{n_files}, {writer.n_docs:,} docs, "
-              f"{writer.n_tokens:,} tokens, {self.bytes / secs / 1e6:.1f} MB/s, {writer.n_tokens / secs:,.0f} tokens/s, "
-              f"eta {eta:.0f}s", file=sys.stderr, flush=True)
 
 
 def _safe_cut(s: str) -> int:
@@ -141,25 +119,10 @@ def _prepare_text(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, nf
     w.end_doc()
 
 
-def _run_dir_holding(path: str) -> str | None:
-    """The run directory (one whose ``checkpoints/`` holds a ``step_*`` entry) that ``path`` is or lies in."""
-    d = os.path.realpath(path)
-    while True:
-        ckpts = os.path.join(d, "checkpoints")
-        try:
-            if os.path.isdir(ckpts) and any(n.startswith("step_") for n in os.listdir(ckpts)):
-                return d
-        except OSError:
-            pass
-        parent = os.path.dirname(d)
-        if parent == d:
-            return None
-        d = parent
-
-
-def _check_out(out: str, overwrite: bool) -> str:
-    """Refuse an ``--out`` whose files would replace something prepare did not write, or an earlier data
-    set without ``overwrite``; returns the prefix. Runs before anything is written."""
+def _check_out(out: str, overwrite: bool, inputs: list[str | None] = ()) -> str:
+    """Refuse an ``--out`` whose files would replace something prepare did not write, an earlier data set
+    without ``overwrite``, or that breaks the writers' rule (``atomic.check_place``: never an input of the
+    command, never inside a run); returns the prefix. Runs before anything is read or written."""
     if not out:
         raise UserError("--out", "is empty", "give an output prefix such as data/mycorpus")
     for suffix in (".json", ".tokens.bin"):
@@ -168,10 +131,7 @@ def _check_out(out: str, overwrite: bool) -> str:
     if out.endswith(("/", os.sep)) or os.path.isdir(out):
         raise UserError("--out", f"{out} is a directory; prepare writes PREFIX.json, PREFIX.tokens.bin, ... "
                         "beside a prefix", f"give a prefix, e.g. {os.path.join(out, 'data')}")
-    run = _run_dir_holding(os.path.dirname(os.path.abspath(out)))
-    if run is not None:
-        raise UserError("--out", f"{out} lies in the run directory {run}, which holds checkpoints",
-                        "write prepared data outside run directories, e.g. data/NAME")
+    check_place(out, inputs=inputs, field="--out", files=[out + s for s in SUFFIXES])
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -179,13 +139,30 @@ def _check_out(out: str, overwrite: bool) -> str:
         raise UserError("--out", f"{parent!r} is a file, not a directory", "choose an output prefix in a directory")
     existing = [out + s for s in SUFFIXES if os.path.lexists(out + s)]
     for p in existing:
-        if not os.path.isfile(p) or os.path.islink(p):
-            raise UserError("--out", f"{p} exists and is not a file prepare wrote", "choose another --out prefix")
+        if not os.path.isfile(p) or os.path.islink(p) or (p.endswith(".json") and not _is_index(p)):
+            raise UserError("--out", f"{p} exists and is not a file prepare wrote; it is never replaced, "
+                            "whatever the flags", "choose another --out prefix")
     if existing and not overwrite:
         raise UserError("--out", f"{out} already holds a prepared data set "
                         f"({', '.join(os.path.basename(p) for p in existing)})",
                         "pass --overwrite to replace it, or choose another --out prefix")
     return out
+
+
+def _is_index(path: str) -> bool:
+    """``path`` is a data index prepare wrote (a small JSON object of its format), not a user's file."""
+    import json
+
+    from megatrain_jax.data.packed import FORMAT_NAME
+
+    try:
+        if os.path.getsize(path) > 64 << 20:
+            return False
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and index.get("format") == FORMAT_NAME
 
 
 def _make_dirs(path: str) -> list[str]:
@@ -224,7 +201,9 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
     ``chatml``; default: the tokenizer's folder) and only assistant tokens count in the loss (``chat.py``).
     ``on_error``: ``stop`` at the first bad line (one line naming file:line), or ``skip`` it and count it.
     An existing data set at ``out`` is refused unless ``overwrite``; then only its own files are replaced,
-    and only once the new one is complete. Never a directory, nor a prefix inside a run with checkpoints.
+    and only once the new one is complete. Never a directory, never a file of an input (the input
+    ``y.json`` and ``--out y``) nor a prefix inside an input directory or a run, whatever the flags
+    (``atomic.check_place``).
     """
     if chat_format not in ("auto", "none") + chat.FORMATS:
         raise UserError("--chat-format", f"{chat_format!r} is not a format", "use auto, none, messages, sharegpt or alpaca")
@@ -234,7 +213,9 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
         raise UserError("--format", f"{fmt!r} is not a format", "use auto, text or jsonl")
     if not inputs:
         raise UserError("INPUTS", "no input files given", "pass one or more .txt / .jsonl files")
-    out = _check_out(out, overwrite)
+    inputs_read = [*inputs, tokenizer if tokenizer != "byte" else None,
+                   chat_template if chat_template != "chatml" else None]
+    out = _check_out(out, overwrite, inputs_read)  # the writers' rule first: nothing read or written yet
     files = _expand_inputs(inputs)
     tok = load_tokenizer(tokenizer, "--tokenizer")
     if chat_template == "chatml":

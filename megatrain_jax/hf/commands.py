@@ -3,9 +3,11 @@
 ``export CHECKPOINT OUT`` writes a training checkpoint's weights as a Hugging Face directory
 (``from_pretrained`` loads it) for a model of a built-in family, or with ``--format mt`` as one
 ``<group>.safetensors`` per group plus ``model.yaml`` (any model). ``convert`` moves between a
-Hugging Face directory and the mt format. Every output directory obeys ``atomic.check_output``:
-never a training run, never the source, and ``--overwrite`` replaces only an earlier output of the
-same kind. Where the user gave the other command's input, the error names that command."""
+Hugging Face directory and the mt format (``convert hf-to-mt`` also takes a Hub id, ``hub.py``).
+Every output directory obeys ``atomic.check_output``: the writers' rule first (never the source or
+inside it, never a training run or inside one, never over a folder of runs or data sets, whatever
+the flags), and ``--overwrite`` replaces only an earlier output of the same kind. Where the user
+gave the other command's input, the error names that command."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +43,7 @@ def convert_main(argv: Iterable[str]) -> int:
     p = _Parser(prog="megatrain-jax convert", description="Convert checkpoints between Hugging Face and megatrain-jax (mt).")
     sub = p.add_subparsers(dest="direction", required=True, parser_class=_Parser)
     a = sub.add_parser("hf-to-mt", help="Hugging Face directory -> mt directory (fp32 master)")
-    a.add_argument("src", metavar="HF_DIR")
+    a.add_argument("src", metavar="HF_DIR", help="a Hugging Face model directory, or a Hub id ORG/NAME[@REVISION]")
     a.add_argument("out", metavar="OUT")
     a.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     b = sub.add_parser("mt-to-hf", help="mt directory -> Hugging Face directory")

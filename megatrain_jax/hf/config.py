@@ -71,17 +71,28 @@ def hf_config_to_model_config(hf: dict, base: ModelConfig | None = None, where: 
     return out
 
 
-def read_hf_config(hf_dir: str) -> dict:
+def read_hf_config(hf_dir: str, field: str = "model.from_hf") -> dict:
+    """``config.json`` of a model directory, or of a Hub id's snapshot (``hub.local_model_dir``)."""
+    from megatrain_jax.hf.hub import local_model_dir
+
+    hf_dir = local_model_dir(hf_dir, field)
     if not os.path.isdir(hf_dir):
-        raise UserError("model.from_hf", f"{hf_dir!r} is not a directory",
-                        "point it at a Hugging Face model directory (config.json + *.safetensors)")
-    return _read_json(os.path.join(hf_dir, "config.json"), "model.from_hf")
+        raise UserError(field, f"{hf_dir!r} is not a directory",
+                        "point it at a Hugging Face model directory (config.json + *.safetensors), "
+                        "or give a Hub id ORG/NAME[@REVISION]")
+    return _read_json(os.path.join(hf_dir, "config.json"), field)
 
 
-def resolve_hf_model_config(model_cfg: ModelConfig) -> ModelConfig:
+def resolve_hf_model_config(model_cfg: ModelConfig, log: Log = None) -> ModelConfig:
     """Overwrite ``model_cfg``'s structural fields in place from ``model_cfg.from_hf``'s config.json
     (cheap: reads only the JSON). Warns about every explicitly set YAML value that disagrees.
-    Call it before anything uses the sizes (e.g. the vocabulary check of the data)."""
+    Call it before anything uses the sizes (e.g. the vocabulary check of the data). A Hub id
+    (``ORG/NAME[@REVISION]``) in ``from_hf`` becomes its snapshot directory in the Hugging Face
+    cache (``hub.local_model_dir``: fetched first where needed), so that every later reader sees a
+    local directory (``log``: one line saying where it resolved to)."""
+    from megatrain_jax.hf.hub import local_model_dir
+
+    model_cfg.from_hf = local_model_dir(model_cfg.from_hf, log=log)
     hf = read_hf_config(model_cfg.from_hf)
     new = hf_config_to_model_config(hf, model_cfg, os.path.join(model_cfg.from_hf, "config.json"))
     default = ModelConfig()

@@ -95,7 +95,7 @@ def _hf_config_out(cfg: ModelConfig, arch: str, dtype: str, base: dict | None) -
 def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "bfloat16",
               architecture: str | None = None, *, hf_config: dict | None = None,
               max_shard_bytes: int = SHARD_BYTES, overwrite: bool = False, sources: Iterable[str] = (),
-              log: Log = print) -> str:
+              own_run: str | None = None, log: Log = print) -> str:
     """Write a ``transformers`` checkpoint (safetensors shards + index + config.json) to ``out_dir``.
 
     ``source``: a ``HostStore`` (its fp32 master), a ``Llama`` module, or group trees
@@ -104,11 +104,13 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
     to the source checkpoint's (``hf_config`` or ``model_cfg.from_hf``), else ``Qwen2ForCausalLM``
     with q/k/v biases and ``LlamaForCausalLM`` without. ``out_dir`` obeys ``atomic.check_output``
     (never a training run or the ``sources``; ``overwrite`` replaces only an earlier Hugging Face
-    export). Returns ``out_dir``.
+    export; ``own_run``: the training run writing it, inside which it may lie). Returns ``out_dir``.
     """
     if dtype not in ("bfloat16", "float32", "float16"):
         raise UserError("dtype", f"{dtype!r} is not an export dtype", "use bfloat16 or float32")
     out_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    sources = list(sources)  # the one rule (atomic.check_place) before anything is read
+    check_output(out_dir, "hf", sources=sources, overwrite=overwrite, other=OTHER_KIND_HINT, own_run=own_run)
     if hf_config is None and model_cfg.from_hf and os.path.isfile(os.path.join(model_cfg.from_hf, "config.json")):
         hf_config = read_hf_config(model_cfg.from_hf)
     from megatrain_jax.models.registry import get_family
@@ -128,7 +130,6 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
                         f"{model_cfg.family!r}", f"use one of: {', '.join(family.architectures)}")
     if family.check_export is not None:
         family.check_export(model_cfg, architecture)
-    check_output(out_dir, "hf", sources=sources, overwrite=overwrite, other=OTHER_KIND_HINT)
     src = _source(source)
     _, layouts = model_layouts(model_cfg)
     for name, layout in layouts.items():
@@ -160,7 +161,7 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
 
     start = time.perf_counter()
     weight_map, total = {}, 0
-    with output_dir(out_dir, "hf", sources=sources, overwrite=overwrite) as tmp:
+    with output_dir(out_dir, "hf", sources=sources, overwrite=overwrite, own_run=own_run) as tmp:
         for k, (fname, shard) in enumerate(zip(names, shards), 1):
             t0 = time.perf_counter()
             spec = [(e[0], out_dtype, e[4]) for e in shard]

@@ -130,11 +130,11 @@ def load_hf_into_store(model_cfg: ModelConfig, bf16_stream: bool, *, seq_len: in
     """
     from megatrain_jax.hoststore import HostStore
 
-    hf_dir = model_cfg.from_hf
-    if not hf_dir:
+    if not model_cfg.from_hf:
         raise UserError("model.from_hf", "is not set", "point it at a Hugging Face model directory")
+    resolve_hf_model_config(model_cfg)  # a Hub id becomes its snapshot directory here
+    hf_dir = model_cfg.from_hf
     hf = read_hf_config(hf_dir)
-    resolve_hf_model_config(model_cfg)
     family = _family_of(_architecture(hf, "config.json"))
     if family.on_import is not None:
         family.on_import(hf, model_cfg, seq_len, lambda msg: _say(log, msg))

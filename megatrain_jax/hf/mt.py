@@ -145,7 +145,12 @@ def load_mt(mt_dir: str, bf16_stream: bool, *, log: Log = print):
 
 def hf_to_mt(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Log = print) -> ModelConfig:
     """Convert a Hugging Face checkpoint to the mt format one group at a time (peak memory: one
-    group's fp32 buffer, never the whole model)."""
+    group's fp32 buffer, never the whole model). ``hf_dir`` may be a Hub id (``hub.local_model_dir``)."""
+    from megatrain_jax.hf.hub import input_paths, local_model_dir
+
+    # the one rule before anything is read (a Hub id: the output stays out of the Hugging Face cache)
+    check_output(out_dir, "mt", sources=input_paths(hf_dir), overwrite=overwrite, other=OTHER_KIND_HINT)
+    hf_dir = local_model_dir(hf_dir, "HF_DIR", log=log)
     why = run_reason(hf_dir) if os.path.isdir(hf_dir) else None
     if why:
         raise UserError("HF_DIR", f"{hf_dir} {why}, not a Hugging Face model directory",
@@ -179,8 +184,8 @@ def hf_to_mt(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Log = p
 def mt_to_hf(mt_dir: str, out_dir: str, dtype: str = "bfloat16", architecture: str | None = None, *,
              overwrite: bool = False, max_shard_bytes: int = SHARD_BYTES, log: Log = print) -> str:
     """Convert an mt directory to a Hugging Face checkpoint, reading one group at a time."""
+    check_output(out_dir, "hf", sources=[mt_dir], overwrite=overwrite, other=HF_KIND_HINT)  # before any read
     cfg, hf = read_mt_config(mt_dir)
-    check_output(out_dir, "hf", sources=[mt_dir], overwrite=overwrite, other=HF_KIND_HINT)
     _, layouts = model_layouts(cfg)
     readers = {name: _mt_group_reader(mt_dir, name, layout) for name, layout in layouts.items()}
     src = one_group_at_a_time(layouts, lambda name, flat: readers[name](flat))

@@ -1,0 +1,55 @@
+"""The orbax glue of ``checkpoint.py``: a synchronous PyTree checkpointer that does not copy the
+arrays it saves, and the restore of one array of a group. Imports orbax and jax only when called."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def _checkpointer():
+    """A synchronous orbax PyTree checkpointer whose numpy handler does not copy its inputs.
+
+    orbax's default numpy handler deep-copies every array in ``save`` (so that the caller may
+    mutate it once an async save has returned): for a whole model that is the second full copy we
+    must avoid. Without the copy the arrays must stay untouched until ``save`` returns, which is
+    exactly what the per-group hold guarantees. Compression is off: weights barely compress and
+    zstd would compete with training for the CPU.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    import inspect
+
+    th = ocp.type_handlers
+    # older orbax releases (the GPU image's, for one) have no such switch and copy the group being
+    # saved: one group at a time, so the extra memory is one group's, never the model's
+    numpy_kwargs = {"deepcopy_host_arrays": False} \
+        if "deepcopy_host_arrays" in inspect.signature(th.NumpyHandler.__init__).parameters else {}
+    registry = th.create_type_handler_registry(
+        (np.ndarray, th.NumpyHandler(**numpy_kwargs)),
+        (jax.Array, th.ArrayHandler()),
+    )
+    handler_kwargs = dict(use_ocdbt=True, use_zarr3=True, type_handler_registry=registry)
+    params = inspect.signature(ocp.PyTreeCheckpointHandler.__init__).parameters
+    if "use_compression" in params:
+        handler_kwargs["use_compression"] = False
+    # each process reads and writes host-store groups (numpy, its own replica) alone: in a
+    # multi-process run only process 0 saves, and orbax's default cross-process barriers would wait
+    # for the others forever
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+                                               barrier_sync_key_prefix=f"megatrain_p{me}")
+    if "multiprocessing_options" in params:
+        handler_kwargs["multiprocessing_options"] = alone
+    handler = ocp.PyTreeCheckpointHandler(**handler_kwargs)
+    return ocp.Checkpointer(handler, multiprocessing_options=alone)
+
+
+def _restore_array(ckptr, path: str, key: str) -> np.ndarray:
+    """One array of a group's orbax item (partial restore: peak memory is one array)."""
+    import orbax.checkpoint as ocp
+
+    args = ocp.args.PyTreeRestore(item={key: 0}, restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray)},
+                                  partial_restore=True)
+    return np.asarray(ckptr.restore(os.path.abspath(path), args=args)[key])
