@@ -140,6 +140,9 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
         res["host_plan_over_measured"] = res["plan_host_gb"] / max(res["peak_host_rss_gb"], 1e-9)
         res["gpu_plan_over_measured"] = res["plan_gpu_gb"] / max(res["peak_gpu_gb"], 1e-9)
         res["decisions"] = p["decisions"]
+        res["host_limit_gb"], res["cores"] = p["host_limit"] / 1e9, os.cpu_count()
+        res["plan_step_s"] = p["step"]["predicted_step_s"]
+        res["step_plan_over_measured"] = res["plan_step_s"] / res["step_s_median"] if "step_s_median" in res else None
         try:  # the case's sequence length and GPU budget (the brief's result fields where they vary)
             from megatrain_jax.config import load_config
 

@@ -105,7 +105,7 @@ def test_the_pinned_pool_is_counted_as_xla_grows_it(monkeypatch):
             "train.stream_io=false", "train.boundary_every=1")
     tight = make_plan(_cfg(*args), _target(85.5, 137.4))  # the limit the plan now gives XLA
     with monkeypatch.context() as m:
-        m.setattr(sizes, "pinned_limit", lambda pinned: 64.0 * GiB)
+        m.setattr(sizes, "pinned_limit", lambda pinned, chunk=0.0: 64.0 * GiB)
         p = make_plan(_cfg(*args), _target(85.5, 137.4))
         assert p.verdict() is None
         assert abs(p.host_need / GB - 121.4) / 121.4 < 0.05

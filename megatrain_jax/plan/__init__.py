@@ -46,7 +46,7 @@ def apply_gpu_settings(p: Plan) -> None:
     if r.gpu_preallocate is False:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if p.machine.backend == "gpu":
-        limit = pinned_limit(r.pinned_pool_bytes or 0.0)  # the limit the plan's host rows assume
+        limit = r.pinned_limit_bytes or pinned_limit(r.pinned_pool_bytes or 0.0)  # the limit the host rows assume
         os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(round(limit / GiB))))
 
 

@@ -19,8 +19,8 @@ from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check
 from megatrain_jax.optim.costs import auto_update_on
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS, HOST_HOLD_BYTES,
                                       HOST_MARGIN, IO_VOCAB_CHUNK, MOMENT_BYTES, PINNED_HOLDS, PINNED_REUSED, RUNTIME_HOST_BYTES,
-                                      XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_rows, pinned_in_use, pinned_need,
-                                      pinned_pool, usable)
+                                      XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_rows,
+                                      pinned_in_use, pinned_limit, pinned_need, pinned_pool, usable)
 from megatrain_jax.plan.step_model import _optax_cost, _step_basis, predicted_step, step_rates
 
 
@@ -60,7 +60,8 @@ class Plan:
                 "stream_copy": o.stream_copy, "update_on": o.update_on, "attention": r.attention,
                 "attention_summary": r.attention_summary, "moments": r.moments, "devices": r.devices,
                 "grad_slab_elems": o.grad_slab_elems, "grad_slabs": o.grad_slabs,
-                "pinned_pool_bytes": r.pinned_pool_bytes, "gpu_mem_fraction": r.gpu_mem_fraction,
+                "pinned_pool_bytes": r.pinned_pool_bytes, "pinned_limit_bytes": r.pinned_limit_bytes,
+                "gpu_mem_fraction": r.gpu_mem_fraction,
                 "gpu_preallocate": r.gpu_preallocate, "keep_residuals": o.keep_residuals,
                 "seq_tile": o.seq_tile, "loss_chunk": o.loss_chunk, "stream_io": o.stream_io,
                 "boundary_every": o.boundary_every, "grad_hold_gpu_groups": o.grad_hold_gpu_groups,
@@ -189,6 +190,10 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     slab = (min(GRAD_SLAB_ELEMS, shapes.largest_group) if chunked else shapes.largest_group) * 4
     host_copy = bf16 and not device_cast
 
+    # an optax update on the host (every group, or with a device-side update the embedding and head that stream_io
+    # makes in host memory) runs on the jax CPU device: its group's inputs, outputs and temporaries in host memory
+    optax_group = _optax_cost(cfg).device_group if optim.kernel == "optax" else 0.0
+
     def rows_of(p: choose.Placement, slabs: int) -> list[Row]:
         """The host rows with placement ``p`` and ``slabs`` gradient slabs (where the path has them)."""
         return placement_rows(p, slabs) + gpu_side_rows(p)
@@ -200,7 +205,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
             slab_row = Row("host", "gradient staging (pinned slabs)", float(slab * slabs),
                            f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)")
         rows = _host_rows(cfg, shapes, moment_bytes, host_copy=host_copy, on_gpu=on_gpu, n_dev=n_dev, placed=p,
-                          host_act_bytes=host_act_bytes, slab_row=slab_row)
+                          host_act_bytes=host_act_bytes, slab_row=slab_row, update_on=update_on,
+                          optax_group_bytes=optax_group)
         arrays = pinned_need(rows)
         in_use = pinned_in_use(rows, shapes, p.boundary_every, p.gpu_groups, arrays, p.gpu_act_blocks,
                                HOST_HOLD_BYTES[p.grad_hold]) \
@@ -208,11 +214,22 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         if in_use < arrays:
             rows.append(Row("host", PINNED_REUSED, in_use - arrays,
                             "held gradients land where the activations they follow were"))
-        growth = pinned_pool(in_use) - in_use if on_gpu else 0.0
+        growth = pinned_pool(in_use, chunk=pinned_chunk(p)) - in_use if on_gpu else 0.0
         if growth > 0:
             rows.append(Row("host", "XLA host allocator: regions grown beyond its arrays", growth,
                             "its regions double from 2 MiB (all page-locked), cut at its limit"))
         return rows
+
+    def pinned_chunk(p: choose.Placement) -> float:
+        """The largest array XLA's pinned pool takes with placement ``p`` (sizes.bfc_capacity: a region holds only
+        whole ones): a held block's gradient, a parked block input (one GPU's), a gradient slab."""
+        sizes = [slab if _has_slabs(on_gpu, update_on, p) else 0.0]
+        if p.grad_hold in PINNED_HOLDS:
+            groups = [shapes.block] + ([] if p.stream_io else [shapes.embed, shapes.head])
+            sizes.append(HOST_HOLD_BYTES[p.grad_hold] * max(groups))
+        if p.activations == "pinned_host":
+            sizes.append(host_act_bytes / max(shapes.layers * n_dev, 1))
+        return max(sizes)
 
     def gpu_side_rows(p: choose.Placement) -> list[Row]:
         """The host rows that follow from ``p``'s GPU bytes: XLA's pool table (the CPU backend: the buffers)."""
@@ -301,6 +318,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         attention=attn_info["impl"] if attn_info else None,
         attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=n_dev,
         pinned_pool_bytes=pinned_in_rows(rows),
+        pinned_limit_bytes=pinned_limit(pinned_in_rows(rows), pinned_chunk(placed)),
         gpu_mem_fraction=gpu_mem_fraction, gpu_preallocate=preallocate)
     options = EngineOptions(compute_dtype=train.compute_dtype, micro_batches=placed.micro_batches,
                             loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
@@ -322,6 +340,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     return plan
 
 
+STORE_SLACK = 0.005  # host bytes per byte of the store the process holds beyond the rows (glibc, the driver's
+#                      registration of the store): 0.3% measured at 70B; the row is 0.5% (one point measured)
 UPDATE_SWITCH_TOL = 0.05  # the other placement of the update is taken over the rule's where predicted this much faster
 
 
@@ -382,7 +402,8 @@ def search_summary(found: search.Result) -> dict[str, Any]:
 
 
 def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bool, on_gpu: bool, n_dev: int,
-               placed: choose.Placement, host_act_bytes: float, slab_row: Row | None) -> list[Row]:
+               placed: choose.Placement, host_act_bytes: float, slab_row: Row | None, update_on: str = "host",
+               optax_group_bytes: float = 0.0) -> list[Row]:
     """Host memory by component: the store, the pinned buffers the placement asks for, the checkpoint
     writer, the data loader and the runtime (``slab_row``: the gradient slabs of a host update)."""
     train = cfg.train
@@ -432,10 +453,20 @@ def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: b
                                               f"{parked} recomputed parked" if parked else "",
                                               f"the last {placed.gpu_act_blocks} blocks' on the GPU"
                                               if placed.gpu_act_blocks else "") if x)))
+    host_updated = shapes.largest_group if update_on == "host" else \
+        (max(shapes.embed, shapes.head) if placed.stream_io else 0)
+    if optax_group_bytes and host_updated:
+        # one group at a time (one host-optimizer thread): the 110B lean shape's head (1.25B parameters, Adafactor,
+        # 16 bytes a parameter) is 20 GB; without this row its run was killed 20+ GB over its plan (issue 42)
+        rows.append(Row("host", "host update's working set (optax on the CPU device, one group)",
+                        optax_group_bytes * host_updated, "inputs, outputs and temporaries of its compiled step"))
     if train.final_checkpoint or train.ckpt_every:
         rows.append(Row("host", "checkpoint writer (one group in flight)", shapes.largest_group * (4 + moment_bytes)))
     rows.append(Row("host", "data loader (one batch, index)",
                     float(train.batch_size * cfg.data.seq_len * 4 * 4 + 64e6)))
+    if on_gpu:  # measured at 70B (H200 x4, session 17 call 1): RSS 472.2 GB against 470.7 planned without this row
+        rows.append(Row("host", "bookkeeping that grows with the store (allocator, registration)",
+                        STORE_SLACK * (4.0 + moment_bytes) * shapes.params, f"{STORE_SLACK:.1%} of master + state"))
     rows.append(Row("host", "runtime (Python, JAX" + (", CUDA context)" if on_gpu else ")"),
                     RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] * (n_dev if on_gpu else 1)))
     return rows

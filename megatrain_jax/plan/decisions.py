@@ -41,6 +41,7 @@ class RuntimeSettings:
     pinned_pool_bytes: float  # pinned host memory the plan puts in rows
     gpu_mem_fraction: float | None  # XLA_PYTHON_CLIENT_MEM_FRACTION (None: CPU backend)
     gpu_preallocate: bool | None  # XLA_PYTHON_CLIENT_PREALLOCATE (None: CPU backend)
+    pinned_limit_bytes: float = 0.0  # XLA's pinned-pool limit (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB), sizes.pinned_limit
 
 
 @dataclass

@@ -346,22 +346,78 @@ def kept_on_gpu(layers: int, every: int, gpu_blocks: int) -> int:
     return sum(1 for i in range(max(layers - gpu_blocks, 0), layers) if i % max(every, 1) == 0)
 
 
-def pinned_pool(pinned: float, limit: float | None = None) -> float:
+def pinned_pool(pinned: float, limit: float | None = None, chunk: float = 0.0) -> float:
     """Host bytes XLA's pinned-host allocator holds resident once ``pinned`` bytes are in use: a BFC
     allocator with growth (xla GetGpuHostAllocator: allow_growth, cudaHostAlloc regions, every page
     locked) whose regions double from 2 MiB, the last one cut at its limit
     (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, ``pinned_limit``). Peak RSS carries the whole pool: 49.3 GB of
-    pinned arrays became a 68.7 GB pool (Llama-3.1-8B at 24 GB, RESULTS.md: 121.4 GB RSS, plan 100.7)."""
+    pinned arrays became a 68.7 GB pool (Llama-3.1-8B at 24 GB, RESULTS.md: 121.4 GB RSS, plan 100.7).
+    With arrays of ``chunk`` bytes that a region holds only whole (``bfc_capacity``), the pool is its limit."""
     if pinned <= 0:
         return 0.0
-    cap = pinned_limit(pinned) if limit is None else limit
+    cap = pinned_limit(pinned, chunk) if limit is None else limit
+    if chunk > PINNED_CHUNKED_ABOVE:
+        return max(min(bfc_regions(math.ceil(pinned / chunk), chunk, cap), cap), pinned)
     return min(grown_pool(pinned), max(cap, pinned))
 
 
-def pinned_limit(pinned: float) -> float:
-    """The pinned-host pool's limit the plan gives XLA (``apply_gpu_settings``), bytes: room for
-    fragmentation over what the plan puts there, in whole GiB."""
-    return float(max(4, math.ceil(pinned * PINNED_LIMIT_FACTOR / GiB) + PINNED_LIMIT_ROOM) * GiB)
+PINNED_CHUNKED_ABOVE = 1 << 30  # pools whose largest array is above this are planned as whole chunks in regions
+# (bfc_capacity): the 70B's 1.59 GiB bf16 block gradients ran out of a byte-counted limit after step 2 (session 17),
+# while the 8B's 0.81 GiB fp32 ones ran within one (s13-s16: smaller arrays fill the regions' tails)
+PINNED_SPARE_CHUNKS = 2  # chunks of room over the arrays: smaller arrays in a region's tail and the order of frees
+#                          leave holes no large array fits (the 70B's pinned pool ran out after its second step)
+
+
+def bfc_regions(n: int, chunk: float, limit: float) -> float:
+    """The bytes of the regions XLA's BFC allocator holds once ``n`` arrays of ``chunk`` bytes are in it (as
+    ``bfc_capacity`` places them; the limit where they do not all fit)."""
+    return _bfc(limit, chunk, n)[1]
+
+
+def bfc_capacity(limit: float, chunk: float) -> int:
+    """How many arrays of ``chunk`` bytes XLA's growing BFC allocator can hold under ``limit`` (``_bfc``)."""
+    return _bfc(limit, chunk)[0]
+
+
+def _bfc(limit: float, chunk: float, stop: int | None = None) -> tuple[int, float]:
+    """(arrays held, region bytes): how many arrays of ``chunk`` bytes XLA's growing BFC allocator holds under
+    ``limit`` (up to ``stop`` of them), each request a new
+    region when none has room (tsl BFCAllocator::Extend: the region size doubles from 2 MiB until it holds the
+    request, and doubles again after each region that did not need to grow; the last region is cut at the limit).
+    A chunk never spans two regions, so a region holds only whole chunks: 29 chunks of 1.59 GiB under a 49 GiB
+    limit, where 30.8 fit by bytes."""
+    size, total, held, room = float(2 << 20), 0.0, 0, []
+    chunk = math.ceil(chunk / 256) * 256
+    while stop is None or held < stop:
+        if any(r >= chunk for r in room):
+            i = next(i for i, r in enumerate(room) if r >= chunk)
+            room[i] -= chunk
+            held += 1
+            continue
+        grew = False
+        while chunk > size:
+            size, grew = size * 2, True
+        region = min(size, limit - total)
+        if region < chunk:
+            return held, total
+        total += region
+        room.append(region)
+        if not grew:
+            size *= 2
+    return held, total
+
+
+def pinned_limit(pinned: float, chunk: float = 0.0) -> float:
+    """The pinned-host pool's limit the plan gives XLA (``apply_gpu_settings``), bytes, in whole GiB: room for
+    fragmentation over what the plan puts there; where its arrays are large (``chunk``: the largest, more than
+    PINNED_CHUNKED_ABOVE), at least the limit under which the regions hold every array as a whole chunk and
+    PINNED_SPARE_CHUNKS more (``bfc_capacity``)."""
+    limit = float(max(4, math.ceil(pinned * PINNED_LIMIT_FACTOR / GiB) + PINNED_LIMIT_ROOM) * GiB)
+    if chunk > PINNED_CHUNKED_ABOVE and pinned > 0:
+        need = math.ceil(pinned / chunk) + PINNED_SPARE_CHUNKS
+        while bfc_capacity(limit, chunk) < need:
+            limit += GiB
+    return limit
 
 
 def residual_bytes_per_block(shapes: Shapes, head_dim: int) -> float:
