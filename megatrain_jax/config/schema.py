@@ -201,7 +201,8 @@ class OptimConfig:
     optax_kwargs: dict | None = None  # name=optax: its other keyword arguments, e.g. {b1: 0.9}
 
     def __post_init__(self):
-        if self.kernel == "auto":  # the kernel follows the optimizer: the fused one implements AdamW only
+        self.kernel_auto = self.kernel == "auto"  # (not a field: Config.to_dict writes "auto" back for it)
+        if self.kernel_auto:  # the kernel follows the optimizer: the fused one implements AdamW only
             self.kernel = "fused" if self.name == "adamw" else "optax"
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
@@ -273,7 +274,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if getattr(self.optim, "kernel_auto", False):  # a config built on this one (base:, --set optim.name=...)
+            d["optim"]["kernel"] = "auto"  # resolves the kernel again for its own optimizer
+        return d
 
 
 def lora_from_dict(d: dict) -> LoraConfig:

@@ -103,7 +103,10 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     is short): the same verdict, fix and options, with ``modes`` partial (the tests' property runs)."""
     from megatrain_jax.plan.refusal import find_fix, fits
 
-    plan = _make_plan(cfg, machine, devices, attention)
+    try:
+        plan = _make_plan(cfg, machine, devices, attention)
+    except UserError as err:
+        plan = _one_device_rule(cfg, machine, devices, attention, err)
     if not _modes:
         return plan
     if cfg.optim.kernel == "fused" and _mode_table:
@@ -117,6 +120,33 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
             return _make_plan(variant, m or plan.machine, devices, attention)
 
         plan.fix, plan.token_bytes = find_fix(cfg, plan, replan)
+    return plan
+
+
+def _one_device_rule(cfg: Config, machine: Machine | None, devices: int | None, attention: bool,
+                     err: UserError) -> Plan:
+    """A fixed setting that runs on one GPU (options.check_one_device) in a run of several: its fix names each way out
+    that fits when planned (the setting given back to the plan; one GPU); where none does, the plan of the setting
+    given back is returned, and its own verdict says what does not fit."""
+    field = err.field.split(".")[-1]
+    if field not in ("update_on", "keep_residuals"):
+        raise err
+    freed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{field: "auto"}))
+    one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, devices=1))
+    from megatrain_jax.plan.refusal import fits
+
+    ways = []
+    for label, variant in ((f"train.{field}=auto", freed), ("train.devices=1", one)):
+        try:
+            q = _make_plan(variant, machine, 1 if label == "train.devices=1" else devices, attention)
+        except UserError:
+            continue
+        if fits(q):
+            ways.append(label)
+    if ways:
+        raise UserError(err.field, err.problem, " or ".join(ways) + " fits")
+    plan = _make_plan(freed, machine, devices, attention)
+    plan.notes.append(f"{err.field}={getattr(cfg.train, field)} runs on one GPU: planned as {field}=auto")
     return plan
 
 
