@@ -13,6 +13,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STEPS = 5
+# the placements the plan searches with several GPUs (plan/search.axes_of), beyond the default and the pinned run above
+PLACEMENTS = {"resweep": dict(grad_hold="resweep", grad_hold_gpu_groups=2),
+              "pinned_bf16": dict(grad_hold="pinned_bf16", activations="pinned_host", grad_hold_gpu_groups=1),
+              "host_bf16": dict(grad_hold="host_bf16", boundary_every=2),
+              "stream_io": dict(grad_hold="gpu_bf16", stream_io=True)}
 
 
 def run(devices, steps: int = STEPS, options: dict | None = None):
@@ -71,6 +76,11 @@ def main() -> None:
                                                                   grad_hold="pinned_host",
                                                                   activations="pinned_host"))
         out["losses_4opts"], out["norms_4opts"], out["params_4opts"] = losses, norms, flat
+        # every placement the plan offers with several GPUs (issue 43): each on 1, 2 and 4 devices
+        for name, opts in PLACEMENTS.items():
+            for n in (1, 2, 4):
+                losses, norms, flat = run(jax.devices()[:n], options=opts)
+                out[f"losses_{name}_{n}"], out[f"norms_{name}_{n}"], out[f"params_{name}_{n}"] = losses, norms, flat
         np.savez(args.out, **out)
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

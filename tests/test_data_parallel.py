@@ -52,6 +52,18 @@ def test_slabs_pinned_gradients_and_parked_activations_over_4_devices(local_runs
     assert _rel(r["params_4opts"], r["params_1"]) < RTOL
 
 
+@pytest.mark.parametrize("placement", ["resweep", "pinned_bf16", "host_bf16", "stream_io"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_placement_the_plan_offers_several_gpus_trains_what_one_device_trains(local_runs, placement, n):
+    """Every hold, boundary_every and stream_io is a candidate with several GPUs (plan/search.axes_of, issue 43): each
+    equals its one-device run over 5 clipped steps (the resweep holding its first groups, the pinned bf16 hold with a
+    group on the device, a pageable bf16 hold recomputing every other block, the streamed embedding and head)."""
+    r = local_runs
+    np.testing.assert_allclose(r[f"losses_{placement}_{n}"], r[f"losses_{placement}_1"], rtol=RTOL)
+    np.testing.assert_allclose(r[f"norms_{placement}_{n}"], r[f"norms_{placement}_1"], rtol=RTOL)
+    assert _rel(r[f"params_{placement}_{n}"], r[f"params_{placement}_1"]) < RTOL
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
