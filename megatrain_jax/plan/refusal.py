@@ -79,6 +79,7 @@ AUTO_SETTINGS = ("grad_hold", "update_on", "activations", "stream_io", "boundary
 SEARCHED = AUTO_SETTINGS  # (the older name)
 GPU_SIZES = (10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 94, 141, 192, 288)  # GB of GPUs a fix may name
 MAX_ALTERNATIVES = 3
+LION_INT8 = {"moments": "int8"}  # Lion's leaner state (its one moment in int8)
 
 
 def decided(plan, name: str) -> str:
@@ -114,6 +115,8 @@ def find_fix(cfg: Config, plan, replan: Callable[..., Any]) -> tuple[str, float 
     mode than the one chosen (fused AdamW); fewer tokens per step; a bigger machine (the least host limit that
     fits this config as it is, or a GPU with more memory). Returns (fix, the host bytes that grow with the
     tokens when fewer tokens are the fix and they are most of the need, else None)."""
+    replan = _memo(replan)
+
     def planned(c: Config, machine=None):
         try:
             q = replan(c, machine)
@@ -130,7 +133,7 @@ def find_fix(cfg: Config, plan, replan: Callable[..., Any]) -> tuple[str, float 
         lean = with_mode(cfg, over)
         q = planned(lean)
         if q is not None:
-            name = next(k for k, v in MODES.items() if v == over)
+            name = next((k for k, v in MODES.items() if v == over), "int8 Lion")
             return _join([f"{mode_settings(over)} ({name}: {q.host_bytes_per_param:.1f} bytes/param, "
                           f"{q.host_need / GB:.1f} GB)"]), None
         freed = _settings_fixes(lean, plan, planned)
@@ -148,6 +151,23 @@ def find_fix(cfg: Config, plan, replan: Callable[..., Any]) -> tuple[str, float 
                 token_bytes = grow if grow > 0.5 * plan.host_need else None
         return fewer, token_bytes
     return _bigger_machine(cfg, plan, planned, replan, gpu_cause), None
+
+
+def _memo(replan: Callable[..., Any]) -> Callable[..., Any]:
+    """``replan`` once per (config, machine): the kinds of fix try many of the same variants."""
+    seen: dict[tuple[str, str], Any] = {}
+
+    def cached(c: Config, machine=None):
+        key = (repr(c), repr(machine))
+        if key not in seen:
+            try:
+                seen[key] = replan(c, machine)
+            except UserError as e:
+                seen[key] = e
+        if isinstance(seen[key], UserError):
+            raise seen[key]
+        return seen[key]
+    return cached
 
 
 def planned_any(replan, c):
@@ -189,8 +209,8 @@ def _settings_fixes(cfg: Config, plan, planned) -> list[str]:
 
 def _leaner_modes(cfg: Config) -> list[dict[str, str]]:
     """The state modes leaner than the configured moments (the fused AdamW's; none for other optimizers)."""
-    if cfg.optim.kernel != "fused":
-        return []
+    if cfg.optim.kernel != "fused":  # (Lion through optax has int8 moments: optim/lean.lion_int8)
+        return [LION_INT8] if (cfg.optim.name, cfg.optim.moments) == ("lion", "float32") else []
     order = list(MODES.values())
     current = {"float32": 0, "bfloat16": 1}.get(cfg.optim.moments, len(order))
     return order[current + 1:]
@@ -232,6 +252,8 @@ def _fewer_tokens(cfg: Config, plan, planned, modes) -> str | None:
         return None
 
     for label, base in _variants(cfg, modes):
+        if (batches or seqs) and planned(shaped(base, min_batch, min_seq)) is None:
+            continue  # (the fewest tokens do not fit this variant: no fewer tokens will)
         fewer = first(base, [(b, seq) for b in batches], "train.batch_size")
         shorter = first(base, [(train.batch_size, n) for n in seqs], "data.seq_len")
         if shorter is None and min_batch != train.batch_size:
@@ -283,18 +305,40 @@ def _bigger_machine(cfg: Config, plan, planned, replan, gpu_cause: bool) -> str:
     if gpu:
         return gpu
     m = plan.machine
-    for size in [g for g in GPU_SIZES if g * GB > (m.gpu_bytes or 0)] if m.backend == "gpu" else []:
+    sizes = [g for g in GPU_SIZES if g * GB > (m.gpu_bytes or 0)] if m.backend == "gpu" else []
+    lean = variants[-1:]  # (the leanest variant: a GPU it needs is the least any needs)
+
+    def on_gpu(size: int):
         bigger = dataclasses.replace(m, gpu_bytes=size * GB)
-        for label, base in variants:
+        for label, base in lean:
             q = planned_any(lambda c, _m=None: replan(c, bigger), base)
-            if q is None or not q.search.get("gpu_fits_any", True):
-                continue
-            limit = _least_host(base, lambda c, _m=None: replan(c, bigger), q.search.get("least_host_on_gpu")
-                                or q.host_need)
-            if limit is not None:
-                return (f"{label + ' with ' if label else ''}a GPU with {size} GB and a host limit of {limit} GB "
-                        f"or more fits: this machine cannot hold this model at {shape}")
+            if q is not None and q.search.get("gpu_fits_any", True):
+                return bigger, label, base, q
+        return None
+
+    first = _first_true(sizes, on_gpu)  # (more GPU memory never makes a placement not fit the GPU)
+    if first is not None:
+        size, (bigger, label, base, q) = first
+        limit = _least_host(base, lambda c, _m=None: replan(c, bigger), q.search.get("least_host_on_gpu")
+                            or q.host_need)
+        if limit is not None:
+            return (f"{label + ' with ' if label else ''}a GPU with {size} GB and a host limit of {limit} GB "
+                    f"or more fits: this machine cannot hold this model at {shape}")
     return f"nothing this plan can change fits: this machine cannot hold this model at {shape}"
+
+
+def _first_true(items: list, test: Callable[[Any], Any]) -> tuple[Any, Any] | None:
+    """The first of the sorted ``items`` whose ``test`` is not None (a bisection: a test that holds for an item
+    holds for every later one), with that result."""
+    lo, hi, found = 0, len(items) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        r = test(items[mid])
+        if r is not None:
+            found, hi = (items[mid], r), mid - 1
+        else:
+            lo = mid + 1
+    return found
 
 
 def fits_gpu_any(plan) -> bool:
@@ -323,7 +367,8 @@ def gpu_fix(cfg: Config, plan, planned: Callable[[Config, Any], Any]) -> str | N
             if planned(with_train(cfg, gpu_memory_gb=float(size)), None) is not None:
                 return f"train.gpu_memory_gb={size} fits"
     elif m.backend == "gpu":
-        for size in [g for g in GPU_SIZES if g * GB > (m.gpu_bytes or 0)]:
-            if planned(cfg, dataclasses.replace(m, gpu_bytes=size * GB)) is not None:
-                return f"a GPU with {size} GB fits"
+        sizes = [g for g in GPU_SIZES if g * GB > (m.gpu_bytes or 0)]
+        first = _first_true(sizes, lambda size: planned(cfg, dataclasses.replace(m, gpu_bytes=size * GB)))
+        if first is not None:
+            return f"a GPU with {first[0]} GB fits"
     return None

@@ -386,24 +386,22 @@ def _bfc(limit: float, chunk: float, stop: int | None = None) -> tuple[int, floa
     request, and doubles again after each region that did not need to grow; the last region is cut at the limit).
     A chunk never spans two regions, so a region holds only whole chunks: 29 chunks of 1.59 GiB under a 49 GiB
     limit, where 30.8 fit by bytes."""
-    size, total, held, room = float(2 << 20), 0.0, 0, []
     chunk = math.ceil(chunk / 256) * 256
+    size = float(2 << 20)
+    while chunk > size:  # the first request grows the region size until it holds one
+        size *= 2
+    total, held, first = 0.0, 0, True
     while stop is None or held < stop:
-        if any(r >= chunk for r in room):
-            i = next(i for i, r in enumerate(room) if r >= chunk)
-            room[i] -= chunk
-            held += 1
-            continue
-        grew = False
-        while chunk > size:
-            size, grew = size * 2, True
         region = min(size, limit - total)
         if region < chunk:
-            return held, total
-        total += region
-        room.append(region)
-        if not grew:
-            size *= 2
+            break
+        fit = int(region // chunk)  # every request is one chunk: a region is filled before the next is made
+        if stop is not None and held + fit >= stop:
+            return stop, total + region
+        total, held = total + region, held + fit
+        if not first:
+            size *= 2  # (the first region needed its size grown: the next is the same size)
+        first = False
     return held, total
 
 
