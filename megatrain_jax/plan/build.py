@@ -129,7 +129,7 @@ def _one_device_rule(cfg: Config, machine: Machine | None, devices: int | None, 
     that fits when planned (the setting given back to the plan; one GPU); where none does, the plan of the setting
     given back is returned, and its own verdict says what does not fit."""
     field = err.field.split(".")[-1]
-    if field not in ("update_on", "keep_residuals"):
+    if field not in ("update_on", "keep_residuals") or " on one GPU, and this run uses " not in err.problem:
         raise err
     freed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{field: "auto"}))
     one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, devices=1))
