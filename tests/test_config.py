@@ -205,8 +205,12 @@ def test_unknown_optimizer_kernel():
 
 
 def test_fused_kernel_is_adamw_only():
-    _raises("optim.kernel", overrides=["optim.name=sgd"])
+    _raises("optim.kernel", overrides=["optim.name=sgd", "optim.kernel=fused"])
     assert load_config(TINY, ["optim.name=sgd", "optim.kernel=optax"]).optim.name == "sgd"
+    # optim.kernel=auto (the default) follows the optimizer, also through a base: chain and --set (issue 43)
+    assert load_config(TINY, ["optim.name=sgd"]).optim.kernel == "optax"
+    assert load_config(TINY, []).optim.kernel == "fused"
+    assert load_config(os.path.join(os.path.dirname(TINY), "7b.yaml"), ["optim.name=lion"]).optim.kernel == "optax"
 
 
 @pytest.mark.parametrize("override, field", [

@@ -190,8 +190,11 @@ def test_plan_for_a_device_side_update():
     h100 = Machine("gpu", 128 * GiB, 125 * GiB, "MemTotal", 81559 * 2 ** 20, "test", 1, "H100", 16, {})
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "qwen2.5-18b.yaml")
     # (the plan's search now finds a device-side placement for the whole H100, a smaller loss chunk among
-    # them: a 32 GB budget is where the device-side update's memory leaves nothing that fits)
-    over = ["train.final_checkpoint=false", "train.gpu_memory_gb=32"]
+    # them; since issue 43 a device-side update with a resweep fits a 32 GB budget too: 24 GB is where the
+    # device-side update's memory leaves nothing that fits)
+    p = make_plan(load_config(path, ["train.final_checkpoint=false", "train.gpu_memory_gb=32"]), h100)
+    assert p.decisions["update_on"] == "device" and p.decisions["grad_hold"] == "resweep" and p.verdict() is None
+    over = ["train.final_checkpoint=false", "train.gpu_memory_gb=24"]
     p = make_plan(load_config(path, over), h100)
     assert p.decisions["update_on"] == "host" and p.verdict() is None
     p = make_plan(load_config(path, over + ["train.update_on=device"]), h100)

@@ -178,12 +178,12 @@ def _refused(field: str, **optim) -> str:
 BAD = [
     # (field, optim fields)
     ("optim.name", dict(name="adam", kernel="optax")),
-    ("optim.kernel", dict(name="lion")),  # fused is AdamW's
+    ("optim.kernel", dict(name="lion", kernel="fused")),  # fused is AdamW's (auto takes optax)
     ("optim.kernel", dict(name="muon", kernel="numba")),
     ("optim.moments", dict(name="lion", kernel="optax", moments="bfloat16")),
     ("optim.moments", dict(name="sgd", kernel="optax", moments="int8")),  # int8: AdamW (fused) and Lion only
     ("optim.moments", dict(name="muon", kernel="optax", moments="int8")),
-    ("optim.kernel", dict(name="lion", moments="int8")),  # int8 Lion is an optax transformation
+    ("optim.kernel", dict(name="lion", kernel="fused", moments="int8")),  # int8 Lion is an optax transformation
     ("optim.b1", dict(name="lion", kernel="optax", b1=1.0)),
     ("optim.b2", dict(name="muon", kernel="optax", b2=-0.1)),
     ("optim.eps", dict(name="adafactor", kernel="optax", eps=0.0)),

@@ -194,6 +194,9 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         other = "host" if update_on == "device" else "device"
         mine = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=update_on)), machine,
                           devices, attention)
+        if update_on == "host" and optim.kernel == "fused" and optim.moments == "float32" and mine.found.best.fits:
+            return mine  # fp32 moments on the GPU: 16 bytes/param more over PCIe, not measured to pay; tried where
+            #              the host update does not fit
         alt = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=other)), machine,
                          devices, attention)
         return _faster_update(mine, alt)
