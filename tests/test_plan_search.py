@@ -169,7 +169,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-PROPS = dict(deadline=None, derandomize=True, database=None, max_examples=25, phases=(Phase.explicit, Phase.generate),
+PROPS = dict(deadline=None, derandomize=True, database=None, max_examples=15, phases=(Phase.explicit, Phase.generate),
              suppress_health_check=[HealthCheck.too_slow])  # no shrinking: the failing example is printed
 CASES = [("configs/llama3.1-8b.yaml", ()), ("configs/3b.yaml", ("train.batch_size=16", "train.micro_batches=auto")),
          ("configs/qwen2.5-7b.yaml", ("optim.moments=int8", "train.stream_copy=device", "train.micro_batches=auto")),
