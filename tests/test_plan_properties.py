@@ -509,3 +509,11 @@ def test_detect_machine_counts_the_gpus_cuda_visible_devices_shows(monkeypatch, 
         assert m.backend == "gpu" and m.gpu_bytes == gpu_mib * (1 << 20)
     else:
         assert m.backend == "cpu" and m.gpu_bytes is None
+
+
+def test_a_fix_names_the_steps_micro_batches_not_one_gpus():
+    """7B on two 10 GB GPUs (micro_batches: 4 in its config): the fix gives the micro-batch count back to the plan
+    and names the step's count (8, split over the GPUs), not one GPU's (4, which applied was still refused)."""
+    case = make_case("7b", "adamw-fp32", 10, 64, 8, 2)
+    assert not check_fixes_fit(case)
+    assert "train.micro_batches=8" in auto_plan(case).error.fix

@@ -86,7 +86,9 @@ def decided(plan, name: str) -> str:
     """The value plan ``plan`` took for setting ``train.<name>``, as a user types it."""
     o = plan.options
     value = {"grad_hold": o.grad_hold, "update_on": o.update_on, "activations": o.activations,
-             "stream_io": o.stream_io, "boundary_every": o.boundary_every, "micro_batches": o.micro_batches,
+             "stream_io": o.stream_io, "boundary_every": o.boundary_every,
+             # (the engine's count is per GPU; train.micro_batches is the step's, split over the GPUs)
+             "micro_batches": o.micro_batches * max(plan.settings.devices, 1),
              "stream_copy": o.stream_copy, "keep_residuals": o.keep_residuals,
              "activations_gpu_blocks": o.activations_gpu_blocks, "grad_slabs": o.grad_slabs}[name]
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
