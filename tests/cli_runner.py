@@ -120,3 +120,15 @@ def check_user_error(res: CliResult, field: str, watch: str | None = None) -> st
         assert not os.path.exists(os.path.join(watch, "run")), str(res)
         assert res.files_after == res.files_before, f"{res.files_before} -> {res.files_after}\n{res}"
     return line
+
+
+def tree_snapshot(root) -> dict[str, tuple[int, int]]:
+    """Every path under ``root`` with (size, or -1 for a folder; mtime in ns): equal snapshots mean nothing there
+    was written, created or removed (the writers' tests compare them around a refused command)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (st.st_size if name in filenames else -1, st.st_mtime_ns)
+    return out

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from cli_runner import SHAKESPEARE, TINY, check_user_error, run_cli, run_in_process, sets
+from cli_runner import SHAKESPEARE, TINY, check_user_error, run_cli, run_in_process, sets, tree_snapshot
 
 TINY_RUN = ("model.num_layers=1", "data.seq_len=32", "train.batch_size=2", "optim.schedule.warmup_steps=1",
             f"data.path={SHAKESPEARE}")
@@ -224,16 +224,6 @@ def _user_workspace(root):
     return root
 
 
-def _tree(root):
-    out = {}
-    for d, dirs, files in os.walk(root):
-        for n in dirs + files:
-            p = os.path.join(d, n)
-            st = os.lstat(p)
-            out[os.path.relpath(p, root)] = (st.st_size if n in files else -1, st.st_mtime_ns)
-    return out
-
-
 # (field, overrides, what the line names): every one refused before anything is read, whatever else is set
 BAD_PLACES = {
     "out_dir_a_checkpoint_of_another_run": ("train.out_dir", ["train.out_dir=runs/base30/checkpoints/step_00000030"],
@@ -264,14 +254,14 @@ def test_a_run_never_writes_into_another_run_its_folder_or_its_inputs(tmp_path, 
     field, overrides, needle = BAD_PLACES[name]
     ws = _user_workspace(tmp_path / "ws")
     monkeypatch.chdir(ws)
-    before = _tree(ws)
+    before = tree_snapshot(ws)
     res = run_in_process(["train", "configs/tiny.yaml", *sets(*TINY_RUN[:-1], "data.path=data/tiny.txt",
                                                                "optim.schedule.warmup_steps=0",
                                                                "train.steps=1", "train.final_checkpoint=false",
                                                                *overrides)], capsys)
     line = check_user_error(res, field)
     assert needle in line, line
-    assert _tree(ws) == before
+    assert tree_snapshot(ws) == before
 
 
 def test_a_run_may_write_beside_runs_and_export_inside_itself(tmp_path, monkeypatch):

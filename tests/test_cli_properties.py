@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from megatrain_jax.cli import main  # noqa: E402
+from cli_runner import tree_snapshot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
@@ -47,16 +48,6 @@ def workspace(tmp_path_factory) -> Path:
     return ws
 
 
-def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = os.path.join(dirpath, name)
-            st_ = os.lstat(p)
-            out[os.path.relpath(p, root)] = (st_.st_size if name in filenames else -1, st_.st_mtime_ns)
-    return out
-
-
 def _run(ws: Path, argv: list[str]) -> tuple[int, list[str]]:
     err = io.StringIO()
     cwd = os.getcwd()
@@ -73,9 +64,9 @@ def _run(ws: Path, argv: list[str]) -> tuple[int, list[str]]:
 
 
 def _check(ws: Path, argv: list[str], names: list[str]) -> None:
-    before = _snapshot(ws)
+    before = tree_snapshot(ws)
     rc, lines = _run(ws, argv)
-    after = _snapshot(ws)
+    after = tree_snapshot(ws)
     assert rc == 2, (argv, rc, lines)
     assert len(lines) == 1, (argv, lines)
     assert any(n in lines[0] for n in names), (argv, lines[0], names)
@@ -163,9 +154,9 @@ def test_a_broken_config_file_is_one_line_exit_2(workspace, text):
     cfg = workspace / "configs" / "self.yaml"
     cfg.write_text(text)
     try:
-        before = _snapshot(workspace)
+        before = tree_snapshot(workspace)
         rc, lines = _run(workspace, ["plan", "configs/self.yaml"])
-        after = _snapshot(workspace)
+        after = tree_snapshot(workspace)
     finally:
         cfg.unlink()
     if rc == 0:
