@@ -129,7 +129,7 @@ def build_model(cfg: GPT2Config, seed: int = 0) -> GPT2:
 def batches(n: int, batch: int, seq: int, vocab: int, seed: int = 0):
     """(batch, seq + 1) token arrays: windows of tinyshakespeare's bytes, or random tokens."""
     rng = np.random.default_rng(seed)
-    path = "/work/shared/data/tinyshakespeare.txt"
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tinyshakespeare.txt")
     data = np.frombuffer(open(path, "rb").read(), np.uint8).astype(np.int32) if os.path.isfile(path) else None
     for _ in range(n):
         if data is not None and vocab >= 256:
