@@ -387,21 +387,3 @@ def test_nan_forward_makes_one_step_non_finite_and_it_changes_nothing():
     assert any(not np.array_equal(g.master, before[g.name]) for g in st.store)
     st.close()
 
-
-def test_a_large_gradients_squared_norm_is_summed_over_rows_and_equals_the_whole_arrays():
-    """kernels.sqnorm: above SQNORM_ROWS_ABOVE values the norm is taken over rows and the tail (XLA:GPU padded the
-    110B's 1.36B-value block in a 10.1 GiB copy); the rows' sum equals the whole array's (float64 reference)."""
-    import jax
-
-    from megatrain_jax.engine import kernels
-
-    x = np.random.default_rng(0).standard_normal(100_003).astype(np.float32)
-    whole = float(jax.jit(kernels.sqnorm)(x))
-    old = kernels.SQNORM_ROWS_ABOVE, kernels.SQNORM_ROW
-    try:
-        kernels.SQNORM_ROWS_ABOVE, kernels.SQNORM_ROW = 1000, 64  # a loop of 1562 slices and a tail
-        rows = float(jax.jit(kernels.sqnorm)(x))
-    finally:
-        kernels.SQNORM_ROWS_ABOVE, kernels.SQNORM_ROW = old
-    ref = float((x.astype(np.float64) ** 2).sum())
-    assert rows == pytest.approx(ref, rel=1e-6) and whole == pytest.approx(ref, rel=1e-6)

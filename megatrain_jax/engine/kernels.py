@@ -51,29 +51,7 @@ def named(name: str, fn: Callable) -> Callable:
 # The helpers that close over nothing of a model: one jitted function each, shared by every trainer in the
 # process, so that the next trainer (a resumed run, a test's next case) neither traces nor lowers them again
 # (each trainer's own lambdas were traced and lowered anew: 190 of the 568 lowerings of test_engine.py).
-SQNORM_ROW = 1 << 24  # values per slice of a large gradient's squared norm (sqnorm)
-SQNORM_ROWS_ABOVE = 1 << 28  # values above which the norm is summed slice by slice
-
-
-def sqnorm(g: jax.Array) -> jax.Array:
-    """The squared norm of a flat gradient. Above SQNORM_ROWS_ABOVE values, summed over SQNORM_ROW-value slices in a
-    loop and the tail: the 110B lean step ran out of GPU memory in this function (a 10.1 GiB allocation, session 17
-    calls 2-3), and a reshape of a prefix into rows is a whole copy (XLA:CPU's memory analysis: the array's size
-    in temporaries); a loop's slice is one slice's."""
-    n = g.shape[0] if g.ndim == 1 else g.size
-    if g.ndim != 1 or n <= SQNORM_ROWS_ABOVE:
-        return jnp.sum(jnp.square(g))
-    rows = n // SQNORM_ROW
-
-    def add(i, acc):
-        part = jax.lax.dynamic_slice_in_dim(g, i * SQNORM_ROW, SQNORM_ROW)
-        return acc + jnp.sum(jnp.square(part.astype(F32)))
-
-    head = jax.lax.fori_loop(0, rows, add, jnp.zeros((), F32))
-    return head + jnp.sum(jnp.square(g[rows * SQNORM_ROW:].astype(F32)))
-
-
-grad_sqnorm = jax.jit(named("grad_sqnorm", sqnorm), compiler_options=NO_AUTOTUNE)
+grad_sqnorm = jax.jit(named("grad_sqnorm", lambda g: jnp.sum(jnp.square(g))), compiler_options=NO_AUTOTUNE)
 grad_to_bf16 = jax.jit(named("grad_to_bf16", lambda g: g.astype(jnp.bfloat16)), compiler_options=NO_AUTOTUNE)
 grad_slab_slice = jax.jit(named("grad_slab_slice", lambda g, lo, n: jax.lax.dynamic_slice_in_dim(g, lo, n).astype(F32)),
                           static_argnums=2, compiler_options=NO_AUTOTUNE)
