@@ -174,6 +174,14 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     notes: list[str] = []
     per_dev_batch = train.batch_size // n_dev if train.batch_size % n_dev == 0 else train.batch_size
     shapes = Shapes.of(model, per_dev_batch, cfg.data.seq_len, train.compute_dtype, backend=machine.backend)
+    headroom = 0.0
+    if on_gpu and gpu_usable is not None and shapes.largest_group > HUGE_GROUP:
+        # the 110B lean shape (1.36B-parameter blocks) ran out of GPU memory in step 1 on a 10.1 GiB request, two
+        # blocks' fp32 gradients, beyond a plan 12 GB under the budget (session 17; cause open): held free
+        headroom = 2 * 4.0 * shapes.largest_group
+        gpu_usable -= headroom
+        notes.append(f"GPU: {headroom / GB:.1f} GB kept free beyond the phases for groups over "
+                     f"{HUGE_GROUP / 1e9:.0f}B parameters (a transient two groups' fp32 gradients, measured at 110B)")
     moment_bytes = MOMENT_BYTES[optim.moments]
     update_on = choose.choose_update_on(train.update_on, on_gpu=on_gpu, devices=n_dev, kernel=optim.kernel,
                                         moments=optim.moments, bf16=bf16, stream_copy=train.stream_copy)
@@ -325,6 +333,11 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         # on top of the step's peak, wherever the plan puts it: conservative (RESULTS.md: measured below it)
         phases["loss, residuals kept"] = max(phases.values()) + n_keep * per_block
         gpu_need = max(phases.values())
+    if headroom:  # (the search compared each candidate with the room less it: the same test as the verdict's)
+        gpu_rows.append(Row("gpu", "kept free for a huge group's transient fp32 copies", headroom,
+                            f"two fp32 gradients of a {shapes.largest_group / 1e9:.2f}B-parameter group"))
+        phases["peak + huge-group headroom"] = max(phases.values()) + headroom
+        gpu_need = max(phases.values())
 
     # ---- host rows
     placed.gpu_need = gpu_need  # the pool's table covers the residuals too
@@ -375,6 +388,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
 
 STORE_SLACK = 0.005  # host bytes per byte of the store the process holds beyond the rows (glibc, the driver's
 #                      registration of the store): 0.3% measured at 70B; the row is 0.5% (one point measured)
+HUGE_GROUP = 1.0e9  # parameters of a group above which the GPU keeps two of its fp32 gradients free (see _make_plan)
 UPDATE_SWITCH_TOL = 0.05  # the other placement of the update is taken over the rule's where predicted this much faster
 
 
