@@ -40,7 +40,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 from megatrain_jax.optim import FusedAdamW, alloc_aligned, set_num_threads  # noqa: E402
 from megatrain_jax.optim import compact_adamw as ca  # noqa: E402
-from megatrain_jax.optim.fused_adamw import _adamw_elem, _bf16_rne, launch  # noqa: E402
+from megatrain_jax.optim.fused_adamw import adamw_elem, bf16_rne, launch  # noqa: E402
 
 HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, eps_root=0.0, weight_decay=0.1)
 # per element: read p g mq vq, write p bf16 mq vq (int8); read p g m v, write p m v bf16 (bf16, fp32)
@@ -152,7 +152,7 @@ def _legacy_block(param, grad, mq, ms, vq, vs, bf16_out, write_bf16, code_s, cod
     mx_m = np.uint32(0)
     mx_v = np.uint32(0)
     for j in range(cnt):
-        p, m, v = _adamw_elem(param[lo + j], grad[lo + j], sm[j] * am, sv[j] * av, gs, nlr, b1, omb1, b2, omb2,
+        p, m, v = adamw_elem(param[lo + j], grad[lo + j], sm[j] * am, sv[j] * av, gs, nlr, b1, omb1, b2, omb2,
                               rbc1, rbc2, eps, eps_root, wd, decay)
         param[lo + j] = p
         sm[j] = m
@@ -161,7 +161,7 @@ def _legacy_block(param, grad, mq, ms, vq, vs, bf16_out, write_bf16, code_s, cod
         mx_v = max(mx_v, ca._abs_bits(v))
     if write_bf16:
         for j in range(cnt):
-            bf16_out[lo + j] = _bf16_rne(param[lo + j])
+            bf16_out[lo + j] = bf16_rne(param[lo + j])
     am, av = ca._bits_f32(mx_m), ca._bits_f32(mx_v)
     zero = np.float32(0.0)
     rm = np.float32(1.0) / am if am > zero else zero
@@ -198,7 +198,7 @@ def legacy_int8_step(param, grad, state, bf16_out, *, lr, b1, b2, eps, eps_root,
         _legacy_core(param, grad, state["mu_q"], state["mu_scale"], state["nu_q"], state["nu_scale"],
                      ca._EMPTY_U16 if bf16_out is None else bf16_out, ca.CODE_SIGNED, ca.CODE_UNSIGNED,
                      _LEGACY_TABLES[0], _LEGACY_TABLES[1], numba.get_num_threads(),
-                     *ca._scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale))
+                     *ca.adamw_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale))
 
 
 # ------------------------------------------------------------------------------------- harness

@@ -1,14 +1,18 @@
-"""One GPU against two, on the two-GPU machine, through the user's own command (issue 16).
+"""Data parallel over the GPUs of one host, through the user's own command (issues 16, 45).
 
-For each model: ``megatrain-jax train`` on 1 GPU (``train.devices=1``) at the per-GPU batch, on 2 GPUs in
-one process (``train.devices=all``, twice the batch: the same tokens per GPU) with the last step's
-timeline, and as 2 processes x 1 GPU joined through jax.distributed (the README's launch, one
-``CUDA_VISIBLE_DEVICES`` each). Each result carries ``params``, ``tokens_per_s``, ``model_tflops``,
-``peak_host_rss_gb`` and the two-GPU ones ``scaling`` (over the one-GPU tokens/s of the same call);
-the two-process one also ``over_one_process``. The plan's 1/2-GPU predictions go beside them.
+For each model and each GPU count N of ``--gpus`` (default 1,2,4): ``megatrain-jax train`` in one process on N GPUs
+(``train.devices=N``)
+- weak scaling (``--runs weak``): the per-GPU batch on each GPU (N x BATCH_PER_GPU sequences a step);
+- strong scaling (``--runs strong``): the same step for every N (max(--gpus) x BATCH_PER_GPU sequences), the
+  global batch a user keeps when adding GPUs;
+- processes (``--runs procs``): N processes x 1 GPU joined through jax.distributed (the README's multi-host launch,
+  one ``CUDA_VISIBLE_DEVICES`` each), weak, for N > 1.
+Each result carries ``params``, ``tokens_per_s``, ``model_tflops``, ``peak_host_rss_gb``, ``processes``, ``devices``,
+``scaling`` (tokens/s over the one-GPU run of the same kind in the same call), ``scaling_kind``, and the plan's
+figures; a process run also ``over_one_process`` (over the one-process run of the same N).
 
-    PYTHONPATH=. python experiments/bench_data_parallel.py --out $OUT \\
-        --model "7b_b16=configs/7b.yaml;16" --model "qwen7b_b128=configs/qwen2.5-7b.yaml;128"
+    PYTHONPATH=. python experiments/bench_data_parallel.py --out $OUT --gpus 1,2,4 --runs weak,strong,procs \\
+        --model "qwen7b_b128=configs/qwen2.5-7b.yaml;128"
 
 A model is NAME=CONFIG;BATCH_PER_GPU[;key=value...]; extra settings go to every run.
 """
@@ -31,7 +35,8 @@ def main() -> None:
     ap.add_argument("--host-gb", type=float, default=240.0,
                     help="train.host_memory_gb for the one-process runs (the machine's MemTotal grows as it is used); "
                          "each of N processes gets 1/N")
-    ap.add_argument("--runs", default="1gpu,2gpu,2proc")
+    ap.add_argument("--gpus", default="1,2,4", help="GPU counts, one process each (and procs: N processes)")
+    ap.add_argument("--runs", default="weak,strong,procs", help="which of weak, strong, procs")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -41,20 +46,27 @@ def main() -> None:
             "gpus": len(jax.devices()), "jax": jax.__version__, "host_cores": os.cpu_count(),
             "command": " ".join(sys.argv)}
     del jax
+    gpus = sorted({int(x) for x in args.gpus.split(",")})
+    kinds = args.runs.split(",")
     for item in args.model:
         name, _, spec = item.partition("=")
         config, batch, *extra = [x for x in spec.split(";") if x]
-        b = int(batch)
-        runs = {"1gpu": (f"train.devices=1;train.batch_size={b};train.host_memory_gb={args.host_gb}", 1, False),
-                "2gpu": (f"train.devices=all;train.batch_size={2 * b};train.host_memory_gb={args.host_gb}", 1, True),
-                "2proc": (f"train.batch_size={2 * b};train.host_memory_gb={args.host_gb / 2}", 2, False)}
+        b, top = int(batch), max(gpus)
+        runs = {}  # run name -> (settings, processes, kind, gpus)
+        for n in gpus:
+            host = f"train.host_memory_gb={args.host_gb}"
+            if "weak" in kinds:
+                runs[f"weak{n}"] = (f"train.devices={n};train.batch_size={n * b};{host}", 1, "weak", n)
+            if "strong" in kinds:
+                runs[f"strong{n}"] = (f"train.devices={n};train.batch_size={top * b};{host}", 1, "strong", n)
+            if "procs" in kinds and n > 1:
+                runs[f"procs{n}"] = (f"train.batch_size={n * b};train.host_memory_gb={args.host_gb / n}", n, "weak", n)
         res = {}
-        for run in args.runs.split(","):
-            sets, procs, trace = runs[run]
+        for run, (sets, procs, kind, n) in runs.items():
             case = f"{name}_{run}"
-            args.trace = trace
+            args.trace = False
             r = run_case(case, ";".join([config, *extra, *sets.split(";")]), args, procs=procs)
-            r.update(meta)
+            r.update(meta, processes=procs, devices=n, scaling_kind=kind)
             r["params"] = (r.get("plan") or {}).get("params")
             res[run] = r
             print(f"{case}: rc {r['rc']} tok/s {r.get('tokens_per_s', 0):,.0f} TFLOPS {r.get('model_tflops', 0):.0f} "
@@ -62,13 +74,13 @@ def main() -> None:
                   f"(plan {r.get('plan_gpu_gb', 0):.1f}) decisions {r.get('decisions')}", flush=True)
             if r["rc"]:
                 print(r["log_tail"][-1500:], flush=True)
-        one = res.get("1gpu", {}).get("tokens_per_s")
-        for run in ("2gpu", "2proc"):
-            if run in res and one and res[run].get("tokens_per_s"):
-                res[run]["scaling"] = res[run]["tokens_per_s"] / one
-        if res.get("2gpu", {}).get("tokens_per_s") and res.get("2proc", {}).get("tokens_per_s"):
-            res["2proc"]["over_one_process"] = res["2proc"]["tokens_per_s"] / res["2gpu"]["tokens_per_s"]
         for run, r in res.items():
+            base = res.get(f"{r['scaling_kind']}1", {}).get("tokens_per_s")
+            if base and r.get("tokens_per_s"):
+                r["scaling"] = r["tokens_per_s"] / base
+            one = res.get(f"weak{r['devices']}", {}).get("tokens_per_s")
+            if run.startswith("procs") and one and r.get("tokens_per_s"):
+                r["over_one_process"] = r["tokens_per_s"] / one
             with open(os.path.join(args.out, f"dp_{name}_{run}.json"), "w") as f:
                 json.dump(r, f, indent=1, default=str)
         print(name, {run: {k: r.get(k) for k in ("tokens_per_s", "model_tflops", "peak_host_rss_gb", "scaling",

@@ -107,7 +107,7 @@ def setup(work: Path, steps: int) -> dict:
     from megatrain_jax.hf.exporter import export_hf
     from megatrain_jax.hf.peft import save_peft
     from megatrain_jax.models.common import Decoder
-    from megatrain_jax.optim.build import _learning_rate
+    from megatrain_jax.optim.build import learning_rate_or_schedule
     from megatrain_jax.optim.named import resolved
 
     if work.exists():
@@ -129,7 +129,7 @@ def setup(work: Path, steps: int) -> dict:
     save_peft(str(work / "adapter0"), LoraModel(lora_cfg).init_adapters(cfg.train.seed), lora_cfg, str(work / "hf"))
     ds = load_dataset(cfg.data, SHAPE["vocab_size"], batch_size=cfg.train.batch_size)
     bs = [ds.batch(s, cfg.train.batch_size, cfg.data.seq_len) for s in range(steps)]
-    lr = _learning_rate(cfg.optim, steps)
+    lr = learning_rate_or_schedule(cfg.optim, steps)
     lrs = [float(lr) if isinstance(lr, float) else float(lr(i)) for i in range(steps)]
     np.savez(work / "batches.npz", tokens=np.stack([b.tokens for b in bs]), labels=np.stack([b.labels for b in bs]),
              mask=np.stack([b.loss_mask for b in bs]), lr=np.asarray(lrs, np.float64))

@@ -82,7 +82,7 @@ def main() -> None:
         for k, v in h.items():
             x.register(f"{i}/{k}", v)
     gl = jax.device_put(np.full(n, 1e-3, np.float32), dev)
-    scal0 = compact_adamw._scalars(1e-4, 0.9, 0.95, 1e-8, 0.0, 0.1, 3, 0.5)
+    scal0 = compact_adamw.adamw_scalars(1e-4, 0.9, 0.95, 1e-8, 0.0, 0.1, 3, 0.5)
     from concurrent.futures import ThreadPoolExecutor
     pool = ThreadPoolExecutor(1)
 
@@ -174,7 +174,7 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     g = jax.device_put(rng.standard_normal(n, dtype=np.float32) * 1e-3, dev)
-    scal = compact_adamw._scalars(1e-4, 0.9, 0.95, 1e-8, 0.0, 0.1, 3, 0.5)
+    scal = compact_adamw.adamw_scalars(1e-4, 0.9, 0.95, 1e-8, 0.0, 0.1, 3, 0.5)
     nb = n // 2048
     states = {"float32": {"mu": np.zeros(n, np.float32), "nu": np.zeros(n, np.float32)},
               "bfloat16": {"mu_bf16": np.zeros(n, np.uint16), "nu_bf16": np.zeros(n, np.uint16)},

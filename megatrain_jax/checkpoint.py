@@ -40,7 +40,7 @@ the previous one is used. The crc32 is taken from the live buffer while the grou
 also proves that the bytes written are the bytes of update ``K``.
 
 ``megatrain-jax export`` (``megatrain_jax.hf.commands``) reads a committed checkpoint's master
-weights with ``read_checkpoint_meta`` and ``_load_group_array``.
+weights with ``read_checkpoint_meta`` and ``load_group_array``.
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ from typing import Any, Callable
 import numpy as np
 
 from megatrain_jax.errors import UserError
-from megatrain_jax.orbax_io import _checkpointer, _restore_array  # noqa: F401 - the orbax glue (export uses it)
+from megatrain_jax.orbax_io import checkpointer, restore_array  # noqa: F401 - the orbax glue (export uses it)
 
 FORMAT = 1
 CKPT_SUBDIR = "checkpoints"
@@ -118,7 +118,8 @@ def crc32(a: np.ndarray) -> int:
     return zlib.crc32(_bytes_view(a))  # zlib releases the GIL on large buffers
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory (its renames durable); best effort. Public: the LoRA adapter saver uses it."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -131,7 +132,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_json(path: str, obj: Any) -> bytes:
+def write_json(path: str, obj: Any) -> bytes:
+    """``obj`` as JSON at ``path``, fsynced; returns the bytes written. Public: the LoRA adapter saver
+    (engine/lora_run.py) writes its state and manifest with it."""
     data = json.dumps(obj, indent=1, default=_json_default).encode()
     with open(path, "wb") as f:
         f.write(data)
@@ -148,8 +151,9 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"{type(o).__name__} is not JSON serialisable")
 
 
-def _remove_dir(path: str) -> None:
-    """Rename first, so that a kill during the removal never leaves a half-deleted ``step_N``."""
+def remove_dir(path: str) -> None:
+    """Rename first, so that a kill during the removal never leaves a half-deleted ``step_N``.
+    Public: the LoRA adapter saver (engine/lora_run.py) commits the same way."""
     doomed = f"{path}.deleting-{os.getpid()}"
     try:
         os.replace(path, doomed)
@@ -172,7 +176,7 @@ def prune(root: str, keep_last: int, keep_every: int) -> list[str]:
     removed = []
     for c in cks:
         if c.step not in keep:
-            _remove_dir(c.path)
+            remove_dir(c.path)
             removed.append(c.path)
     return removed
 
@@ -238,7 +242,7 @@ class CheckpointSaver:
 
     def _make_checkpointer(self) -> None:
         try:
-            self._ckptr = _checkpointer()
+            self._ckptr = checkpointer()
         except Exception:  # noqa: BLE001 - retried (and reported) by the first save
             self._ckptr = None
 
@@ -273,9 +277,9 @@ class CheckpointSaver:
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tr = self.trainer
-        order = tr._forward_order() if hasattr(tr, "_forward_order") else [g.name for g in tr.store]
+        order = [g.name for g in tr.store]  # the order the forward fetches the groups
         # update K of each group, maybe still running (or, for device-side updates, not yet started)
-        pending = tr.pending_updates() if hasattr(tr, "pending_updates") else dict(getattr(tr, "_pending", {}))
+        pending = tr.pending_updates() if hasattr(tr, "pending_updates") else {}
         job = _Job(step, tr.count, final, tmp, meta, pending, order)
         self._job = self._active = job
         job.thread = threading.Thread(target=self._write, args=(job,), name=f"ckpt-save-{step}", daemon=True)
@@ -361,7 +365,7 @@ class CheckpointSaver:
         try:
             self._ckptr_ready.join()
             if self._ckptr is None:
-                self._ckptr = _checkpointer()
+                self._ckptr = checkpointer()
             store, opt = self.trainer.store, self.trainer.opt
             os.makedirs(os.path.join(job.tmp, "groups"))
             groups: dict[str, Any] = {}
@@ -396,15 +400,15 @@ class CheckpointSaver:
             meta = dict(job.meta)
             meta.update(format=FORMAT, step=job.step, count=job.count, layouts=store_layouts(store),
                         optimizer=getattr(opt, "label", type(opt).__name__), saved_at=time.time())
-            state_bytes = _write_json(os.path.join(job.tmp, STATE), meta)
-            _write_json(os.path.join(job.tmp, MANIFEST), {
+            state_bytes = write_json(os.path.join(job.tmp, STATE), meta)
+            write_json(os.path.join(job.tmp, MANIFEST), {
                 "format": FORMAT, "step": job.step, "count": job.count, "groups": groups,
                 "order": job.order, "state_crc32": zlib.crc32(state_bytes), "nbytes": st.nbytes})
-            _fsync_dir(job.tmp)
+            fsync_dir(job.tmp)
             if job.abandoned:  # groups were released early: what was written may be torn
                 raise RuntimeError("abandoned")
             os.replace(job.tmp, job.final)  # the commit
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             st.write_s = time.perf_counter() - t_start
             for path in prune(self.root, self.keep_last, self.keep_every):
                 self.log(f"checkpoint: removed {path} (retention: keep_last={self.keep_last}, "
@@ -443,10 +447,12 @@ def read_checkpoint_meta(path: str) -> tuple[dict, dict]:
     return manifest, state
 
 
-def _load_group_array(ckptr, path: str, name: str, key: str, info: dict) -> np.ndarray:
+def load_group_array(ckptr, path: str, name: str, key: str, info: dict) -> np.ndarray:
+    """One array of a saved group, checked against the manifest (``CorruptCheckpoint`` if not as recorded).
+    Public: ``hf export`` reads checkpoint groups with it."""
     where = f"group {name} array {info.get('name', key)}"
     try:
-        arr = _restore_array(ckptr, os.path.join(path, "groups", name), key)
+        arr = restore_array(ckptr, os.path.join(path, "groups", name), key)
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds on damaged files
         msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise CorruptCheckpoint(f"{where} cannot be read ({type(e).__name__}: {msg})") from None
@@ -483,7 +489,7 @@ def restore_into(path: str, store, host_opt) -> dict:
     """
     manifest, state = read_checkpoint_meta(path)
     check_compatible(state, store, path)
-    ckptr = _checkpointer()
+    ckptr = checkpointer()
 
     def incompatible(detail: str) -> UserError:
         return UserError("optim", f"checkpoint {path} holds {state.get('optimizer')} state that the configured "
@@ -500,7 +506,7 @@ def restore_into(path: str, store, host_opt) -> dict:
             raise incompatible(f"state arrays {sorted(saved_names)}, expected {sorted(live)}")
         opt_arrays = {}
         for key, info in entry["arrays"].items():
-            arr = _load_group_array(ckptr, path, g.name, key, info)
+            arr = load_group_array(ckptr, path, g.name, key, info)
             if key == "master":
                 g.master[:] = arr
             elif live is not None:  # straight into the optimizer's own buffers: no second state
@@ -571,9 +577,9 @@ def load_checkpoint_arrays(path: str) -> tuple[dict[str, dict[str, np.ndarray]],
     """Every array of a checkpoint, checked: ``({group: {"master": ..., <opt name>: ...}}, state)``.
     Holds the whole model in memory: for tests and small models."""
     manifest, state = read_checkpoint_meta(path)
-    ckptr = _checkpointer()
+    ckptr = checkpointer()
     out = {}
     for name, entry in manifest["groups"].items():
-        out[name] = {info.get("name", key): _load_group_array(ckptr, path, name, key, info)
+        out[name] = {info.get("name", key): load_group_array(ckptr, path, name, key, info)
                      for key, info in entry["arrays"].items()}
     return out, state

@@ -36,34 +36,23 @@ def _plan(args: argparse.Namespace) -> int:
         from megatrain_jax.hf import resolve_hf_model_config
 
         resolve_hf_model_config(cfg.model)
-    from megatrain_jax.plan import make_plan, plan_table, scaling_rows, scaling_table, target_machine
+    from megatrain_jax.plan import plan_of, plan_table, scaling_rows, scaling_table, target_machine
 
     target = {k: getattr(args, k) for k in ("gpu_memory_gb", "host_memory_gb", "pcie_gbps", "gpu_tflops", "cpu_cores")}
     machine = None
     if any(v is not None for v in target.values()):  # a machine described, not this one
         machine = target_machine(**target, gpu_count=args.devices or 1)  # its disk is not this one's
-    if cfg.model.lora is not None:  # adapters on a frozen base: their own plan (engine/lora_plan.py)
-        from megatrain_jax.engine.lora_plan import make_lora_plan
-
-        if args.scaling:
-            raise UserError("--scaling", "no multi-GPU prediction for LoRA (each GPU runs the one-GPU plan on its "
-                            "slice of the batch)", "plan it without --scaling")
-        p = make_lora_plan(cfg, machine)
-        print(json.dumps(p.to_dict(), indent=1, default=str) if args.json else p.table)
-        err = p.verdict()
-        if err is not None:
-            print(f"error: {err}", file=sys.stderr)
-        return 2 if err is not None else 0
-    p = make_plan(cfg, machine, devices=args.devices)
+    p = plan_of(cfg, machine, devices=args.devices)  # a model with adapters: the plan's LoRA rows
     if args.json:
         out = p.to_dict()
-        if args.scaling:
+        if args.scaling:  # (refused for LoRA before anything is printed)
             out["scaling"] = scaling_rows(cfg, p.machine)
         print(json.dumps(out, indent=1, default=str))
     else:
+        scaling = scaling_table(cfg, p.machine) if args.scaling else None
         print(plan_table(p))
-        if args.scaling:
-            print(scaling_table(cfg, p.machine))
+        if scaling is not None:
+            print(scaling)
     err = p.verdict()
     if err is not None:
         print(f"error: {err}", file=sys.stderr)
@@ -115,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return convert_main(argv[1:])
         if argv and argv[0] == "export":  # a training checkpoint -> Hugging Face (or mt) directory
-            from megatrain_jax.engine.lora_export import lora_export_main  # LoRA runs: --merge-lora
+            from megatrain_jax.hf.merge import lora_export_main  # LoRA runs: --merge-lora
 
             rc = lora_export_main(argv[1:])
             if rc is not None:

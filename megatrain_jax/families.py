@@ -1,67 +1,113 @@
-"""The model families: one ``Family`` record per decoder family, looked up by name or by a Hugging
-Face ``architectures`` / ``model_type``. It sits outside ``models/`` and imports no model: config
-validation asks it about ``model.family`` and the families import the config, so the family modules
-are loaded by name (``FAMILY_MODULES``) on the first lookup. ``megatrain_jax.models.registry`` is the
-same module's names under their old path.
+"""The model-family registry: one ``Family`` object per decoder family, looked up by name
+(``get_family``, the one lookup) or by a Hugging Face ``architectures`` / ``model_type``.
 
-How to add a family (say ``foo``): write ``megatrain_jax/models/foo.py`` holding its NNX block
-class (called as ``Block(cfg, rngs, layer)``, computing ``block(hidden, aux) -> hidden``; reuse the
-parts in ``models/common.py``: norms, RoPE, a configurable ``Attention``, the gated MLPs), its
-Hugging Face config translation (``config_from_hf(hf, base, where, arch) -> ModelConfig`` and
-``config_to_hf(cfg, arch, out)``, which adds its keys to the config.json dict ``out``) and its parameter count, then call ``register(Family(...))``
-at the end of the module and add ``"foo"`` to ``FAMILY_MODULES`` below. Nothing else changes: the
-generic decoder (embedding, the stack of blocks, the head), the streamed engine's parts, the host
-store, the memory planner's ``block_params``, and Hugging Face import/export all go through the
-record. Tensor names follow the module tree: a leaf ``self_attn/q_proj/kernel`` of layer ``i`` is
-``model.layers.i.self_attn.q_proj.weight`` (kernels transposed: ours are ``(in, out)``), so a
-family whose modules are named like the ``transformers`` ones needs no name map; give ``hf_name``
-when it differs. Blocks of one model may differ in static attributes (a local window, a RoPE base):
-``templates.from_nnx`` makes one compiled kind per distinct graph.
+A family is one file under ``megatrain_jax/models/``: its NNX block, and a ``Family`` subclass that
+holds the family's facts (its Hugging Face ``config.json`` translation both ways, its tensor-name map
+where it differs from the module tree, its parameter count and FLOPs, its validation), registered
+with ``register(FooFamily())`` at the end of the file. A family that differs from another by a few
+fields subclasses that one's ``Family`` (``models/qwen3.py`` extends ``models/llama.py``'s
+``LlamaFamily``) and its block. The generic Hugging Face machinery (reading and writing config.json,
+RoPE and size fields, the default tensor names, safetensors) is once in ``megatrain_jax/hf/``.
+
+This module sits outside ``models/`` and imports no model: config validation asks it about
+``model.family``, and the families import the config. On the first lookup it imports every module
+of ``megatrain_jax/models/`` by file name (``llama`` first: the default family), so a new family is
+one new file there and nothing else (docs/porting.md, "A new model family").
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from megatrain_jax.errors import UserError
 
-# modules that register families when imported (in this order; the first is the default family)
-FAMILY_MODULES = ("megatrain_jax.models.llama", "megatrain_jax.models.qwen3", "megatrain_jax.models.phi3",
-                  "megatrain_jax.models.gemma", "megatrain_jax.models.moe")
 DEFAULT_FAMILY = "llama"
+MODELS_PACKAGE = "megatrain_jax.models"
+MODELS_DIR = Path(__file__).resolve().parent / "models"
 
 
-@dataclass(frozen=True)
 class Family:
-    """Everything the generic code needs to know about one decoder family."""
+    """Everything the generic code needs to know about one decoder family. Subclass it in the
+    family's file, set the class attributes, override what differs, and ``register`` an instance.
 
-    name: str
-    architectures: tuple[str, ...]  # transformers classes it imports; [0] is what it exports by default
-    model_types: tuple[str, ...]  # config.json model_type of each architecture (same order)
-    block: Callable[..., Any]  # Block(cfg, rngs, layer) -> nnx.Module with __call__(hidden, aux)
-    block_params: Callable[[Any], int]  # parameters of one block, from the ModelConfig
-    config_from_hf: Callable[[dict, Any, str, str], Any]  # (hf config.json, base ModelConfig, where, arch)
-    config_to_hf: Callable[[Any, str, dict], None]  # (cfg, arch, out): add the family's config.json keys to out
-    norm: Callable[..., Any] | None = None  # the final norm's class (RMSNorm when None)
+    The generic decoder (``models/common.py``) builds ``block(cfg, rngs, layer)`` for every layer,
+    ``norm`` (RMSNorm when None) as the final norm, and scales the embedding when ``embed_scale``;
+    Hugging Face import/export (``megatrain_jax/hf/``) calls the ``*_hf_*`` methods and ``hf_name``;
+    ``ModelConfig``'s parameter counts and the trainer's model FLOPs call the size methods."""
+
+    name: str = ""
+    architectures: tuple[str, ...] = ()  # transformers classes it imports; [0] is what it exports by default
+    model_types: tuple[str, ...] = ()  # config.json model_type of each architecture (same order)
+    block: Any = None  # Block(cfg, rngs, layer) -> nnx.Module with __call__(hidden, aux)
+    norm: Any = None  # the final norm's class (RMSNorm when None)
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the compute dtype (Gemma)
-    default_layer_types: Callable[[Any], list[str]] | None = None  # None: every layer windowed iff sliding_window
-    validate: Callable[[Any], None] | None = None  # raise UserError for what the family cannot run
-    export_architecture: Callable[[Any], str] | None = None  # default architecture of an export
-    check_export: Callable[[Any, str], None] | None = None  # refuse an architecture the weights do not fit
-    export_extras: Callable[[Any, str, int], list[tuple[str, tuple[int, ...]]]] | None = None  # zero tensors
-    on_import: Callable[[dict, Any, int | None, Any], None] | None = None  # notes/warnings after reading config
-    hf_name: Callable[[str, str], tuple[str, bool]] | None = None  # (group, leaf) -> (name, transposed)
-    # cfg -> fn(total stats) -> scalar added to the loss, or None: blocks with a true ``emits_stats``
-    # return (hidden, stats), summed over layers and tokens (templates.AuxLoss; MoE router balancing)
-    aux_loss: Callable[[Any], Callable | None] | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict = {}  # {"moe": True} on mixture-of-experts families (config validation reads it)
 
-    def layer_types(self, cfg) -> list[str]:
-        if self.default_layer_types is not None:
-            return list(self.default_layer_types(cfg))
+    # ---- Hugging Face
+
+    def from_hf_config(self, hf: dict, base: Any, where: str, arch: str) -> Any:
+        """A ``ModelConfig`` from a ``config.json`` dict of architecture ``arch``; non-structural
+        fields come from ``base``. ``UserError`` (field ``model.from_hf``) for what it cannot run."""
+        raise NotImplementedError(f"family {self.name}: from_hf_config")
+
+    def to_hf_config(self, cfg: Any, arch: str, out: dict) -> None:
+        """Write the model's keys of a ``config.json`` of architecture ``arch`` into ``out`` (which
+        holds the exporter's defaults and a source checkpoint's other keys)."""
+        raise NotImplementedError(f"family {self.name}: to_hf_config")
+
+    def hf_name(self, group: str, leaf_path: str) -> tuple[str, bool] | None:
+        """Our (group, leaf path) -> (tensor name, transposed?), for the leaves whose names do not
+        follow the module tree; None: the module-tree name (``hf/names.py``)."""
+        return None
+
+    def export_architecture(self, cfg: Any) -> str:
+        """The architecture an export defaults to."""
+        return self.architectures[0]
+
+    def check_export(self, cfg: Any, arch: str) -> None:
+        """Refuse (``UserError``) an architecture the weights do not fit."""
+
+    def export_extras(self, cfg: Any, arch: str, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Tensors of layer ``layer`` that the format has and we do not: written as zeros."""
+        return []
+
+    def on_import(self, hf: dict, cfg: Any, seq_len: int | None, say: Callable[[str], None]) -> None:
+        """Notes and warnings after reading a checkpoint's config.json (``say``: one log line)."""
+
+    # ---- sizes
+
+    def block_params(self, cfg: Any) -> int:
+        """Parameters of one block (the largest, when blocks differ)."""
+        raise NotImplementedError(f"family {self.name}: block_params")
+
+    def non_embedding_params(self, cfg: Any) -> int:
+        """Parameters that the 6·N·T model-FLOPs convention counts (blocks and final norm)."""
+        return cfg.num_layers * self.block_params(cfg) + cfg.hidden_size
+
+    def active_non_embedding_params(self, cfg: Any) -> int:
+        """``non_embedding_params`` counting only what one token uses (a mixture of experts: its experts)."""
+        return self.non_embedding_params(cfg)
+
+    def flops_per_token(self, cfg: Any) -> float:
+        """Model FLOPs of one training token: 6 x the non-embedding parameters it uses."""
+        return 6.0 * self.active_non_embedding_params(cfg)
+
+    # ---- behaviour
+
+    def layer_types(self, cfg: Any) -> list[str]:
+        """Each layer's attention type when ``model.layer_types`` is null."""
         kind = "sliding_attention" if cfg.sliding_window is not None else "full_attention"
         return [kind] * cfg.num_layers
+
+    def validate(self, cfg: Any) -> None:
+        """Raise ``UserError`` for what the family cannot run (after the generic checks)."""
+
+    def aux_loss(self, cfg: Any) -> Callable | None:
+        """fn(total block stats) -> scalar added to the loss, or None: blocks with a true
+        ``emits_stats`` return (hidden, stats), summed over layers and tokens (templates.AuxLoss;
+        the MoE router's balancing loss)."""
+        return None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -69,19 +115,30 @@ _LOADED = False
 
 
 def register(family: Family) -> Family:
+    """Add a family (called at the end of its file under ``models/``); returns it."""
     if family.name in _FAMILIES and _FAMILIES[family.name] is not family:
         raise ValueError(f"model family {family.name!r} is registered twice")
+    if not family.name or family.block is None:
+        raise ValueError(f"family {type(family).__name__}: set name and block")
     if len(family.architectures) != len(family.model_types):
         raise ValueError(f"family {family.name}: one model_type per architecture")
     _FAMILIES[family.name] = family
     return family
 
 
+def family_modules() -> list[str]:
+    """Every module of ``megatrain_jax/models/`` (the default family's first): importing them
+    registers the families (modules that are no family register nothing)."""
+    names = sorted(p.stem for p in MODELS_DIR.glob("*.py") if not p.stem.startswith("_"))
+    names.sort(key=lambda n: n != DEFAULT_FAMILY)
+    return [f"{MODELS_PACKAGE}.{n}" for n in names]
+
+
 def _load() -> None:
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        for mod in FAMILY_MODULES:
+        for mod in family_modules():
             importlib.import_module(mod)
 
 

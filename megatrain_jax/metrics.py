@@ -16,9 +16,10 @@ from megatrain_jax.config import ModelConfig
 
 
 def model_flops_per_token(cfg: ModelConfig) -> float:
-    """6 x the non-embedding parameters a token uses: for a mixture of experts, only the experts it
-    is routed to (active-parameter model FLOPs), whatever the formulation computes."""
-    return 6.0 * cfg.active_non_embedding_params()
+    """The family's ``flops_per_token``: 6 x the non-embedding parameters a token uses (for a mixture
+    of experts, only the experts it is routed to: active-parameter model FLOPs, whatever the
+    formulation computes)."""
+    return cfg.flops_per_token()
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

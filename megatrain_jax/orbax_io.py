@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 
-def _checkpointer():
+def checkpointer():
     """A synchronous orbax PyTree checkpointer whose numpy handler does not copy its inputs.
 
     orbax's default numpy handler deep-copies every array in ``save`` (so that the caller may
@@ -15,7 +15,8 @@ def _checkpointer():
     must avoid. Without the copy the arrays must stay untouched until ``save`` returns, which is
     exactly what the per-group hold guarantees. Compression is off: weights barely compress and
     zstd would compete with training for the CPU.
-    """
+
+    Public: checkpoint.py saves and loads with it, and ``hf export`` reads a checkpoint through it."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -46,8 +47,9 @@ def _checkpointer():
     return ocp.Checkpointer(handler, multiprocessing_options=alone)
 
 
-def _restore_array(ckptr, path: str, key: str) -> np.ndarray:
-    """One array of a group's orbax item (partial restore: peak memory is one array)."""
+def restore_array(ckptr, path: str, key: str) -> np.ndarray:
+    """One array of a group's orbax item (partial restore: peak memory is one array).
+    Public: checkpoint.py reads each group array through it."""
     import orbax.checkpoint as ocp
 
     args = ocp.args.PyTreeRestore(item={key: 0}, restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray)},

@@ -268,14 +268,14 @@ class _Start:
 def run_inputs(cfg: Config, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
     """What a run reads (no output may be, hold or lie in it): ``extra`` (the config file), the data, the
     tokenizer, ``model.from_hf`` (for a Hub id: the Hugging Face cache). Paths only: nothing is opened."""
-    from megatrain_jax.data.load import _resolve_path
+    from megatrain_jax.data.load import resolve_path
     from megatrain_jax.data.packed import SUFFIXES
     from megatrain_jax.hf.hub import input_paths
 
     out = [p for p in extra if p]
     d = cfg.data
     if d.path:
-        p = _resolve_path(d.path)
+        p = resolve_path(d.path)
         out += [x for x in [p, *(p + s for s in SUFFIXES)] if os.path.lexists(x)]
     if d.tokenizer and d.tokenizer != "byte":
         out.append(d.tokenizer)
@@ -309,14 +309,8 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) -> 
         resolve_hf_model_config(cfg.model, log)  # sizes before anything uses them; a Hub id becomes its snapshot
         _warn_positions(cfg, log)
     dataset = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=t.batch_size)  # one batch must come out
-    if t.engine != "streamed":
-        plan = None
-    elif cfg.model.lora is not None:  # LoRA: a frozen base, adapters on the GPU (engine/lora_plan.py)
-        from megatrain_jax.engine.lora_plan import lora_plan_or_refuse
-
-        plan = lora_plan_or_refuse(cfg, log)
-    else:
-        plan = plan_or_refuse(cfg, log)  # before anything is allocated
+    # before anything is allocated (a model with adapters: the plan's LoRA rows, plan/lora.py)
+    plan = plan_or_refuse(cfg, log) if t.engine == "streamed" else None
     if not resume:
         return _Start(Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg), plan, dataset, root,
                       inputs=inputs)
@@ -574,14 +568,8 @@ def train(cfg: Config, resume: bool = False, log: Log = print, hooks: TrainHooks
         loop.run()
     except KeyboardInterrupt as e:  # a second signal (or Ctrl-C without our handler): one line, no traceback
         raise KeyboardInterrupt(loop.abort_line(str(e) or "interrupted")) from None
-    if t.export and loop.stopped_by is None and main:
-        from megatrain_jax.hf import export_hf
-
-        if cfg.model.lora is not None:  # the adapters, in the PEFT format
-            start.trainer.save_adapter(t.export, log=log)
-        else:
-            export_hf(start.trainer.store, cfg.model, t.export, t.export_dtype, overwrite=True,
-                      sources=start.inputs, own_run=t.out_dir, log=log)
+    if t.export and loop.stopped_by is None and main:  # the weights (LoRA: the adapter, in the PEFT format)
+        start.trainer.export_run(cfg, t.export, sources=start.inputs, own_run=t.out_dir, log=log)
     summary = _summary(cfg, loop, resume, time.perf_counter() - t0)
     if main:
         with open(os.path.join(t.out_dir, "summary.json"), "w") as f:

@@ -29,6 +29,7 @@ from megatrain_jax.config import Config, OptimConfig
 from megatrain_jax.distributed import run_devices
 from megatrain_jax.engine import Batch, StepResult, StreamedTrainer
 from megatrain_jax.engine.step import as_batch  # noqa: F401 (its public home was here)
+from megatrain_jax.engine.variants import library_trainer, new_run, resumed_run
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim import HostOptimizer, OptaxHostOptimizer, build_host_optimizer
 from megatrain_jax.plan.options import EngineOptions
@@ -90,17 +91,14 @@ class Trainer:
     layer, micro_batch)``) and ``skip_nonfinite`` set its fields. ``steps``: the run's length, for
     schedules that decay over it. ``store``: an already-filled ``HostStore`` for the model.
     ``lora``: a ``LoraConfig`` (or dict): train LoRA adapters on the model's targeted ``nnx.Linear``
-    modules over a frozen base instead (``engine/lora_stream.LoraStreamTrainer``).
+    modules over a frozen base instead (the engine's LoRA variant: ``engine/variants.py`` gives a
+    ``engine/lora_stream.LoraStreamTrainer``).
 
     From a ``Config`` (what ``megatrain-jax train`` does): ``from_config`` or ``resume``.
     """
 
     def __new__(cls, *args: Any, lora: Any = None, **kwargs: Any):
-        if lora is not None:  # adapters on a frozen base: engine/lora_stream.py (its own trainer object)
-            from megatrain_jax.engine.lora_stream import LoraStreamTrainer
-
-            return LoraStreamTrainer(*args, lora=lora, **kwargs)
-        return super().__new__(cls)
+        return library_trainer(cls, lora, args, kwargs)  # adapters: the LoRA variant's trainer object
 
     def __init__(self, model: Any, optimizer: Any = None, *, options: EngineOptions | None = None,
                  store: Any = None, params: Any = None, steps: int | None = None, micro_batches: int | None = None,
@@ -108,7 +106,7 @@ class Trainer:
                  loss_chunk: int | None = None, seed: int | None = None, skip_nonfinite: bool | None = None,
                  device: jax.Device | None = None, devices: list[jax.Device] | None = None, lora: Any = None,
                  **stream_kwargs: Any):
-        del lora  # None here (with a LoRA config, __new__ returns a LoraStreamTrainer instead)
+        del lora  # None here (with adapters, __new__ returns the LoRA variant's trainer instead)
         if isinstance(model, StreamedModel):
             if params is not None or stream_kwargs:
                 raise UserError("params", "a StreamedModel is already split", "pass params/stream options to stream()")
@@ -148,13 +146,15 @@ class Trainer:
         (``model.from_hf``), or from ``model`` (a ``models.llama`` Decoder) when given; the engine
         options are the memory plan's (``plan.options``; planned, and refused if it does not fit,
         when not given), on the run's devices (``train.devices``), exactly as ``megatrain-jax
-        train`` runs it."""
+        train`` runs it. A model with adapters (``model.lora``) gets the engine's LoRA variant
+        (``engine/variants.py``)."""
+        return new_run(cfg, plan, lambda cfg, plan: cls.full_run(cfg, plan, model=model))
+
+    @classmethod
+    def full_run(cls, cfg: Config, plan=None, *, model: Any = None) -> "Trainer":
+        """``from_config`` for full training (every weight trained; ``engine/variants.py`` sends it here)."""
         from megatrain_jax.models.llama import init_host_store
 
-        if cfg.model.lora is not None:  # adapters on a frozen base: engine/lora_run.py
-            from megatrain_jax.engine.lora_run import LoraTrainer
-
-            return LoraTrainer.from_config(cfg, plan)
         plan = _plan(cfg, plan)
         cfg = with_plan_tile(cfg, plan)  # the blocks run the working set the plan counted
         bf16 = plan.options.host_bf16_copy
@@ -176,15 +176,17 @@ class Trainer:
     def resume(cls, cfg: Config, root: str, plan=None, log=print) -> tuple["Trainer", str, dict]:
         """``cfg``'s run continued from the newest usable checkpoint in ``root``: the host store is
         allocated empty and restored group by group (never initialised first), the step count (hence
-        the LR schedule) restored. Returns the trainer, the checkpoint's path and its state.json."""
+        the LR schedule) restored. Returns the trainer, the checkpoint's path and its state.json. A model
+        with adapters resumes the engine's LoRA variant (``engine/variants.py``)."""
+        return resumed_run(cfg, root, plan, log, cls.full_resume)
+
+    @classmethod
+    def full_resume(cls, cfg: Config, root: str, plan=None, log=print) -> tuple["Trainer", str, dict]:
+        """``resume`` for full training (``engine/variants.py`` sends it here)."""
         from megatrain_jax.hoststore import HostStore
         from megatrain_jax.models.llama import abstract_model, streamed_parts
         from megatrain_jax.templates import Layout
 
-        if cfg.model.lora is not None:  # adapters on a frozen base: engine/lora_run.py
-            from megatrain_jax.engine.lora_run import LoraTrainer
-
-            return LoraTrainer.resume(cfg, root, plan, log)
         plan = _plan(cfg, plan)
         cfg = with_plan_tile(cfg, plan)  # the blocks run the working set the plan counted
         parts = streamed_parts(abstract_model(cfg.model))
@@ -323,6 +325,14 @@ class Trainer:
             setattr(t, k, v)
         cfg = Config(model=m, optim=opt, data=DataConfig(seq_len=seq_len), train=t)
         return PlanView(make_plan(cfg, attention=attention), cfg)
+
+    def export_run(self, cfg: Config, out: str, *, sources=(), own_run: str | None = None, log=print) -> None:
+        """``train.export`` at the end of a config run: the weights as a Hugging Face directory (``hf.export_hf``;
+        the LoRA variant's ``export_run`` writes its adapter)."""
+        from megatrain_jax.hf import export_hf
+
+        export_hf(self.store, cfg.model, out, cfg.train.export_dtype, overwrite=True, sources=sources,
+                  own_run=own_run, log=log)
 
     def close(self) -> None:
         self.engine.close()

@@ -56,6 +56,10 @@ class FakeTrainer:
     def _forward_order(self):
         return [g.name for g in self.store]
 
+    def pending_updates(self):
+        """The queued updates by group (what the saver waits for), as the engine's trainer gives them."""
+        return dict(self._pending)
+
     def step(self):
         for name in self._forward_order():  # the forward fetches every group
             fut = self._pending.pop(name, None)
@@ -101,7 +105,7 @@ def assert_state(arrays, want):
             assert np.array_equal(arrays[g][k], want[g][k]), (g, k)
 
 
-_orbax_checkpointer = ck._checkpointer
+_orbax_checkpointer = ck.checkpointer
 
 
 class SlowCheckpointer:
@@ -122,7 +126,7 @@ class SlowCheckpointer:
 
 def _saver(trainer, root, monkeypatch=None, delay=0.0, fail_on=None, **kw):
     if monkeypatch is not None:
-        monkeypatch.setattr(ck, "_checkpointer", lambda: SlowCheckpointer(delay, fail_on))
+        monkeypatch.setattr(ck, "checkpointer", lambda: SlowCheckpointer(delay, fail_on))
     logs = []
     saver = ck.CheckpointSaver(trainer, str(root), log=logs.append, **kw)
     return saver, logs

@@ -96,7 +96,7 @@ def test_bf16_moments_kernel_equals_numpy_and_tracks_optax_bf16_mu():
         g = _grads(rng, n)
         ca.adamw_bf16_step(p, g, st, None, count=count, **KW)
         # numpy, same operations: moments rounded to bf16 after each update
-        s = ca._scalars(KW["lr"], 0.9, 0.95, 1e-8, 0.0, 0.1, count, 1.0)
+        s = ca.adamw_scalars(KW["lr"], 0.9, 0.95, 1e-8, 0.0, 0.1, count, 1.0)
         nlr, b1, omb1, b2, omb2, rbc1, rbc2, eps, eps_root, wd, gs = s
         gg = g * gs
         m = omb1 * gg + b1 * mn

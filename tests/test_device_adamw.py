@@ -85,7 +85,7 @@ def test_equals_host_kernel_bit_for_bit(mode, wd):
         kw = dict(KW, weight_decay=wd, count=count, grad_scale=0.7)
         _host_step(mode, p, g, st, **kw)
         p_dev, st_dev = da.device_adamw_step(mode, p_dev, jnp.asarray(g), st_dev,
-                                             ca._scalars(weight_decay=wd, count=count, grad_scale=0.7, **KW))
+                                             ca.adamw_scalars(weight_decay=wd, count=count, grad_scale=0.7, **KW))
         _assert_same(p_dev, st_dev, p, st)
         if mode == "int8":
             ca.reference_int8_step(p_ref, g, st_ref, **kw)
@@ -107,7 +107,7 @@ def test_one_compilation_serves_every_step():
         p, st = _device(np.ones(n, np.float32), _state(mode, n))
         for count, lr in ((1, 1e-3), (2, 5e-4)):
             g = jnp.full(n, 0.01, jnp.float32)
-            p, st = da.device_adamw_step(mode, p, g, st, ca._scalars(lr, 0.9, 0.999, 1e-8, 0.0, 0.1, count, 1.0))
+            p, st = da.device_adamw_step(mode, p, g, st, ca.adamw_scalars(lr, 0.9, 0.999, 1e-8, 0.0, 0.1, count, 1.0))
         assert fn._cache_size() == before + 1, mode
 
 
@@ -118,7 +118,7 @@ def test_bf16_grad_equals_its_f32_upcast(mode):
     g32 = g16.astype(jnp.float32)
     assert np.count_nonzero(np.asarray(g32)) > N // 2
     p, st = rng.standard_normal(N).astype(np.float32), _state(mode, N)
-    sc = ca._scalars(weight_decay=0.1, count=1, grad_scale=0.7, **KW)
+    sc = ca.adamw_scalars(weight_decay=0.1, count=1, grad_scale=0.7, **KW)
     p16, st16 = da.device_adamw_step(mode, _device(p, st)[0], g16, _device(p, st)[1], sc)
     p32, st32 = da.device_adamw_step(mode, _device(p, st)[0], g32, _device(p, st)[1], sc)
     _assert_same(p16, st16, np.asarray(p32), {k: np.asarray(v) for k, v in st32.items()})
@@ -129,13 +129,13 @@ def test_param_and_state_are_donated_without_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         new_p, new_st = da.device_adamw_step("float32", p, jnp.zeros(N, jnp.float32), st,
-                                             ca._scalars(weight_decay=0.1, count=1, grad_scale=1.0, **KW))
+                                             ca.adamw_scalars(weight_decay=0.1, count=1, grad_scale=1.0, **KW))
     assert p.is_deleted() and st["mu"].is_deleted() and st["nu"].is_deleted()
     assert new_p.shape == (N,) and new_p.dtype == jnp.float32
 
 
 def test_lookup_equals_host_for_every_kind_of_float():
-    """``_nearest`` works on bits only: NaNs of either sign, +-0.0, +-inf, subnormals, random bit
+    """``nearest_code`` works on bits only: NaNs of either sign, +-0.0, +-inf, subnormals, random bit
     patterns and the code values and midpoints all give the host kernel's index."""
     rng = np.random.default_rng(4)
     mids = (ca.CODE_SIGNED[1:] + ca.CODE_SIGNED[:-1]) / 2
@@ -146,7 +146,7 @@ def test_lookup_equals_host_for_every_kind_of_float():
     for tab in ca.lookup_tables():
         want = np.zeros(xs.size, np.uint8)
         ca.nearest_index(tab, xs, want)
-        got = jax.jit(da._nearest)(jnp.asarray(tab), jnp.asarray(xs))
+        got = jax.jit(da.nearest_code)(jnp.asarray(tab), jnp.asarray(xs))
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -162,7 +162,7 @@ def test_subnormals_are_the_cpu_difference():
     p_dev, st_dev = _device(p, st)
     fused_adamw_step(p, g, st["mu"], st["nu"], None, weight_decay=0.1, count=1, grad_scale=1.0, **KW)
     p_dev, st_dev = da.device_adamw_step("float32", p_dev, jnp.asarray(g), st_dev,
-                                         ca._scalars(weight_decay=0.1, count=1, grad_scale=1.0, **KW))
+                                         ca.adamw_scalars(weight_decay=0.1, count=1, grad_scale=1.0, **KW))
     np.testing.assert_array_equal(np.asarray(p_dev), p)
     np.testing.assert_array_equal(np.asarray(st_dev["mu"]), st["mu"])
     nu = np.asarray(st_dev["nu"])
@@ -173,7 +173,7 @@ def test_subnormals_are_the_cpu_difference():
 
 def test_refuses_bad_arguments():
     p, st = _device(np.ones(10, np.float32), _state("float32", 10))
-    sc = ca._scalars(weight_decay=0.1, count=1, grad_scale=1.0, **KW)
+    sc = ca.adamw_scalars(weight_decay=0.1, count=1, grad_scale=1.0, **KW)
     with pytest.raises(ValueError, match="moments"):
         da.device_adamw_step("fp8", p, p, st, sc)
     with pytest.raises(ValueError, match="keys"):
@@ -196,7 +196,7 @@ def test_chunked_step_equals_host_kernel(mode, monkeypatch):
     for count in (1, 2):
         g = _grads(rng, n, count)
         p_dev, st_dev = _device(p, st)
-        scal = ca._scalars(weight_decay=0.1, count=count, grad_scale=0.5, **KW)
+        scal = ca.adamw_scalars(weight_decay=0.1, count=count, grad_scale=0.5, **KW)
         p_dev, st_dev = da.device_adamw_step(mode, p_dev, jnp.asarray(g), st_dev, scal)
         _host_step(mode, p, g, st, weight_decay=0.1, count=count, grad_scale=0.5, **KW)
         _assert_same(p_dev, st_dev, p, st)

@@ -230,3 +230,52 @@ def test_update_cost_for_the_plan():
         assert auto_update_on(c, on_gpu=True, devices=2, moments="float32", bf16_host_copy=False) == "host"
         assert auto_update_on(c, on_gpu=False, devices=1, moments="float32", bf16_host_copy=False) == "host"
     assert auto_update_on(fused, on_gpu=True, devices=1, moments="float32", bf16_host_copy=False) == "host"
+
+
+def test_the_cost_compiled_in_a_cpu_only_child_equals_the_in_process_one(monkeypatch):
+    """Where a GPU may be there and JAX has not started, the device step's cost is compiled in a child
+    process that sees the CPU only (asking JAX for its CPU device here would start the GPU backend with XLA's
+    default budgets, before the plan sets its own): the same numbers as compiled here."""
+    from megatrain_jax.models import streamed_parts
+    from megatrain_jax.models.common import abstract_model
+    from megatrain_jax.optim import costs
+
+    trees = streamed_parts(abstract_model(MODEL)).host_trees()
+    o = _cfg("adafactor").optim
+    monkeypatch.setattr(costs, "_CACHE", {})
+    monkeypatch.setenv("MEGATRAIN_COST_IN_CHILD", "1")
+    child = costs.update_cost(o, trees, 5)
+    monkeypatch.setattr(costs, "_CACHE", {})
+    monkeypatch.setenv("MEGATRAIN_COST_IN_CHILD", "0")
+    here = costs.update_cost(o, trees, 5)
+    assert child == here and child.device_group > 0
+
+
+PLANS_START_NOTHING = r"""
+import sys
+from jax._src import xla_bridge
+from megatrain_jax.config import load_config
+from megatrain_jax.plan import make_plan
+for name in ("adamw", "adafactor", "lion", "muon", "sgd"):
+    cfg = load_config("configs/tiny.yaml", [f"optim.name={name}", "train.update_on=auto"])
+    make_plan(cfg)
+    assert not xla_bridge._backends, (name, list(xla_bridge._backends))
+print("ok")
+"""
+
+
+def test_planning_starts_no_jax_backend():
+    """The plan gives XLA its GPU budgets (pool fraction, preallocation, pinned limit) through environment
+    variables read when JAX starts its backends: planning itself must start none, for every optimizer (an
+    optax optimizer's cost did, s18: a 110B run got XLA's default GPU pool, 0.75 of the GPU, under a plan of
+    0.95). Run in a fresh process that plans as if a GPU were there."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "MEGATRAIN_GPU_MEMORY_GB": "80", "MEGATRAIN_COST_IN_CHILD": "1", "PYTHONPATH": root}
+    env.pop("JAX_PLATFORMS", None)
+    out = subprocess.run([sys.executable, "-c", PLANS_START_NOTHING], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

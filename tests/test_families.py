@@ -313,3 +313,30 @@ def test_gemma_layer_pattern_and_kinds():
     assert [g3.layer_window(i) for i in range(7)] == [8, 8, 8, 8, 8, None, 8]
     parts = streamed_parts(abstract_model(g3))
     assert parts.blocks.kinds == [0, 0, 0, 0, 0, 1, 0]  # two compiled templates for seven layers
+
+
+# ------------------------------------------------------------------------------- one file per family
+
+
+def test_a_family_is_one_file_that_the_registry_finds(tmp_path, monkeypatch):
+    """Each family's ``Family`` object and its block live in one module under ``megatrain_jax/models/``
+    (``models/moe.py`` and ``common.py`` are shared layers: no family of their own), and the registry
+    imports every module there, the default family's first, so a new family is one new file."""
+    import megatrain_jax.families as families
+
+    fams = families.families()
+    assert list(fams)[0] == families.DEFAULT_FAMILY == "llama"
+    for name, fam in fams.items():
+        mod = type(fam).__module__
+        assert mod == f"megatrain_jax.models.{name}", (name, mod)
+        assert fam.block.__module__ == mod and fam.name == name
+    assert issubclass(type(fams["qwen3"]), type(fams["llama"]))  # Qwen3 extends Llama's family
+    for name in ("gemma3", "mixtral", "qwen3_moe"):
+        assert type(fams[name]).__mro__[1] is not families.Family  # each extends a sibling's
+    (tmp_path / "zeta.py").write_text("")
+    (tmp_path / "llama.py").write_text("")
+    (tmp_path / "alpha.py").write_text("")
+    (tmp_path / "_private.py").write_text("")
+    monkeypatch.setattr(families, "MODELS_DIR", tmp_path)
+    assert families.family_modules() == ["megatrain_jax.models.llama", "megatrain_jax.models.alpha",
+                                         "megatrain_jax.models.zeta"]

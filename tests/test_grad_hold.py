@@ -218,6 +218,29 @@ def test_a_resweep_holding_its_first_groups_reruns_only_the_blocks_above_them(ca
     _assert_equal_weights(weights, base_w)
 
 
+@pytest.mark.parametrize("case", ["host_update", "device_update", "boundary_every_2"])
+def test_a_resweep_holding_every_block_runs_no_block_again(case, monkeypatch):
+    """grad_hold_gpu_groups=4 of a 3-block model: the embedding and every block wait on the GPU, so the second
+    sweep sends the head's gradient and runs no block (it failed on an unset variable where the plan held all but
+    the head: a 12-layer slice of the 110B shape on an H200, s18), and five clipped steps equal the host hold that
+    keeps the same four groups on the GPU, bit for bit."""
+    kw = RESWEEP_SPLIT[case]
+    swept = []
+    real = StreamedTrainer._backward_block
+
+    def spy(self, i, w, acts, mbs, dhs, again=False):
+        swept.append((i, again))
+        return real(self, i, w, acts, mbs, dhs, again)
+
+    monkeypatch.setattr(StreamedTrainer, "_backward_block", spy)
+    st, got, weights = _run_once("resweep", tuple(sorted({**kw, "grad_hold_gpu_groups": 4}.items())))
+    assert swept == [(2, False), (1, False), (0, False)] * STEPS
+    monkeypatch.setattr(StreamedTrainer, "_backward_block", real)
+    _, base, base_w = _run("host_fp32", grad_hold_gpu_groups=4, **kw)
+    assert got == base and st.count == STEPS
+    _assert_equal_weights(weights, base_w)
+
+
 def test_resweep_with_a_nan_step_changes_nothing_and_skips_the_second_sweep():
     parts, store = init_host_store(MODEL, 0, bf16_stream=False)
     st = StreamedTrainer(parts, build_host_optimizer(OCFG, STEPS), compute_dtype="float32", clip_norm=CLIP,

@@ -4,7 +4,7 @@ no design notes outside the repository (docs/design.md is its design page).
 The graph is built from the source (``ast``), so it sees every import: at module level, inside functions
 (a lazy import hides a cycle from Python, not from the design) and under ``if TYPE_CHECKING:`` (a type
 named from another module is a dependency of the design too: ``data/jsonl.py`` naming
-``pipeline._Progress`` while ``pipeline.py`` imported ``jsonl.py`` was a cycle). Rules: ``import a.b.c``
+``pipeline._Progress`` (now ``progress.Progress``) while ``pipeline.py`` imported ``jsonl.py`` was a cycle). Rules: ``import a.b.c``
 and ``from a.b import c`` (``c`` a module) depend on ``a.b.c``; ``from a.b import name`` on ``a.b``;
 ``from a.b import ...`` reads its names through ``a.b``'s ``__init__``, so it depends on that ``__init__``
 (and on what the ``__init__`` imports) even from inside ``a.b``, whatever the names are: a module of a
@@ -204,3 +204,103 @@ def test_no_file_names_the_design_notes_outside_the_repository():
                 if name in line:
                     hits.append(f"{f.relative_to(ROOT)}:{i}: {line.decode(errors='replace').strip()[:100]}")
     assert not hits, "files naming the shared design notes (cite docs/design.md section N):\n" + "\n".join(hits)
+
+
+# ---- no reaching into another module's privates; no long functions (issue 44, item 4)
+
+# Imports of another module's ``_private`` names left in place because the home module is being rewritten by
+# others (the plan's placement vocabulary, the engine's gradient holds): (importing file, module.name).
+PRIVATE_IMPORTS_ALLOWED = {
+    ("megatrain_jax/engine/weights.py", "megatrain_jax.engine.updaters._Updates"),  # engine/updaters.py
+    ("megatrain_jax/plan/__init__.py", "megatrain_jax.plan.machine._jax_backend_ready"),  # plan/
+    ("megatrain_jax/plan/build.py", "megatrain_jax.plan.step_model._optax_cost"),  # plan/
+    ("megatrain_jax/plan/build.py", "megatrain_jax.plan.step_model._step_basis"),  # plan/
+}
+MAX_FUNCTION_LINES = 120
+# Functions over MAX_FUNCTION_LINES being split by others: (file, function name).
+LONG_FUNCTIONS_ALLOWED: set[tuple[str, str]] = set()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(pkg: Path = PKG) -> set[tuple[str, str]]:
+    """(importing file, ``module.name``) for every ``_private`` name one module takes from another:
+    ``from a.b import _x`` (or ``from a import _b``, a private module), and ``m._x`` where ``m`` names
+    another module of the package (``import a.b as m``, ``from a import b``). Dunder names are not private."""
+    mods = modules(pkg)
+    found = set()
+    for mod, path in mods.items():
+        rel = str(path.relative_to(pkg.parent))
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # local name -> module it names
+        for node in _imports(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods:
+                        aliases[a.asname or a.name.partition(".")[0]] = a.name if a.asname else a.name.partition(".")[0]
+                continue
+            if node.level:
+                base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+                src = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            if src not in mods:
+                continue
+            for a in node.names:
+                full = f"{src}.{a.name}"
+                if full in mods:
+                    aliases[a.asname or a.name] = full
+                if _private(a.name) and (full in mods or src != mod):
+                    found.add((rel, full))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                continue
+            parts, base = [], node.value
+            while isinstance(base, ast.Attribute):
+                parts.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in aliases:
+                target = ".".join([aliases[base.id]] + parts[::-1])
+                if target in mods and target != mod:
+                    found.add((rel, f"{target}.{node.attr}"))
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = private_imports()
+    extra = sorted(found - PRIVATE_IMPORTS_ALLOWED)
+    assert not extra, ("private names taken from another module (make the name public in its home module, "
+                       "with a docstring saying why it is shared):\n" + "\n".join(f"  {f}: {n}" for f, n in extra))
+    stale = sorted(PRIVATE_IMPORTS_ALLOWED - found)
+    assert not stale, f"allowed private imports that are gone (remove them from the allow-list): {stale}"
+
+
+def test_the_private_import_check_sees_each_form(tmp_path):
+    pk = _write(tmp_path, {"pk/__init__.py": "", "pk/a.py": "_x = 1\n__version__ = 2\ny = 3\n",
+                           "pk/b.py": "from pk.a import _x, __version__, y\n",
+                           "pk/c.py": "import pk.a as a\nfrom pk import a as a2\nz = a._x + a2._x + a.y\n",
+                           "pk/d.py": "from pk import _e\n", "pk/_e.py": "", "pk/f.py": "_own = 1\nfrom . import a\n"
+                                                                              "w = a._x\n"})
+    assert private_imports(pk) == {("pk/b.py", "pk.a._x"), ("pk/c.py", "pk.a._x"), ("pk/d.py", "pk._e"),
+                                   ("pk/f.py", "pk.a._x")}
+
+
+def long_functions(pkg: Path = PKG, limit: int = MAX_FUNCTION_LINES) -> dict[tuple[str, str], int]:
+    """(file, function name) -> lines (``def`` to its last line) of every function or method over ``limit``."""
+    out = {}
+    for path in sorted(pkg.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out[(str(path.relative_to(pkg.parent)), node.name)] = n
+    return out
+
+
+def test_no_function_over_120_lines():
+    long = long_functions()
+    extra = {k: v for k, v in long.items() if k not in LONG_FUNCTIONS_ALLOWED}
+    assert not extra, (f"functions over {MAX_FUNCTION_LINES} lines (split them into named helpers):\n"
+                       + "\n".join(f"  {f}: {name} ({n} lines)" for (f, name), n in sorted(extra.items())))

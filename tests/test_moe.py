@@ -401,7 +401,7 @@ def test_router_aux_loss_follows_output_router_logits(arch):
     class default 0.001 when config.json has no coefficient); off otherwise, unless the YAML's
     model.router_aux_loss_coef turns it on. An export writes the same two keys back."""
     from megatrain_jax.hf import hf_config_to_model_config
-    from megatrain_jax.models.registry import get_family
+    from megatrain_jax.families import get_family
 
     def coef(hf, base=None):
         return hf_config_to_model_config(hf, base).router_aux_loss_coef
@@ -413,7 +413,7 @@ def test_router_aux_loss_follows_output_router_logits(arch):
     for c, on in ((0.02, True), (0.0, False)):
         cfg = hf_config_to_model_config(_hf_cfg(arch, output_router_logits=on, router_aux_loss_coef=0.02))
         out = {}
-        get_family(cfg.family).config_to_hf(cfg, arch, out)
+        get_family(cfg.family).to_hf_config(cfg, arch, out)
         assert out["output_router_logits"] is on and out["router_aux_loss_coef"] == (c or 0.001)
 
 
@@ -427,7 +427,7 @@ def test_qwen3_moe_dense_layers_as_transformers_picks_them(over, dense, out):
     """Layer i is sparse unless it is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0; the
     export writes a step where one reproduces the dense layers exactly, else the list."""
     from megatrain_jax.hf import hf_config_to_model_config
-    from megatrain_jax.models.moe import mlp_only_layers_to_hf
+    from megatrain_jax.models.qwen3_moe import mlp_only_layers_to_hf
 
     cfg = hf_config_to_model_config(_hf_cfg("Qwen3MoeForCausalLM", **over))
     assert cfg.mlp_only_layers == dense and mlp_only_layers_to_hf(cfg) == out

@@ -313,7 +313,7 @@ def test_a_split_placement_keeps_the_last_blocks_inputs_in_the_gpus_free_room():
     fixed = make_plan(_cfg(*sets, "train.activations=pinned_host", "train.activations_gpu_blocks=3",
                            "train.host_memory_gb=200"), _target(85.52, 135.1))
     assert fixed.options.activations_gpu_blocks in (0, 3)  # 3 where the pinned candidate is the one taken
-    assert all(c.gpu_act_blocks == 3 for c in fixed.found.candidates if c.activations == "pinned_host")
+    assert all(c.activations_gpu_blocks == 3 for c in fixed.found.candidates if c.activations == "pinned_host")
 
 
 def test_on_a_gpu_budget_the_host_update_is_planned_beside_the_device_side_one():

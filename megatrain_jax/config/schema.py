@@ -7,8 +7,8 @@ from typing import Any
 
 from megatrain_jax.errors import UserError
 from megatrain_jax.families import get_family
+from megatrain_jax.placements import GRAD_HOLDS  # noqa: F401 - train.grad_hold's values (config.validate reads them)
 
-GRAD_HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "pinned_bf16", "host_fp32", "host_bf16", "resweep")  # train.grad_hold
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # model.lora.targets: q_proj .. down_proj
 LORA_BASE_DTYPES = ("bfloat16", "int8", "float32")  # model.lora.base_dtype
 
@@ -31,9 +31,10 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    """A decoder of one of the registered families (``megatrain_jax/families.py``): llama
-    (Llama 2/3, Qwen2/2.5 with qkv_bias, Mistral), qwen3, phi3, gemma2, gemma3, and the
-    mixture-of-experts mixtral, qwen3_moe."""
+    """A decoder of one of the registered families (``megatrain_jax/families.py``; one file each under
+    ``megatrain_jax/models/``): llama (Llama 2/3, Qwen2/2.5 with qkv_bias, Mistral), qwen3, phi3,
+    gemma2, gemma3, and the mixture-of-experts mixtral, qwen3_moe. One flat dataclass for every
+    family (the fields a family does not use stay at their defaults; its ``validate`` refuses them)."""
 
     vocab_size: int = 256
     hidden_size: int = 128
@@ -129,10 +130,7 @@ class ModelConfig:
 
     def non_embedding_params(self) -> int:
         """Parameters that the 6·N·T model-FLOPs convention counts (blocks and final norm)."""
-        n = self.num_layers * self.block_params() + self.hidden_size
-        if self.mlp_only_layers:  # MoE with dense layers: block_params() is a sparse block's
-            n -= len(self.mlp_only_layers) * self._family().extra["dense_layer_saving"](self)
-        return n
+        return self._family().non_embedding_params(self)
 
     def total_params(self) -> int:
         emb = self.vocab_size * self.hidden_size
@@ -141,10 +139,11 @@ class ModelConfig:
     def active_non_embedding_params(self) -> int:
         """``non_embedding_params`` counting only the ``experts_per_token`` experts a token uses (MoE);
         the same as ``non_embedding_params`` for a dense model."""
-        if not self.num_experts:
-            return self.non_embedding_params()
-        sparse = self.num_layers - len(self.mlp_only_layers or ())
-        return self.non_embedding_params() - sparse * self._family().extra["inactive_block_params"](self)
+        return self._family().active_non_embedding_params(self)
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs of one training token (the family's: 6 x the non-embedding parameters it uses)."""
+        return self._family().flops_per_token(self)
 
     def active_params(self) -> int:
         """``total_params`` counting only the experts a token uses (MoE; e.g. OLMoE-1B-7B: ~1.3B of ~6.9B)."""

@@ -6,12 +6,12 @@ import inspect
 import math
 
 from megatrain_jax.config.schema import (GRAD_HOLDS, LORA_BASE_DTYPES, LORA_TARGETS, OPTIMIZER_FIELDS, Config,
-                                         LoraConfig, ModelConfig, OptimConfig)
+                                         DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig)
 from megatrain_jax.errors import UserError
 from megatrain_jax.families import get_family
 
 MOE_IMPLS = ("dense", "sorted")  # model.moe_impl: models/moe.py's two expert computations
-_OPTAX_FIX = "name an optax optimizer function, e.g. lion, adafactor, adabelief"
+OPTAX_FIX = "name an optax optimizer function, e.g. lion, adafactor, adabelief"  # the fix of every optim.optax_name error; public: optim/named.py refuses with it too
 
 
 def validate_lora(lora: LoraConfig) -> None:
@@ -35,8 +35,22 @@ def validate_lora(lora: LoraConfig) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Check cross-field constraints; raise ``UserError`` naming the field and the fix."""
+    """Check cross-field constraints; raise ``UserError`` naming the field and the fix. The checks run in
+    this order (the first failing one is reported)."""
     m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
+    _validate_shape(m, t, d)
+    validate_model(m)
+    _validate_train_counts(t)
+    _validate_choices(m, t, o)
+    _validate_engine(cfg)
+    _validate_optim_choices(o, t)
+    _validate_numbers(m, t, o)
+    _validate_schedule_and_data(cfg)
+
+
+def _validate_shape(m: ModelConfig, t: TrainConfig, d: DataConfig) -> None:
+    """The model's and the batch's sizes are positive; the heads divide the hidden size and each other
+    (an even head dimension, for RoPE); the sliding window is positive; rope_scaling is a known kind."""
     for name, v in [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
                     ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
                     ("model.intermediate_size", m.intermediate_size), ("train.steps", t.steps),
@@ -66,7 +80,10 @@ def validate(cfg: Config) -> None:
         raise UserError("model.rope_scaling", f"{m.rope_scaling!r} is not supported",
                         "use null, {rope_type: linear, factor} or {rope_type: llama3, factor, low_freq_factor, "
                         "high_freq_factor, original_max_position_embeddings}")
-    validate_model(m)
+
+
+def _validate_train_counts(t: TrainConfig) -> None:
+    """The train section's counts that may be ``auto``: each an integer in its range (not a bool)."""
     if t.micro_batches != "auto" and (isinstance(t.micro_batches, bool) or not isinstance(t.micro_batches, int)
                                       or t.micro_batches <= 0):
         raise UserError("train.micro_batches", f"must be a positive integer or auto, got {t.micro_batches!r}",
@@ -91,6 +108,10 @@ def validate(cfg: Config) -> None:
     if t.devices != "all" and (isinstance(t.devices, bool) or not isinstance(t.devices, int) or t.devices <= 0):
         raise UserError("train.devices", f"must be a positive integer or all, got {t.devices!r}",
                         "set train.devices=all or a number of GPUs")
+
+
+def _validate_choices(m: ModelConfig, t: TrainConfig, o: OptimConfig) -> None:
+    """The fields with a fixed set of values hold one of them; the memory budgets are positive."""
     for name, value, allowed in [("optim.moments", o.moments, ("float32", "bfloat16", "int8")),
                                  ("model.init", m.init, ("normal", "fast")),
                                  ("train.stream_copy", t.stream_copy, ("auto", "host", "device")),
@@ -103,6 +124,12 @@ def validate(cfg: Config) -> None:
     for name, value in [("train.host_memory_gb", t.host_memory_gb), ("train.gpu_memory_gb", t.gpu_memory_gb)]:
         if value is not None and not value > 0:
             raise UserError(name, f"must be positive, got {value}", f"set {name} to a size in GB, or null for the machine's")
+
+
+def _validate_engine(cfg: Config) -> None:
+    """The micro-batches divide the batch; the compute dtype and the engine are known; the reference
+    engine takes no LoRA, no timeline and no export."""
+    m, t = cfg.model, cfg.train
     if t.micro_batches != "auto" and t.batch_size % t.micro_batches:
         raise UserError("train.micro_batches", f"batch_size {t.batch_size} does not divide into {t.micro_batches} micro-batches",
                         "make train.batch_size a multiple of train.micro_batches")
@@ -119,6 +146,11 @@ def validate(cfg: Config) -> None:
         if t.engine == "reference" and value:  # the reference keeps no host store and no per-layer timeline
             raise UserError(name, "is not available with train.engine=reference",
                             f"set train.engine=streamed, or remove {name}")
+
+
+def _validate_optim_choices(o: OptimConfig, t: TrainConfig) -> None:
+    """The optimizer kernel and name are known and fit together and with the update placement; then
+    the optimizer's own fields (``_validate_optimizer``)."""
     if o.kernel not in ("fused", "optax"):
         raise UserError("optim.kernel", f"{o.kernel!r} is not a kernel", "use auto, fused or optax")
     if o.name not in OPTIMIZER_FIELDS:
@@ -131,10 +163,17 @@ def validate(cfg: Config) -> None:
         raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}",
                         "set optim.kernel=auto (or optax)")
     _validate_optimizer(o)
-    def _num(name, v, ok, rule):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v)):
-            raise UserError(name, f"must be {rule}, got {v!r}", f"set {name} to a finite number {rule}")
 
+
+def _check_number(name, v, ok, rule) -> None:
+    """``v`` (unless None) is a finite real number (not a bool) that satisfies ``ok``."""
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v)):
+        raise UserError(name, f"must be {rule}, got {v!r}", f"set {name} to a finite number {rule}")
+
+
+def _validate_numbers(m: ModelConfig, t: TrainConfig, o: OptimConfig) -> None:
+    """The real-valued fields are finite and in range, the rope_scaling factors too (llama3: high
+    frequency factor above low)."""
     for name, v, ok, rule in [
         ("optim.lr", o.lr, lambda x: x > 0, "> 0"), ("optim.b1", o.b1, lambda x: 0 <= x < 1, "in [0, 1)"),
         ("optim.b2", o.b2, lambda x: 0 <= x < 1, "in [0, 1)"), ("optim.eps", o.eps, lambda x: x > 0, "> 0"),
@@ -154,16 +193,22 @@ def validate(cfg: Config) -> None:
         ("train.host_memory_gb", t.host_memory_gb, lambda x: x > 0, "> 0 (or null)"),
         ("train.gpu_memory_gb", t.gpu_memory_gb, lambda x: x > 0, "> 0 (or null)"),
     ]:
-        _num(name, v, ok, rule)
+        _check_number(name, v, ok, rule)
     if m.rope_scaling is not None and m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) == "linear":
-        _num("model.rope_scaling.factor", m.rope_scaling.get("factor", "missing"), lambda x: x > 0, "> 0")
+        _check_number("model.rope_scaling.factor", m.rope_scaling.get("factor", "missing"), lambda x: x > 0, "> 0")
     elif m.rope_scaling is not None:  # llama3 frequency scaling (models/common.py divides by factor and by high - low)
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            _num(f"model.rope_scaling.{key}", m.rope_scaling.get(key, "missing"), lambda x: x > 0, "> 0")
+            _check_number(f"model.rope_scaling.{key}", m.rope_scaling.get(key, "missing"), lambda x: x > 0, "> 0")
         if not m.rope_scaling["high_freq_factor"] > m.rope_scaling["low_freq_factor"]:
             raise UserError("model.rope_scaling.high_freq_factor",
                             f"must be > low_freq_factor {m.rope_scaling['low_freq_factor']}, "
                             f"got {m.rope_scaling['high_freq_factor']}", "use e.g. low_freq_factor: 1, high_freq_factor: 4")
+
+
+def _validate_schedule_and_data(cfg: Config) -> None:
+    """The export dtype and schedule kind are known, the warmup leaves room for the decay, and the byte
+    tokenizer fits the vocabulary."""
+    m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
     if t.export_dtype not in ("bfloat16", "float32", "float16"):  # checked here, not after the whole run
         raise UserError("train.export_dtype", f"{t.export_dtype!r} is not an export dtype", "use bfloat16 or float32")
     if o.schedule.kind not in ("constant", "cosine", "warmup_cosine", "linear"):
@@ -240,16 +285,16 @@ def check_optax(o: OptimConfig) -> None:
     import optax  # only for name=optax: validating a config starts no JAX otherwise
 
     if not o.optax_name:
-        raise UserError("optim.optax_name", "is required with optim.name=optax", _OPTAX_FIX)
+        raise UserError("optim.optax_name", "is required with optim.name=optax", OPTAX_FIX)
     fn = getattr(optax, str(o.optax_name), None)
     if not callable(fn) or isinstance(fn, type) or str(o.optax_name).startswith("_"):
-        raise UserError("optim.optax_name", f"{o.optax_name!r} is not an optax optimizer", _OPTAX_FIX)
+        raise UserError("optim.optax_name", f"{o.optax_name!r} is not an optax optimizer", OPTAX_FIX)
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        raise UserError("optim.optax_name", f"{o.optax_name!r} is not an optax optimizer", _OPTAX_FIX) from None
+        raise UserError("optim.optax_name", f"{o.optax_name!r} is not an optax optimizer", OPTAX_FIX) from None
     if "learning_rate" not in params:
-        raise UserError("optim.optax_name", f"optax.{o.optax_name} takes no learning_rate", _OPTAX_FIX)
+        raise UserError("optim.optax_name", f"optax.{o.optax_name} takes no learning_rate", OPTAX_FIX)
     if o.weight_decay and "weight_decay" not in params:
         raise UserError("optim.weight_decay", f"optax.{o.optax_name} takes no weight_decay",
                         "set optim.weight_decay=0, or name an optimizer that decays weights")

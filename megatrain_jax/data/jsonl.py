@@ -16,11 +16,13 @@ from megatrain_jax.data.tokenizer import load_tokenizer
 from megatrain_jax.errors import UserError
 
 if TYPE_CHECKING:
-    from megatrain_jax.data.packed import _PackedWriter
-    from megatrain_jax.data.progress import _Progress
+    from megatrain_jax.data.packed import PackedWriter
+    from megatrain_jax.data.progress import Progress
 
 
-def _open_binary(path: str) -> IO[bytes]:
+def open_binary(path: str) -> IO[bytes]:
+    """A file opened for binary reading, gunzipped when its name ends in .gz. Public: data/pipeline.py
+    opens its inputs with it."""
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
@@ -51,8 +53,9 @@ def _parse_record(line: bytes, where: str, chat_format: str = "auto") -> tuple:
     return ("text", t)
 
 
-class _Report:
-    """What prepare did: examples read, written, dropped or skipped (and why), tokens."""
+class Report:
+    """What prepare did: examples read, written, dropped or skipped (and why), tokens.
+    Public: data/pipeline.py returns and prints it."""
 
     def __init__(self):
         self.read = self.written = self.chat = 0
@@ -132,19 +135,20 @@ def _work(args):
         return ("error", e.field, e.problem, e.fix)
 
 
-def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, nf: int,
+def prepare_jsonl(path: str, tok, w: PackedWriter, prog: Progress, fi: int, nf: int,
                    template: "chat.ChatTemplate | None" = None, chat_format: str = "auto",
-                   on_error: str = "stop", report: "_Report | None" = None, workers: int = 1,
+                   on_error: str = "stop", report: "Report | None" = None, workers: int = 1,
                    tok_spec: str = "byte") -> None:
     """One document per line: ``text``; ``prompt`` + ``response`` with the prompt masked out of the loss;
     or a conversation rendered with ``template``, the loss on its assistant turns only.
 
     Chunks of lines go to ``workers`` processes (rendering a template is Python: one core per worker);
     results are written in input order, with at most two chunks per worker in flight, so memory stays
-    a few chunks whatever the input size."""
+    a few chunks whatever the input size.
+    Public: data/pipeline.py's prepare runs it for .jsonl inputs."""
     import collections
 
-    report = report or _Report()
+    report = report or Report()
     chunk_lines = 2048
 
     def write(result, nbytes) -> None:
@@ -166,7 +170,7 @@ def _prepare_jsonl(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, n
 
     def chunks():
         lines, nbytes = [], 0
-        with _open_binary(path) as f:
+        with open_binary(path) as f:
             for lineno, line in enumerate(f, 1):
                 nbytes += len(line)
                 if not line.strip():

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from megatrain_jax.data.packed import FORMAT_NAME, FORMAT_VERSION, PackedDataset, _max_id, _sha256_file
+from megatrain_jax.data.packed import FORMAT_NAME, FORMAT_VERSION, PackedDataset, max_token_id, sha256_file
 from megatrain_jax.data.tokenizer import ByteTokenizer, dtype_for_vocab, load_tokenizer
 from megatrain_jax.errors import UserError
 
@@ -15,8 +15,9 @@ _AUTO_FULL_VERIFY_BYTES = 1 << 30  # verify="auto": full sha256 below this size,
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _resolve_path(path: str) -> str:
-    """Relative paths that do not exist from the working directory are tried from the repository root."""
+def resolve_path(path: str) -> str:
+    """Relative paths that do not exist from the working directory are tried from the repository root.
+    Public: train.py resolves the data path with it before loading."""
     if os.path.isabs(path) or os.path.exists(path) or os.path.exists(path + ".json"):
         return path
     alt = os.path.join(_REPO_ROOT, path)
@@ -46,7 +47,7 @@ def _load_text(path: str, data_cfg, vocab_size: int) -> PackedDataset:
         desc = tok.describe()
         if len(tokens) < 2:
             raise UserError("data.path", f"{path} holds {len(tokens)} tokens", "use a text file with some content")
-    checksum = _sha256_file(path) if size <= _AUTO_FULL_VERIFY_BYTES else None
+    checksum = sha256_file(path) if size <= _AUTO_FULL_VERIFY_BYTES else None
     ds = PackedDataset(tokens, None, None, seed=data_cfg.seed, seq_len=data_cfg.seq_len, path=path,
                        tokenizer=desc, checksum=checksum, doc_masking=bool(getattr(data_cfg, "doc_masking", False)))
     _check_vocab(ds, vocab_size, path)
@@ -54,7 +55,7 @@ def _load_text(path: str, data_cfg, vocab_size: int) -> PackedDataset:
 
 
 def _check_vocab(ds: PackedDataset, vocab_size: int, path: str, max_id: int | None = None) -> None:
-    m = _max_id(ds.tokens) if max_id is None else max_id
+    m = max_token_id(ds.tokens) if max_id is None else max_id
     if m >= vocab_size:
         raise UserError("model.vocab_size",
                         f"data {path} holds token id {m} but the model's vocab_size is {vocab_size}",
@@ -100,7 +101,7 @@ def _load_prepared(prefix: str, data_cfg, vocab_size: int, verify: str) -> Packe
             raise _corrupt(p, f"({what} file) is {size:,} bytes, the index expects {expected_bytes:,}")
         if full:
             note = f"data: verifying {p}" if size > 256 << 20 else None
-            if _sha256_file(p, note) != entry.get("sha256"):
+            if sha256_file(p, note) != entry.get("sha256"):
                 raise _corrupt(p, f"({what} file) fails its sha256 checksum")
         return p
 
@@ -160,7 +161,7 @@ def load_dataset(data_cfg, vocab_size: int, *, verify: str = "auto", batch_size:
     raw = getattr(data_cfg, "path", None)
     if not raw:
         raise UserError("data.path", "is empty", "set data.path to a .txt file or a prepared data prefix")
-    path = _resolve_path(str(raw))
+    path = resolve_path(str(raw))
     prefix = path
     for suffix in (".json", ".tokens.bin"):
         if prefix.endswith(suffix) and os.path.isfile(prefix[: -len(suffix)] + ".json"):

@@ -42,7 +42,9 @@ class Batch(NamedTuple):
     positions: np.ndarray  # int32 position within the document (restarting at 0 at each document start in the window)
 
 
-def _sha256_file(path: str, progress: str | None = None) -> str:
+def sha256_file(path: str, progress: str | None = None) -> str:
+    """The file's SHA-256 in chunks, with a progress line when ``progress`` names it. Public: data/load.py
+    checks a dataset's recorded hash with it."""
     h = hashlib.sha256()
     size = os.path.getsize(path)
     done, last = 0, time.time()
@@ -61,7 +63,8 @@ def _sha256_file(path: str, progress: str | None = None) -> str:
     return h.hexdigest()
 
 
-def _max_id(tokens: np.ndarray) -> int:
+def max_token_id(tokens: np.ndarray) -> int:
+    """The largest token id, read in chunks (no full temporary). Public: data/load.py checks the vocabulary with it."""
     step = max(1, _CHUNK_BYTES // tokens.dtype.itemsize)
     return max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
 
@@ -86,8 +89,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class _PackedWriter:
-    """Streams documents into temporary files; ``commit`` renames them into place, ``abort`` deletes them."""
+class PackedWriter:
+    """Streams documents into temporary files; ``commit`` renames them into place, ``abort`` deletes them.
+    Public: the jsonl and pipeline preparers write through it."""
 
     def __init__(self, prefix: str, dtype: np.dtype, eos_id: int | None):
         self.prefix, self.dtype, self.eos_id = prefix, np.dtype(dtype), eos_id
@@ -190,7 +194,7 @@ class _PackedWriter:
                 "file": base + ".mask.bin", "bytes": self.n_tokens, "sha256": self._mask_hash.hexdigest(),
                 "n_masked": self.n_masked},
             "docs": {"file": base + ".docs.npy", "bytes": os.path.getsize(self.tmp["docs"]),
-                     "sha256": _sha256_file(self.tmp["docs"])},
+                     "sha256": sha256_file(self.tmp["docs"])},
         }
         f = open(self.tmp["index"], "w")
         json.dump(index, f, indent=1)

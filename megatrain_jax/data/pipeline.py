@@ -15,9 +15,9 @@ import numpy as np
 
 import megatrain_jax.data.chat as chat
 from megatrain_jax.atomic import check_place
-from megatrain_jax.data.jsonl import NO_ASSISTANT, _open_binary, _prepare_jsonl, _Report
-from megatrain_jax.data.packed import SUFFIXES, _PackedWriter
-from megatrain_jax.data.progress import _Progress
+from megatrain_jax.data.jsonl import NO_ASSISTANT, open_binary, prepare_jsonl, Report
+from megatrain_jax.data.packed import SUFFIXES, PackedWriter
+from megatrain_jax.data.progress import Progress
 from megatrain_jax.data.tokenizer import ByteTokenizer, dtype_for_vocab, load_tokenizer
 from megatrain_jax.errors import UserError
 
@@ -87,11 +87,11 @@ def _text_pieces(f: IO[str], chunk_chars: int) -> Iterator[str]:
         carry = s[cut:]
 
 
-def _prepare_text(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, nf: int) -> None:
+def _prepare_text(path: str, tok, w: PackedWriter, prog: Progress, fi: int, nf: int) -> None:
     """A whole text file is one document."""
     w.start_doc()
     if isinstance(tok, ByteTokenizer):  # raw bytes are the ids: no decoding at all
-        with _open_binary(path) as f:
+        with open_binary(path) as f:
             while True:
                 chunk = f.read(_CHUNK_BYTES)
                 if not chunk:
@@ -100,7 +100,7 @@ def _prepare_text(path: str, tok, w: _PackedWriter, prog: _Progress, fi: int, nf
                 prog.update(len(chunk), w, fi, nf)
     else:
         try:
-            with _open_binary(path) as fb:
+            with open_binary(path) as fb:
                 f = io.TextIOWrapper(fb, encoding="utf-8", errors="strict", newline="")
                 batch: list[str] = []
                 for piece in _text_pieces(f, _TEXT_PIECE_CHARS):
@@ -175,7 +175,7 @@ def _make_dirs(path: str) -> list[str]:
     return made[::-1]
 
 
-def _no_assistant_error(report: _Report) -> UserError:
+def _no_assistant_error(report: Report) -> UserError:
     files = report.dropped_in.get(NO_ASSISTANT, {})
     n = sum(files.values())
     field = next(iter(files)) if len(files) == 1 else "INPUTS"
@@ -229,7 +229,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
                             "tokenizer_config.json", "pass the model's folder, or chatml")
     else:
         template = chat.ChatTemplate.from_folder(getattr(tok, "path", None))
-    report = _Report()
+    report = Report()
     explicit_workers = workers is not None
     workers = workers or (os.cpu_count() or 1)
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -240,11 +240,11 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
             total += os.path.getsize(p)
         except OSError:
             pass
-    prog = _Progress(total, quiet)
+    prog = Progress(total, quiet)
     made: list[str] = []
     try:
         made = _make_dirs(out_dir)
-        w = _PackedWriter(out, dtype, tok.eos_id)
+        w = PackedWriter(out, dtype, tok.eos_id)
     except OSError as e:
         _remove_empty(made)
         raise UserError("--out", f"cannot write under {out_dir!r} ({e.strerror or e})",
@@ -254,7 +254,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
             try:
                 if _detect_format(p, fmt) == "jsonl":
                     big = os.path.getsize(p) > (16 << 20)  # worker start-up (~1 s) pays off on large files
-                    _prepare_jsonl(p, tok, w, prog, i, len(files), template, chat_format, on_error, report,
+                    prepare_jsonl(p, tok, w, prog, i, len(files), template, chat_format, on_error, report,
                                    workers=workers if (big or explicit_workers) else 1, tok_spec=tokenizer)
                 else:
                     _prepare_text(p, tok, w, prog, i, len(files))

@@ -6,18 +6,19 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatrain_jax.data.packed import _PackedWriter
+    from megatrain_jax.data.packed import PackedWriter
 
 
-class _Progress:
-    """Prints a progress line to stderr at most every few seconds (silent for short runs)."""
+class Progress:
+    """Prints a progress line to stderr at most every few seconds (silent for short runs).
+    Public: the jsonl and pipeline preparers report through it."""
 
     def __init__(self, total_bytes: int, quiet: bool, every: float = 5.0):
         self.total, self.quiet, self.every = max(total_bytes, 1), quiet, every
         self.t0 = self.last = time.time()
         self.bytes = 0
 
-    def update(self, nbytes: int, writer: "_PackedWriter", file_i: int, n_files: int) -> None:
+    def update(self, nbytes: int, writer: "PackedWriter", file_i: int, n_files: int) -> None:
         self.bytes += nbytes
         now = time.time()
         if self.quiet or now - self.last < self.every:

@@ -1,6 +1,11 @@
-"""Where a deferred gradient waits for the step's clipping norm when it does not stay on the GPU.
+"""Where a deferred gradient waits for the step's clipping norm: each hold's engine part (``HOLD_PARTS``).
 
-- ``PinnedHeld`` (``grad_hold=pinned_host`` / ``pinned_bf16``): the whole group in one pinned host array
+Every gradient hold of ``placements`` has one part here, keyed by its ``GradHold`` object, that the updater
+builds once and hands each deferred gradient to (``put``):
+
+- ``GpuHold`` (``gpu_fp32`` / ``gpu_bf16``): the gradient waits on the GPU where it is (``gpu_bf16``: cast first).
+- ``NoHold`` (``resweep``): nothing waits; the step's second sweep makes the gradients again.
+- ``PinnedHold`` (``grad_hold=pinned_host`` / ``pinned_bf16``): the whole group in one pinned host array
   (XLA's pinned pool, where parked activations live too: the backward's gradients land where the inputs it
   has consumed were). ``pinned_bf16`` casts on the GPU first (the norm was taken in fp32): half the pool.
 - ``PageableHold`` (``grad_hold=host_fp32`` / ``host_bf16``): ordinary (pageable) host memory, one
@@ -10,8 +15,9 @@
   releases the slab at once, so pinned memory never grows with the model. ``host_bf16`` casts on the
   GPU first (the norm was taken in fp32): half the PCIe bytes and half the host bytes.
 
-Both give the updater the same two calls: ``read`` (fp32 values, for a host update) and
-``to_device`` (for a device-side update).
+The host holds' gradients (``PinnedHeld``, ``PageableHeld``) give the updater the same two calls: ``read``
+(fp32 values, for a host update) and ``to_device`` (for a device-side update). With ``grad_hold_gpu_groups``
+a host hold's (or a resweep's) first groups wait on the GPU in bf16 instead (the parts' ``split``).
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +34,8 @@ import numpy as np
 
 from megatrain_jax.engine.kernels import NO_AUTOTUNE, grad_to_bf16, local_shard, named
 from megatrain_jax.optim.host import alloc_aligned
+from megatrain_jax.placements import (GPU_BF16, GPU_FP32, GRAD_HOLD_LIST, HOST_BF16, HOST_FP32, PINNED_BF16,
+                                      PINNED_HOST, RESWEEP, GradHold)
 from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT
 from megatrain_jax.transfer import Transfers
 
@@ -147,6 +156,9 @@ class PageableHeld:
         return self.hold.xfer.to_device(self.hold.buffer_name(self.name), self.buf)
 
 
+HELD_ON_HOST = (PinnedHeld, PageableHeld, HostArray)  # held gradients waiting in host memory
+
+
 class _Chunk:
     """One slab's copy: its pinned array until the copier has moved it into the buffer."""
 
@@ -162,7 +174,8 @@ _hold_slab_slice = jax.jit(named("hold_slab_slice", lambda g, lo, n: jax.lax.dyn
 
 
 class PageableHold:
-    """Deferred gradients in pageable host memory, fed through the pinned slab pool ``slabs``.
+    """Deferred gradients in pageable host memory, fed through the pinned slab pool ``slabs`` (the engine part
+    of ``host_fp32`` / ``host_bf16``).
 
     ``put`` (the dispatching thread, right after a group's backward is dispatched and before the next
     block's) issues as many slab copies as there are free slabs and queues the rest. The copier thread
@@ -170,6 +183,8 @@ class PageableHold:
     earlier gradients are still on the device waiting for their copies (what the plan counts): with
     the dispatching thread paced to the GPU (``weights.Pace``) the GPU's queue still never runs dry.
     """
+
+    split = True  # (HoldPart)
 
     def __init__(self, xfer: Transfers, slabs: threading.Semaphore, slab_elems: int | None, bf16: bool,
                  register: bool = False, trace: Callable[[str, str, Any], None] | None = None):
@@ -201,6 +216,10 @@ class PageableHold:
 
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._bufs.values())
+
+    @classmethod
+    def part(cls, placement: GradHold, env: "HoldEnv") -> "PageableHold":
+        return cls(env.xfer, env.slabs, env.slab_elems, placement.bf16, register=env.register, trace=env.trace)
 
     def put(self, name: str, grad: jax.Array, n: int, after: Future | None = None) -> PageableHeld:
         """Start moving group ``name``'s fp32 gradient (``n`` values, replicated over the devices)
@@ -277,3 +296,87 @@ class PageableHold:
     def close(self) -> None:
         self.drain()
         self._copier.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ each hold's part
+
+
+@dataclass(frozen=True)
+class HoldEnv:
+    """What a hold's engine part is built from (the updater's transfers, slab pool and kernels)."""
+
+    xfer: Transfers
+    slabs: threading.Semaphore  # the pinned gradient slabs (shared with the host updates)
+    slab_elems: int | None  # values per slab (None: whole groups)
+    to_bf16: Callable[[jax.Array], jax.Array]  # the GPU's cast (the norm was taken in fp32)
+    register: bool  # device-side updates read held buffers back: make them fast DMA sources
+    trace: Callable[[str, str, Any], None]  # (lane, label, array) for the tracer
+
+
+class HoldPart(Protocol):
+    """The engine part of one gradient hold: ``put`` leaves a deferred gradient where the hold keeps it."""
+
+    split: bool  # with grad_hold_gpu_groups, the forward's first groups wait on the GPU in bf16 instead
+
+    def put(self, name: str, grad: jax.Array, n: int, after: Future | None = None) -> Any:
+        """Group ``name``'s gradient (``n`` values) held; ``after``: its buffer's last reader."""
+
+    def close(self) -> None: ...
+
+
+class GpuHold:
+    """``gpu_fp32`` / ``gpu_bf16``: the gradient waits on the GPU, fp32 as made or cast to bf16."""
+
+    split = False
+
+    def __init__(self, placement: GradHold, env: HoldEnv):
+        self.to_bf16 = env.to_bf16 if placement.bf16 else None
+
+    def put(self, name: str, grad: jax.Array, n: int, after: Future | None = None) -> jax.Array:
+        return grad if self.to_bf16 is None else self.to_bf16(grad)
+
+    def close(self) -> None:
+        pass
+
+
+class PinnedHold:
+    """``pinned_host`` / ``pinned_bf16``: each group's gradient in one pinned host array (bf16: cast on the GPU
+    first, widened on reading into one scratch buffer)."""
+
+    split = True
+
+    def __init__(self, placement: GradHold, env: HoldEnv):
+        self.xfer, self.trace = env.xfer, env.trace
+        self.to_bf16 = env.to_bf16 if placement.bf16 else None
+        self.scratch = Scratch()  # pinned_bf16: the widened chunk the host update reads
+
+    def put(self, name: str, grad: jax.Array, n: int, after: Future | None = None) -> PinnedHeld:
+        if self.to_bf16 is not None:
+            grad = self.to_bf16(grad)
+        held = PinnedHeld(self.xfer.to_host(local_shard(grad)), self.xfer, self.scratch)
+        self.trace("d2h", name, held.arr)
+        return held
+
+    def close(self) -> None:
+        pass
+
+
+class NoHold(GpuHold):
+    """``resweep``: nothing waits (the second sweep makes the gradients again); only the split's first groups
+    are held, on the GPU in bf16, and anything else handed over stays where it is."""
+
+    split = True
+
+
+# each hold's engine part, keyed by its placement object (built once per updater: ``make_hold``)
+HOLD_PARTS: dict[GradHold, Callable[[GradHold, HoldEnv], HoldPart]] = {
+    GPU_FP32: GpuHold, GPU_BF16: GpuHold, PINNED_HOST: PinnedHold, PINNED_BF16: PinnedHold,
+    HOST_FP32: PageableHold.part, HOST_BF16: PageableHold.part, RESWEEP: NoHold,
+}
+if set(HOLD_PARTS) != set(GRAD_HOLD_LIST):
+    raise ImportError(f"holds without an engine part: {set(GRAD_HOLD_LIST) - set(HOLD_PARTS)}")
+
+
+def make_hold(placement: GradHold, env: HoldEnv) -> HoldPart:
+    """The engine part of ``placement``."""
+    return HOLD_PARTS[placement](placement, env)

@@ -23,14 +23,15 @@ The head's streaming (gathered, cast, scattered off the dispatching thread) is `
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from megatrain_jax.engine.io_head import HeadStream, _leaf, _with_shape
+from megatrain_jax.engine.io_head import HeadStream, only_leaf_shaped, with_shape
 from megatrain_jax.engine.kernels import F32, local_shard, named
 from megatrain_jax.engine.updaters import EMBED, HEAD
 from megatrain_jax.errors import UserError
@@ -46,14 +47,31 @@ _embed_zero_pad_row = jax.jit(
     static_argnums=2, donate_argnums=0)
 
 
+@dataclass(frozen=True)
+class IOParts:
+    """What the embedding and head I/O use of the engine (``StreamedTrainer`` builds it), not the
+    trainer itself: the streamed model and options, the kernels, transfers, updaters, weight stream
+    and host store, and ``deliver(group, gradient, scale)``: a group's complete gradient reduced, its
+    squared norm taken and handed to the updater."""
+
+    parts: Any
+    options: Any
+    kernels: Any
+    xfer: Any
+    updates: Any
+    weights: Any
+    store: Any
+    deliver: Callable
+
+
 class ResidentIO:
     """Today's path: the embedding and head resident for the step, whole."""
 
     second_loss_reads_outputs = True  # a resweep's second sweep runs the loss again, from the last block's outputs
 
-    def __init__(self, trainer: Any):
-        self.k, self.weights, self.store = trainer.kernels, trainer.weights, trainer.store
-        self.deliver = trainer._gradient  # reduce, squared norm, hand to the updater
+    def __init__(self, io: IOParts):
+        self.k, self.weights, self.store = io.kernels, io.weights, io.store
+        self.deliver = io.deliver  # reduce, squared norm, hand to the updater
         self._g_emb = None
 
     def take_embed(self, batch: Any, mbs: list) -> jax.Array:
@@ -100,8 +118,8 @@ class StreamIO:
 
     second_loss_reads_outputs = False  # a resweep's second sweep starts from the first's top cotangents
 
-    def __init__(self, trainer: Any):
-        parts, o = trainer.parts, trainer.options
+    def __init__(self, io: IOParts):
+        parts, o = io.parts, io.options
         hs = jax.eval_shape(parts.embed_fn, parts.embed_weights, _probe_inputs(parts))
         H = int(hs.shape[-1])
         out = jax.eval_shape(lambda hw, h, ew: parts.head_fn(hw, h, ew)[1], parts.head_weights, hs,
@@ -110,9 +128,9 @@ class StreamIO:
             raise UserError("train.stream_io", f"the head's output matrix is {tuple(out.shape)}, not (hidden, vocab)",
                             "set train.stream_io=false (a folded output bias is not streamed)")
         V = int(out.shape[-1])
-        self.rows = EmbedRows(trainer, H, V)
-        self.head = HeadStream(trainer, H, V, min(int(o.vocab_chunk), V), self.rows)
-        self.tr = trainer
+        self.rows = EmbedRows(io, H, V)
+        self.head = HeadStream(io, H, V, min(int(o.vocab_chunk), V), self.rows)
+        self.tr = io
         self._again: tuple | None = None  # resweep: the first sweep's losses, top cotangents and head norms
 
     def take_embed(self, batch: Any, mbs: list) -> Any:
@@ -162,8 +180,8 @@ class StreamIO:
         self.head.close()
 
 
-def make_io(trainer: Any) -> ResidentIO | StreamIO:
-    return StreamIO(trainer) if trainer.options.stream_io else ResidentIO(trainer)
+def make_io(io: IOParts) -> ResidentIO | StreamIO:
+    return StreamIO(io) if io.options.stream_io else ResidentIO(io)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -194,12 +212,12 @@ class _Copier:
 class EmbedRows:
     """The embedding's rows that the step's tokens use, gathered on the host; the rest stays there."""
 
-    def __init__(self, tr: Any, H: int, V: int):
+    def __init__(self, tr: IOParts, H: int, V: int):
         self.tr, self.k, self.xfer, self.upd = tr, tr.kernels, tr.xfer, tr.updates
         g = tr.store["embed"]
         self.group, self.H, self.V = g, H, V
         self.layout = g.layout
-        self.ti = _leaf(self.layout, (V, H), "embed", "the token table")
+        self.ti = only_leaf_shaped(self.layout, (V, H), "embed", "the token table")
         leaf = self.layout.leaves[self.ti]
         self.table = g.master[leaf.offset:leaf.offset + leaf.size].reshape(V, H)
         self.pad_id = getattr(tr.parts, "pad_id", None)
@@ -216,7 +234,7 @@ class EmbedRows:
     def _kernels(self, U: int) -> tuple:
         fns = self._fns.get(U)
         if fns is None:
-            lay, dt, p, smap = _with_shape(self.layout, self.ti, (U, self.H)), self.k.dtype, self.tr.parts, self.k._smap
+            lay, dt, p, smap = with_shape(self.layout, self.ti, (U, self.H)), self.k.dtype, self.tr.parts, self.k._smap
             rep, dat = P(), P("data")
 
             def fwd(w, inputs):

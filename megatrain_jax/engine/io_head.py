@@ -44,7 +44,9 @@ def _fills(sh: NamedSharding) -> tuple:
             jax.jit(named("loss_dx_zeros", lambda x: jnp.zeros(x.shape, F32)), out_shardings=sh))
 
 
-def _leaf(layout: Layout, shape: tuple, group: str, what: str) -> int:
+def only_leaf_shaped(layout: Layout, shape: tuple, group: str, what: str) -> int:
+    """Index of the one leaf of ``layout`` shaped ``shape``; not exactly one is a UserError (stream_io
+    then cannot tell the table). Public: engine/io.py finds the embedding table with it."""
     hits = [j for j, s in enumerate(layout.leaves) if s.shape == shape]
     if len(hits) != 1:
         raise UserError("train.stream_io", f"the {group} group has {len(hits)} weights shaped {shape} ({what}), "
@@ -52,15 +54,16 @@ def _leaf(layout: Layout, shape: tuple, group: str, what: str) -> int:
     return hits[0]
 
 
-def _with_shape(layout: Layout, j: int, shape: tuple) -> Layout:
-    """``layout`` with leaf ``j`` reshaped: the device-side group of gathered rows, or of the small weights."""
+def with_shape(layout: Layout, j: int, shape: tuple) -> Layout:
+    """``layout`` with leaf ``j`` reshaped: the device-side group of gathered rows, or of the small weights.
+    Public: engine/io.py builds the embedding's device-side layout with it."""
     leaves = [jax.ShapeDtypeStruct(shape if i == j else s.shape, np.float32) for i, s in enumerate(layout.leaves)]
     return Layout(jax.tree_util.tree_unflatten(layout.treedef, leaves))
 
 class HeadStream:
     """The LM head's output matrix in vocabulary chunks from the host; the loss in two passes."""
 
-    def __init__(self, tr: Any, H: int, V: int, Vc: int, rows: Any):
+    def __init__(self, tr: Any, H: int, V: int, Vc: int, rows: Any):  # tr: io.IOParts
         self.tr, self.k, self.xfer, self.upd = tr, tr.kernels, tr.xfer, tr.updates
         g = tr.store["head"]
         self.group, self.H, self.V, self.Vc = g, H, V, Vc
@@ -71,13 +74,13 @@ class HeadStream:
             #            embedding's
             self.out, self.dense_out = rows.table, rows.dense_table
             self.small, self._small_pairs = g.layout, [(s, s) for s in g.layout.leaves]
-            self._stub = _with_shape(rows.layout, rows.ti, (0, H))  # what head_fn reads of the embedding: nothing
+            self._stub = with_shape(rows.layout, rows.ti, (0, H))  # what head_fn reads of the embedding: nothing
         else:
-            oi = _leaf(g.layout, (H, V), "head", "the output matrix")
+            oi = only_leaf_shaped(g.layout, (H, V), "head", "the output matrix")
             leaf = g.layout.leaves[oi]
             self.out = g.master[leaf.offset:leaf.offset + leaf.size].reshape(H, V)
             self.dense_out = self.dense[leaf.offset:leaf.offset + leaf.size].reshape(H, V)
-            self.small = _with_shape(g.layout, oi, (H, 0))  # the final norm's weights (and any other small ones)
+            self.small = with_shape(g.layout, oi, (H, 0))  # the final norm's weights (and any other small ones)
             self._small_pairs = [(s, d) for j, (s, d) in enumerate(zip(g.layout.leaves, self.small.leaves)) if j != oi]
         self._small_buf = np.zeros(max(self.small.size, 1), np.float32)
         # one staging buffer per chunk (the whole head, chunk-major), page-aligned: DMA-registered. In bf16 compute

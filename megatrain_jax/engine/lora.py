@@ -36,16 +36,10 @@ from megatrain_jax.engine.loss import chunked_cross_entropy
 from megatrain_jax.engine.step import Batch, StepResult
 from megatrain_jax.engine.weights import Pace
 from megatrain_jax.plan.options import BLOCKS_QUEUED
-from megatrain_jax.models.lora import abstract_lora_block, merge_block, split_lora
+from megatrain_jax.models.lora import abstract_lora_block, merge_block, plain_config, split_lora
 from megatrain_jax.optim.host import global_norm_scale
 from megatrain_jax.templates import Layout, block_rng
 from megatrain_jax.transfer import Transfers
-
-
-def plain_config(cfg: ModelConfig) -> ModelConfig:
-    import dataclasses
-
-    return dataclasses.replace(cfg, lora=None)
 
 
 class LoraModel:

@@ -13,11 +13,9 @@ continues the data at the saved step.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-import zlib
 from typing import Any
 
 import jax
@@ -25,13 +23,14 @@ import numpy as np
 
 from megatrain_jax import checkpoint as ck
 from megatrain_jax.config import Config
-from megatrain_jax.engine.lora import LoraEngine, LoraModel, plain_config
+from megatrain_jax.engine.lora import LoraEngine, LoraModel
 from megatrain_jax.engine.lora_base import FrozenStore, frozen_store_from_hf
 from megatrain_jax.errors import UserError
+from megatrain_jax.hf.merge import ADAPTER, file_crc, manifest_files, read_checked
 from megatrain_jax.hf.peft import load_peft, save_peft
+from megatrain_jax.models.lora import plain_config
 
 OPT_STATE = "opt_state.npz"
-ADAPTER = "adapter"
 
 
 def build_frozen_store(cfg: Config, model: LoraModel, log=print) -> FrozenStore:
@@ -75,7 +74,7 @@ class LoraTrainer:
     store = None  # no trainable host store: ``save_adapter`` exports
 
     def __init__(self, cfg: Config, plan: Any = None, adapters: list[Any] | None = None, log=print):
-        from megatrain_jax.optim.build import _learning_rate
+        from megatrain_jax.optim.build import learning_rate_or_schedule
         from megatrain_jax.optim.named import named_tx
 
         if cfg.model.from_hf:
@@ -86,7 +85,7 @@ class LoraTrainer:
         t = cfg.train
         self.model = LoraModel(cfg.model)
         store = build_frozen_store(cfg, self.model, log)
-        self._lr = _learning_rate(cfg.optim, t.steps)
+        self._lr = learning_rate_or_schedule(cfg.optim, t.steps)
         tx = named_tx(cfg.optim, self._lr)
         micro = plan.micro_batches if plan is not None else (t.micro_batches if t.micro_batches != "auto" else 1)
         acts = plan.activations if plan is not None else ("device" if t.activations == "auto" else t.activations)
@@ -161,6 +160,12 @@ class LoraTrainer:
         log(f"adapter: saved in the PEFT format to {path}")
         return path
 
+    def export_run(self, cfg: Config, out: str, *, sources=(), own_run: str | None = None, log=print) -> None:
+        """``train.export`` at the end of a LoRA run: the adapter in the PEFT format (``save_adapter``; the
+        base with it merged in: ``megatrain-jax export RUN OUT --merge-lora``, ``hf/merge.py``)."""
+        del cfg, sources, own_run  # (the run's own config; the adapter directory is small and always new)
+        self.save_adapter(out, log=log)
+
     def close(self) -> None:
         self.engine.close()
 
@@ -183,35 +188,6 @@ def write_peft_adapters(ckpt_dir: str, adapters: list[Any], model_cfg: Any) -> N
     save_peft(os.path.join(ckpt_dir, ADAPTER), adapters, model_cfg, model_cfg.from_hf)
 
 
-def _file_crc(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _files(root: str) -> list[str]:
-    out = []
-    for base, _, names in os.walk(root):
-        out += [os.path.relpath(os.path.join(base, n), root) for n in names if n != ck.MANIFEST]
-    return sorted(out)
-
-
-def read_checked(path: str) -> dict:
-    try:
-        with open(os.path.join(path, ck.MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ck.CorruptCheckpoint(f"{ck.MANIFEST} unreadable ({e})") from None
-    for rel, crc in manifest.get("files", {}).items():
-        full = os.path.join(path, rel)
-        if not os.path.isfile(full) or _file_crc(full) != crc:
-            raise ck.CorruptCheckpoint(f"{rel} is missing or fails its checksum")
-    with open(os.path.join(path, ck.STATE)) as f:
-        return json.load(f)
-
-
 class LoraSaver:
     """Checkpoints of a LoRA run (small: adapters and their optimizer state), written synchronously
     into ``step_N.tmp`` and renamed once complete; the retention policy as ``checkpoint.prune``. The
@@ -230,20 +206,20 @@ class LoraSaver:
         final = os.path.join(self.root, ck.step_dirname(step))
         tmp = final + ".tmp"
         if os.path.isdir(tmp):
-            ck._remove_dir(tmp)
+            ck.remove_dir(tmp)
         os.makedirs(tmp)
         self.trainer.write_adapters(tmp)
         np.savez(os.path.join(tmp, OPT_STATE), *[np.asarray(x) for x in
                                                    jax.tree_util.tree_leaves(jax.device_get(eng.opt_state))])
         if self.kill_in_save == step:
             os.kill(os.getpid(), signal.SIGKILL)
-        ck._write_json(os.path.join(tmp, ck.STATE), {"step": step, "count": eng.count, "kind": "lora", **meta})
-        files = _files(tmp)
-        ck._write_json(os.path.join(tmp, ck.MANIFEST), {"files": {f: _file_crc(os.path.join(tmp, f)) for f in files}})
+        ck.write_json(os.path.join(tmp, ck.STATE), {"step": step, "count": eng.count, "kind": "lora", **meta})
+        files = manifest_files(tmp)
+        ck.write_json(os.path.join(tmp, ck.MANIFEST), {"files": {f: file_crc(os.path.join(tmp, f)) for f in files}})
         if os.path.isdir(final):
-            ck._remove_dir(final)
+            ck.remove_dir(final)
         os.replace(tmp, final)
-        ck._fsync_dir(self.root)
+        ck.fsync_dir(self.root)
         ck.prune(self.root, self.keep_last, self.keep_every)
         dt = time.perf_counter() - t0
         st = ck.SaveStats(step, final, call_s=dt, write_s=dt,

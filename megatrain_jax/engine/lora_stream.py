@@ -138,7 +138,7 @@ class LoraStreamTrainer:
         from megatrain_jax.config import OptimConfig
         from megatrain_jax.models.lora import add_named_adapters, target_names
         from megatrain_jax.stream import stream
-        from megatrain_jax.stream.from_nnx import _find_blocks
+        from megatrain_jax.stream.from_nnx import find_blocks
 
         import flax.linen as nn
 
@@ -171,7 +171,7 @@ class LoraStreamTrainer:
         else:
             names = target_names(lora.targets)
             clone = nnx.clone(model)  # shares the weight arrays; the user's model is left as it is
-            attr, blocks = _find_blocks(clone, stream_kwargs.get("blocks"))
+            attr, blocks = find_blocks(clone, stream_kwargs.get("blocks"))
             for i, blk in enumerate(blocks):
                 if add_named_adapters(blk, names, lora.rank, lora.scale, i, seed, lora.dropout) == 0:
                     raise UserError("lora.targets", f"{attr}[{i}] has no nnx.Linear named {sorted(names)}",
@@ -184,11 +184,11 @@ class LoraStreamTrainer:
             clip_norm = optimizer.clip_norm if isinstance(optimizer, OptimConfig) else o.clip_norm
         self._lr = None
         if isinstance(optimizer, OptimConfig) or optimizer is None:
-            from megatrain_jax.optim.build import _learning_rate
+            from megatrain_jax.optim.build import learning_rate_or_schedule
             from megatrain_jax.optim.named import named_tx
 
             ocfg = optimizer or OptimConfig(kernel="optax", clip_norm=None)
-            self._lr = _learning_rate(ocfg, steps or 1)
+            self._lr = learning_rate_or_schedule(ocfg, steps or 1)
             tx = named_tx(ocfg, self._lr)
         elif isinstance(optimizer, optax.GradientTransformation):
             tx = optimizer
@@ -288,11 +288,11 @@ class LoraStreamTrainer:
                             "apply it with tr.merged_params() (or tr.params() and tr.adapters())")
 
         from megatrain_jax.models.lora import add_named_adapters, target_names
-        from megatrain_jax.stream.from_nnx import _find_blocks
+        from megatrain_jax.stream.from_nnx import find_blocks
 
         from megatrain_jax.models.lora import add_adapters
 
-        _, blocks = _find_blocks(model, self._blocks)
+        _, blocks = find_blocks(model, self._blocks)
         for i, blk in enumerate(blocks):
             if self.parts is None:
                 if not any(isinstance(n, LoraLinear) for _, n in nnx.iter_graph(blk)):

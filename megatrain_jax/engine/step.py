@@ -34,13 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from megatrain_jax.engine.io import make_io
+from megatrain_jax.engine.io import IOParts, make_io
 from megatrain_jax.engine.kernels import F32, Kernels, KeepResiduals, Recompute, local_shard
 from megatrain_jax.engine.updaters import Groups, make_updates
 from megatrain_jax.engine.weights import Boundaries, Pace, WeightStream
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
+from megatrain_jax.placements import ACT_PINNED_HOST
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import StreamedModel
 from megatrain_jax.transfer import Transfers
@@ -131,11 +132,14 @@ class StreamedTrainer:
             self.updates.register(g)
         self.weights = WeightStream(self.store, self.xfer, self.updates, groups, tracer)
         self.pace = Pace(options.blocks_queued)  # the dispatching thread stays this many blocks ahead of the device
-        self.boundaries = Boundaries(self.xfer, options.activations == "pinned_host"
+        self.boundaries = Boundaries(self.xfer, options.activations == ACT_PINNED_HOST
                                      and self.xfer.host_sharding is not None, options.boundary_every,
                                      keep_from=self.num_layers - self.kernels.keep_residuals,
                                      gpu_from=self.num_layers - int(options.activations_gpu_blocks))
-        self.io = make_io(self)  # the embedding and head: resident, or streamed (``stream_io``: io.py)
+        # the embedding and head: resident, or streamed (``stream_io``: io.py)
+        self.io = make_io(IOParts(parts=self.parts, options=self.options, kernels=self.kernels, xfer=self.xfer,
+                                  updates=self.updates, weights=self.weights, store=self.store,
+                                  deliver=self._gradient))
         # the head goes in flight during the last two blocks; with device-side updates during the
         # last only, so that block L-1's update does not wait for its transfer
         self._head_from = self.num_layers - (1 if self.updates.on_device else 2)
@@ -215,14 +219,17 @@ class StreamedTrainer:
         # the embedding and blocks 0..low-1, the backward's last); the first lets their inputs go, below the kept
         # input that block low's recompute starts from (boundary_every: the second sweep needs it)
         low = max(self.updates.resweep_held - 1, 0)
-        keep_from = acts.first(low) if scale is None and low else 0
-        weights.prefetch(acts.first(L - 1))  # the last block and its inputs go in flight first, to overlap the loss
-        acts.bring(L - 1)
+        stop = low if scale is not None else 0  # the lowest block this sweep runs (L: none, every block's held)
+        # (the first sweep keeps the inputs the second's blocks recompute from: none where it runs no block)
+        keep_from = (L if low >= L else acts.first(low)) if scale is None and low else 0
+        top = L - 1 if stop < L else -1  # (-1: nothing to fetch or bring)
+        weights.prefetch(acts.first(top))  # the last block and its inputs go in flight first, to overlap the loss
+        acts.bring(top)
         losses, dhs, sq = self.io.loss(head, emb, hs, mbs, inv, scale)  # M x (), M x (B/M, S, H), [head's sq]
         self._trace("compute", "loss", losses[-1])
         if forget or not self.io.second_loss_reads_outputs:  # the last block's outputs served the loss; gone,
             hs.clear()  # they leave a layer's room to the backward (a resweep's second loss may read them again)
-        stop = low if scale is not None else 0  # the lowest block this sweep runs
+        w = None  # (block 0's weights, once the sweep reaches it)
         for i in reversed(range(stop, L)):  # recompute each block from its saved input, VJP, gradient out
             h = acts.take(i, forget or i < keep_from)  # M x (B/M, S, H); a dropped input: its segment's forward runs first
             w = weights.take(i)

@@ -10,7 +10,7 @@
 
 Without clipping (or the NaN check) a host update starts as soon as its group's gradient lands. With
 them every update waits for the step's norm: the gradients are *held* (fp32 or bf16 on the device, in
-pinned or pageable host memory: ``holds.py``; ``grad_hold``) and queued in forward order after the step,
+pinned or pageable host memory: ``grad_hold``'s part in ``holds.py``) and queued in forward order after the step,
 so the next step's forward waits for each group's update only when it needs that group. With
 ``grad_hold=resweep`` nothing is held: the step runs a second backward sweep once the norm is known and
 hands each gradient over with its clip scale (``send``), as an unclipped step does.
@@ -27,12 +27,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from megatrain_jax.engine.holds import HostArray, PageableHold, PageableHeld, PinnedHeld, Scratch
-HELD_ON_HOST = (PinnedHeld, PageableHeld, HostArray)
+from megatrain_jax.engine.holds import HELD_ON_HOST, HostArray, HoldEnv, PageableHold, make_hold
 from megatrain_jax.engine.kernels import F32, Kernels, local_shard
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer
+from megatrain_jax.placements import RESWEEP, STREAM_COPY_DEVICE, UPDATE_DEVICE, UPDATE_HOST
 from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT, WRITEBACKS_IN_FLIGHT, EngineOptions
 from megatrain_jax.transfer import Transfers
 
@@ -59,7 +59,7 @@ class _Updates:
         self.store, self.opt, self.xfer, self.k, self.o, self.groups = store, opt, xfer, kernels, options, groups
         self.tracer = tracer
         # updates wait for the whole gradient when it must be clipped or checked for NaN first
-        self.deferred = options.clip_norm is not None or options.skip_nonfinite or options.update_on == "device"
+        self.deferred = options.clip_norm is not None or options.skip_nonfinite or options.update_on == UPDATE_DEVICE
         self.count = 0  # optimizer steps taken
         self.pending: dict[str, Future] = {}  # per group: the host buffers are rewritten when this completes
         self.wait_s = 0.0  # time the dispatching thread spent waiting for updates
@@ -70,17 +70,17 @@ class _Updates:
         self._held: dict[str, Any] = {}  # deferred gradients waiting for the norm
         # the pinned gradient slabs: a fixed pool shared by every copy of a gradient to host memory
         self.slabs = threading.Semaphore(options.grad_slabs)
-        hold = options.grad_hold
+        self.placement = options.grad_hold_placement  # where deferred gradients wait (the name resolved once)
         # no hold: a second backward sweep once the norm is known (``send``); only where it is needed
-        self.resweep = hold == "resweep" and (options.clip_norm is not None or options.skip_nonfinite)
+        self.resweep = self.placement is RESWEEP and (options.clip_norm is not None or options.skip_nonfinite)
         # a resweep's first ``grad_hold_gpu_groups`` groups (embedding, block 0, ...: the backward's last) wait on
         # the GPU in bf16, and its second sweep stops above them (never the head: it is the second sweep's first)
         self.resweep_held = min(int(options.grad_hold_gpu_groups), len(groups.order) - 1) if self.resweep else 0
-        self._host_hold = hold in ("pinned_host", "pinned_bf16", "host_fp32", "host_bf16")
-        self._pinned_scratch = Scratch()  # pinned_bf16: the widened chunk the host update reads
-        self.pageable = PageableHold(xfer, self.slabs, options.grad_slab_elems, hold == "host_bf16",
-                                     register=self.on_device, trace=self._trace) \
-            if self.deferred and hold in ("host_fp32", "host_bf16") else None
+        # the hold's engine part (holds.HOLD_PARTS), where ``hold`` puts each deferred gradient
+        self.held_in = make_hold(self.placement, HoldEnv(xfer, self.slabs, options.grad_slab_elems, kernels.to_bf16,
+                                                         register=self.on_device, trace=self._trace)) \
+            if self.deferred else None
+        self.pageable = self.held_in if isinstance(self.held_in, PageableHold) else None  # (its buffers: tests)
 
     def register(self, g: Any) -> None:
         """Group ``g``'s host buffers that cross PCIe besides its streaming copy (none here)."""
@@ -116,30 +116,24 @@ class _Updates:
         """Issue queued gradient copies up to forward position ``pos`` (none here)."""
 
     def hold(self, name: str, grad: jax.Array) -> None:
-        """A deferred gradient waits for the norm where ``grad_hold`` says (the first
-        ``grad_hold_gpu_groups`` groups of the forward stay on the GPU in bf16 with a host hold).
+        """A deferred gradient waits for the norm where its hold's engine part puts it (``held_in``; with a
+        split hold the first ``grad_hold_gpu_groups`` groups of the forward stay on the GPU in bf16 instead).
         Host copies are issued here, before the next block's backward, which they then overlap. A
         numpy gradient (``stream_io``'s embedding and head) waits where it is."""
-        o = self.o
-        if self.resweep and self.groups.pos[name] >= self.resweep_held:
+        pos = self.groups.pos[name]
+        if self.resweep and pos >= self.resweep_held:
             return  # dropped: the second sweep recomputes it once the norm is known
         if isinstance(grad, np.ndarray):  # complete in host memory already (stream_io): it waits there
             grad = HostArray(grad, self.xfer)
-        elif o.grad_hold == "gpu_bf16" or (self._host_hold or self.resweep) \
-                and self.groups.pos[name] < o.grad_hold_gpu_groups:
+        elif self.held_in.split and pos < self.o.grad_hold_gpu_groups:
             grad = self.k.to_bf16(grad)  # the norm was taken in fp32
-        elif o.grad_hold in ("pinned_host", "pinned_bf16"):
-            if o.grad_hold == "pinned_bf16":
-                grad = self.k.to_bf16(grad)  # the norm was taken in fp32
-            grad = PinnedHeld(self.xfer.to_host(local_shard(grad)), self.xfer, self._pinned_scratch)
-            self._trace("d2h", name, grad.arr)
-        elif self.pageable is not None:  # its buffer's last reader (a device-side update) goes first
-            grad = self.pageable.put(name, grad, self.store[name].size, after=self.pending.get(name))
+        else:  # (a pageable buffer's last reader, a device-side update, goes first: ``after``)
+            grad = self.held_in.put(name, grad, self.store[name].size, after=self.pending.get(name))
         self._held[name] = grad
 
     def _close_hold(self) -> None:
-        if self.pageable is not None:
-            self.pageable.close()
+        if self.held_in is not None:
+            self.held_in.close()
 
     def _trace(self, lane: str, label: str, arr: Any) -> None:
         if self.tracer is not None:
@@ -444,11 +438,12 @@ class DeviceUpdates(_Updates):
     def __init__(self, *args: Any):
         super().__init__(*args)
         if not getattr(self.opt, "runs_on_device", False):
-            raise UserError("train.update_on", f"device needs an optimizer that runs there, not {type(self.opt).__name__}",
-                            "use a FusedAdamW or an optax optimizer (or train.update_on=host)")
+            raise UserError("train.update_on",
+                            f"{UPDATE_DEVICE} needs an optimizer that runs there, not {type(self.opt).__name__}",
+                            f"use a FusedAdamW or an optax optimizer (or train.update_on={UPDATE_HOST})")
         if any(g.stream_bits is not None for g in self.store):
-            raise ValueError("update_on=device needs a store without a bf16 streaming copy "
-                             "(train.stream_copy=device, or float32 compute)")
+            raise ValueError(f"update_on={UPDATE_DEVICE} needs a store without a bf16 streaming copy "
+                             f"(train.stream_copy={STREAM_COPY_DEVICE}, or float32 compute)")
         self._queued: dict[str, tuple[Any, float, int]] = {}  # per group: (gradient, clip scale, count)
         self._done: dict[str, Future] = {}  # per group: its queued update is in the store
         self._resident: dict[str, jax.Array] = {}  # current weights already on the device
@@ -461,7 +456,7 @@ class DeviceUpdates(_Updates):
             self.xfer.register(f"{g.name}/{k}", a)
 
     def gradient(self, name: str, grad: jax.Array) -> None:
-        if self.o.grad_hold == "resweep" and not self.resweep:
+        if self.placement is RESWEEP and not self.resweep:
             return self.send(name, grad)  # no norm to wait for: updated now, nothing held
         self.hold(name, grad)
 
@@ -591,5 +586,7 @@ class DeviceUpdates(_Updates):
 def make_updates(store: HostStore, opt: HostOptimizer, xfer: Transfers, kernels: Kernels, options: EngineOptions,
                  groups: Groups, tracer: Any) -> _Updates:
     """The update path the options ask for."""
-    cls = DeviceUpdates if options.update_on == "device" else HostUpdates
-    return cls(store, opt, xfer, kernels, options, groups, tracer)
+    return UPDATERS[options.update_on](store, opt, xfer, kernels, options, groups, tracer)
+
+
+UPDATERS = {UPDATE_HOST: HostUpdates, UPDATE_DEVICE: DeviceUpdates}  # each update placement's engine part

@@ -25,7 +25,7 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.hf.config import Log, supported
 from megatrain_jax.hf.exporter import OTHER_KIND_HINT as HF_KIND_HINT
 from megatrain_jax.hf.exporter import SHARD_BYTES, export_hf, one_group_at_a_time
-from megatrain_jax.hf.mt import MT_CONFIG, OTHER_KIND_HINT as MT_KIND_HINT, _write_mt_meta, hf_to_mt, mt_to_hf, \
+from megatrain_jax.hf.mt import MT_CONFIG, OTHER_KIND_HINT as MT_KIND_HINT, write_mt_meta, hf_to_mt, mt_to_hf, \
     write_mt_group
 from megatrain_jax.hf.names import model_layouts
 
@@ -107,12 +107,12 @@ def resolve_checkpoint(spec: str, log: Log = print) -> tuple[str, dict, dict]:
 def master_reader(path: str, manifest: dict) -> Callable[[str, np.ndarray], None]:
     """``read(group, flat)``: a committed checkpoint's fp32 master of one group into ``flat``,
     checked against its crc32 (``UserError`` naming the checkpoint when it fails). For exports."""
-    ckptr = ck._checkpointer()
+    ckptr = ck.checkpointer()
 
     def read(name: str, flat: np.ndarray) -> None:
         info = manifest["groups"][name]["arrays"]["master"]
         try:
-            flat[:] = ck._load_group_array(ckptr, path, name, "master", info)
+            flat[:] = ck.load_group_array(ckptr, path, name, "master", info)
         except ck.CorruptCheckpoint as e:
             raise UserError("CHECKPOINT", f"{path} is corrupted: {e}", "export an earlier checkpoint") from None
 
@@ -192,7 +192,7 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "bfloat16", fmt: s
                 weight_map[f"{prefix}.{leaf.path.replace('/', '.')}"] = [f"{name}.safetensors", leaf.path]
             del flat
         model_cfg = dict(state["config"]["model"])
-        _write_mt_meta(tmp, model_cfg, None)
+        write_mt_meta(tmp, model_cfg, None)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump({"format": "megatrain-jax-weights", "dtype": dtype, "model": {**model_cfg, "from_hf": None},
                        "groups": list(state["layouts"]), "weight_map": weight_map, "total_bytes": total,
@@ -225,7 +225,7 @@ def export_main(argv: Iterable[str]) -> int:
     args = export_parser().parse_args(list(argv))
     if not args.max_shard_gb > 0:
         raise UserError("--max-shard-gb", "must be positive", "give e.g. 5")
-    if args.merge_lora:  # engine/lora_export.py writes it (cli.main sends it there: hf never imports engine)
+    if args.merge_lora:  # hf/merge.py writes it (cli.main asks merge.lora_export_main first)
         raise UserError("--merge-lora", "a merged LoRA export runs through the command line",
                         "run `megatrain-jax export RUN OUT --merge-lora`")
     export_checkpoint(args.checkpoint, args.out, args.dtype, args.format, architecture=args.architecture,
@@ -234,7 +234,7 @@ def export_main(argv: Iterable[str]) -> int:
 
 
 def export_parser() -> argparse.ArgumentParser:
-    """``export``'s arguments (also read by ``engine/lora_export.lora_export_main``)."""
+    """``export``'s arguments (also read by ``merge.lora_export_main``)."""
     p = _ExportParser(prog="megatrain-jax export",
                       description="Export a training checkpoint's weights: a Hugging Face directory (default) "
                                   "or the per-group mt format.")
@@ -248,5 +248,5 @@ def export_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-gb", type=float, default=SHARD_BYTES / 1e9, help="hf shard size limit (default 5)")
     p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--merge-lora", action="store_true",
-                   help="a LoRA run: its base with the adapter merged in (hf only; engine/lora_export.py)")
+                   help="a LoRA run: its base with the adapter merged in (hf only; hf/merge.py)")
     return p

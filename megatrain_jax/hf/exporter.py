@@ -14,7 +14,9 @@ import numpy as np
 from megatrain_jax.atomic import check_output, output_dir
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
-from megatrain_jax.hf.config import Log, _architecture, _family_of, _say, read_hf_config, supported
+from megatrain_jax.families import get_family
+from megatrain_jax.hf.config import Log, family_of, read_hf_config, say, supported
+from megatrain_jax.hf.config import architecture as hf_architecture
 from megatrain_jax.hf.importer import INDEX
 from megatrain_jax.hf.names import hf_tensors, model_layouts
 from megatrain_jax.hf.safetensors_io import SafetensorsWriter, copy_cast
@@ -74,19 +76,17 @@ def _hf_config_out(cfg: ModelConfig, arch: str, dtype: str, base: dict | None) -
     """config.json for ``transformers``: the checkpoint's own extra fields (when it came from one),
     then our architecture fields; RoPE in both the transformers 4 and 5 spellings."""
     keep = {}
-    if base and _architecture(base, "base config") == arch:
+    if base and hf_architecture(base, "base config") == arch:
         keep = {k: v for k, v in base.items() if k not in (
             "rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype", "transformers_version",
             "layer_types", "head_dim", "architectures", "model_type", "quantization_config", "auto_map", "_name_or_path")}
-    from megatrain_jax.models.hfconfig import base_to_hf
-
     out = {
         "architectures": [arch], "model_type": supported()[arch],
         "bos_token_id": None, "eos_token_id": None, "max_position_embeddings": 4096,
         "initializer_range": cfg.init_std, "use_cache": True, "attention_dropout": 0.0,
-        **keep, **base_to_hf(cfg), "torch_dtype": dtype, "dtype": dtype,
+        **keep, "torch_dtype": dtype, "dtype": dtype,
     }
-    _family_of(arch).config_to_hf(cfg, arch, out)
+    family_of(arch).to_hf_config(cfg, arch, out)  # the family's keys (hf.config.base_to_hf's and its own)
     if out.get("max_position_embeddings") is None:
         out["max_position_embeddings"] = 4096
     return out
@@ -113,23 +113,19 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
     check_output(out_dir, "hf", sources=sources, overwrite=overwrite, other=OTHER_KIND_HINT, own_run=own_run)
     if hf_config is None and model_cfg.from_hf and os.path.isfile(os.path.join(model_cfg.from_hf, "config.json")):
         hf_config = read_hf_config(model_cfg.from_hf)
-    from megatrain_jax.models.registry import get_family
-
     family = get_family(model_cfg.family)
     if architecture is None and hf_config:
-        architecture = _architecture(hf_config, "hf_config")
+        architecture = hf_architecture(hf_config, "hf_config")
         if architecture not in family.architectures:  # the source was another family: ours decides
             architecture = None
     if architecture is None:
-        architecture = (family.export_architecture(model_cfg) if family.export_architecture
-                        else family.architectures[0])
+        architecture = family.export_architecture(model_cfg)
     if architecture not in supported():
         raise UserError("architecture", f"{architecture!r} is not supported", f"use one of: {', '.join(supported())}")
     if architecture not in family.architectures:
         raise UserError("architecture", f"{architecture} is not an architecture of the model's family "
                         f"{model_cfg.family!r}", f"use one of: {', '.join(family.architectures)}")
-    if family.check_export is not None:
-        family.check_export(model_cfg, architecture)
+    family.check_export(model_cfg, architecture)
     src = _source(source)
     _, layouts = model_layouts(model_cfg)
     for name, layout in layouts.items():
@@ -144,7 +140,7 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
         for leaf in layout.leaves:
             for name, transpose, index, shape in hf_tensors(group, leaf.path, leaf.shape, model_cfg.family):
                 entries.append((name, group, leaf, transpose, shape, index))
-        if family.export_extras is not None and group.startswith("block_"):  # tensors the format has, we not
+        if group.startswith("block_"):  # tensors the format has, we not
             for name, shape in family.export_extras(model_cfg, architecture, int(group[6:])):
                 entries.append((name, group, None, False, shape, None))
     shards: list[list] = [[]]
@@ -189,14 +185,14 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
                     weight_map[name] = fname
             total += w.nbytes
             dt = time.perf_counter() - t0
-            _say(log, f"hf export: shard {k}/{n} {fname}: {w.nbytes / 1e9:.2f} GB in {dt:.1f}s "
+            say(log, f"hf export: shard {k}/{n} {fname}: {w.nbytes / 1e9:.2f} GB in {dt:.1f}s "
                       f"({w.nbytes / 1e9 / max(dt, 1e-9):.2f} GB/s)")
         if n > 1:
             with open(os.path.join(tmp, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(_hf_config_out(model_cfg, architecture, dtype, hf_config), f, indent=2, sort_keys=True)
-    _say(log, f"hf export: {architecture} ({dtype}, {n} shard{'s' if n > 1 else ''}, {total / 1e9:.2f} GB) "
+    say(log, f"hf export: {architecture} ({dtype}, {n} shard{'s' if n > 1 else ''}, {total / 1e9:.2f} GB) "
               f"to {out_dir} in {time.perf_counter() - start:.1f}s")
     return out_dir
 

@@ -14,10 +14,10 @@ import numpy as np
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
-from megatrain_jax.hf.config import Log, _architecture, _family_of, _read_json, _say, _warn, read_hf_config, \
-    resolve_hf_model_config
+from megatrain_jax.hf.config import Log, architecture, family_of, read_hf_config, read_json, \
+    resolve_hf_model_config, say, warn
 from megatrain_jax.hf.names import hf_tensors, model_layouts
-from megatrain_jax.hf.safetensors_io import _ST_DTYPES, TensorInfo, copy_cast, read_safetensors_header, read_tensor
+from megatrain_jax.hf.safetensors_io import ST_DTYPES, TensorInfo, copy_cast, read_safetensors_header, read_tensor
 
 INDEX = "model.safetensors.index.json"
 
@@ -26,7 +26,7 @@ def index_checkpoint(hf_dir: str) -> dict[str, TensorInfo]:
     """Every tensor of a checkpoint directory, from the (small) headers of its safetensors files."""
     index_path = os.path.join(hf_dir, INDEX)
     if os.path.isfile(index_path):
-        weight_map = _read_json(index_path, "model.from_hf").get("weight_map") or {}
+        weight_map = read_json(index_path, "model.from_hf").get("weight_map") or {}
         files = list(dict.fromkeys(weight_map.values()))
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         weight_map, files = None, ["model.safetensors"]
@@ -63,8 +63,9 @@ class _Item:
     index: int | None = None  # a slice along axis 0 of a stacked leaf (hf_tensors)
 
 
-def _plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig, hf_dir: str) -> list[_Item]:
-    """Match every leaf of the store with a checkpoint tensor; check names, shapes, dtypes up front."""
+def plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig, hf_dir: str) -> list[_Item]:
+    """Match every leaf of the store with a checkpoint tensor; check names, shapes, dtypes up front.
+    Public: hf/mt.py and the LoRA loader/exporter plan their reads with it."""
     plan, used = [], set()
     for group, layout in layouts.items():
         for leaf, (name, transpose, index, want) in ((lf, t) for lf in layout.leaves
@@ -77,7 +78,7 @@ def _plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig
             if info.shape != want:
                 raise UserError("model.from_hf", f"tensor {name} has shape {list(info.shape)}, config.json implies {list(want)}",
                                 "use a checkpoint whose config.json matches its weights")
-            if info.dtype not in _ST_DTYPES:
+            if info.dtype not in ST_DTYPES:
                 raise UserError("model.from_hf", f"tensor {name} has dtype {info.dtype}",
                                 "use a checkpoint in bfloat16, float16 or float32")
             plan.append(_Item(group, leaf, info, transpose, index))
@@ -85,12 +86,14 @@ def _plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig
     ignored = [n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
                and not (n == "lm_head.weight" and cfg.tie_embeddings)]
     if ignored:
-        _warn(f"model.from_hf: {len(ignored)} tensors of the checkpoint are not used by the model: "
+        warn(f"model.from_hf: {len(ignored)} tensors of the checkpoint are not used by the model: "
               f"{', '.join(sorted(ignored)[:5])}{' ...' if len(ignored) > 5 else ''}")
     return plan
 
 
-def _load_item(f, item: _Item, master: np.ndarray) -> None:
+def load_item(f, item: _Item, master: np.ndarray) -> None:
+    """One planned tensor (``plan_import``) from its open file into the flat store ``master``, cast to
+    float32 and transposed as planned. Public: hf/mt.py and the LoRA loader/exporter load with it."""
     leaf, info = item.leaf, item.info
     dst = master[leaf.offset:leaf.offset + leaf.size]
     if item.index is not None:  # one slice of a stacked leaf (contiguous: the leading axis)
@@ -102,8 +105,9 @@ def _load_item(f, item: _Item, master: np.ndarray) -> None:
     copy_cast(dst.reshape(info.shape[::-1] if item.transpose else info.shape), src.T if item.transpose else src)
 
 
-class _Files:
-    """Open checkpoint files, one handle each, closed together."""
+class OpenFiles:
+    """Open checkpoint files, one handle each, closed together.
+    Public: hf/mt.py and the LoRA loader/exporter read checkpoint tensors through it."""
 
     def __init__(self):
         self.handles: dict[str, Any] = {}
@@ -135,12 +139,10 @@ def load_hf_into_store(model_cfg: ModelConfig, bf16_stream: bool, *, seq_len: in
     resolve_hf_model_config(model_cfg)  # a Hub id becomes its snapshot directory here
     hf_dir = model_cfg.from_hf
     hf = read_hf_config(hf_dir)
-    family = _family_of(_architecture(hf, "config.json"))
-    if family.on_import is not None:
-        family.on_import(hf, model_cfg, seq_len, lambda msg: _say(log, msg))
+    family_of(architecture(hf, "config.json")).on_import(hf, model_cfg, seq_len, lambda msg: say(log, msg))
     tensors = index_checkpoint(hf_dir)
     parts, layouts = model_layouts(model_cfg)
-    plan = _plan_import(layouts, tensors, model_cfg, hf_dir)  # every check before allocating anything
+    plan = plan_import(layouts, tensors, model_cfg, hf_dir)  # every check before allocating anything
     store = HostStore(layouts, bf16_stream)
     remaining = {g: sum(1 for i in plan if i.group == g) for g in layouts}
     by_file: dict[str, list[_Item]] = {}
@@ -153,16 +155,16 @@ def load_hf_into_store(model_cfg: ModelConfig, bf16_stream: bool, *, seq_len: in
         t0 = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
             for item in sorted(items, key=lambda i: i.info.start):  # sequential reads
-                _load_item(f, item, store[item.group].master)
+                load_item(f, item, store[item.group].master)
                 remaining[item.group] -= 1
                 if remaining[item.group] == 0:
                     store[item.group].sync_stream()
         nbytes = sum(i.info.nbytes for i in items)
         done += nbytes
         dt = time.perf_counter() - t0
-        _say(log, f"hf import: shard {k}/{len(by_file)} {os.path.basename(path)}: {nbytes / 1e9:.2f} GB in {dt:.1f}s "
+        say(log, f"hf import: shard {k}/{len(by_file)} {os.path.basename(path)}: {nbytes / 1e9:.2f} GB in {dt:.1f}s "
                   f"({nbytes / 1e9 / max(dt, 1e-9):.2f} GB/s; {done / max(total, 1):.0%} done)")
-    _say(log, f"hf import: {store.num_params() / 1e6:.1f}M parameters from {hf_dir} in {time.perf_counter() - start:.1f}s")
+    say(log, f"hf import: {store.num_params() / 1e6:.1f}M parameters from {hf_dir} in {time.perf_counter() - start:.1f}s")
     return parts, store
 
 

@@ -17,12 +17,12 @@ import yaml
 from megatrain_jax.atomic import check_output, output_dir, run_reason
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
-from megatrain_jax.hf.config import Log, _read_json, _say, read_hf_config, resolve_hf_model_config
+from megatrain_jax.hf.config import Log, read_hf_config, read_json, resolve_hf_model_config, say
 from megatrain_jax.hf.exporter import OTHER_KIND_HINT as HF_KIND_HINT
 from megatrain_jax.hf.exporter import SHARD_BYTES, export_hf, one_group_at_a_time
-from megatrain_jax.hf.importer import _Files, _load_item, _plan_import, index_checkpoint
+from megatrain_jax.hf.importer import OpenFiles, load_item, plan_import, index_checkpoint
 from megatrain_jax.hf.names import model_layouts
-from megatrain_jax.hf.safetensors_io import _ST_DTYPES, SafetensorsWriter, _read_exact, read_safetensors_header, \
+from megatrain_jax.hf.safetensors_io import ST_DTYPES, SafetensorsWriter, read_exact, read_safetensors_header, \
     read_tensor
 
 OTHER_KIND_HINT = "choose a new directory (a Hugging Face export is replaced only by `export` or `convert mt-to-hf`)"
@@ -59,12 +59,14 @@ def save_mt(store, model_cfg: ModelConfig, out_dir: str, *, hf_config: dict | No
     with output_dir(out_dir, "mt", overwrite=overwrite) as tmp:
         for g in store:
             write_mt_group(os.path.join(tmp, f"{g.name}.safetensors"), g.name, g.layout, g.master)
-        _write_mt_meta(tmp, model_cfg, hf_config)
-    _say(log, f"mt: wrote {store.num_params() / 1e6:.1f}M parameters to {out_dir}")
+        write_mt_meta(tmp, model_cfg, hf_config)
+    say(log, f"mt: wrote {store.num_params() / 1e6:.1f}M parameters to {out_dir}")
     return out_dir
 
 
-def _write_mt_meta(d: str, model_cfg: ModelConfig | dict, hf_config: dict | None) -> None:
+def write_mt_meta(d: str, model_cfg: ModelConfig | dict, hf_config: dict | None) -> None:
+    """Write the model's megatrain config (and the HF config.json, when given) into ``d``. Public: hf/commands.py
+    writes the export's metadata with it."""
     with open(os.path.join(d, MT_CONFIG), "w") as f:
         yaml.safe_dump(_model_yaml(model_cfg), f, sort_keys=False)
     if hf_config:
@@ -90,7 +92,7 @@ def read_mt_config(mt_dir: str) -> tuple[ModelConfig, dict | None]:
     if unknown:
         raise UserError(path, f"unknown model keys {unknown}", f"use only: {', '.join(sorted(fields))}")
     hf_path = os.path.join(mt_dir, MT_HF_CONFIG)
-    hf = _read_json(hf_path, "MT_DIR") if os.path.isfile(hf_path) else None
+    hf = read_json(hf_path, "MT_DIR") if os.path.isfile(hf_path) else None
     return ModelConfig(**d), hf
 
 
@@ -104,7 +106,7 @@ def _mt_group_reader(mt_dir: str, name: str, layout) -> Callable[[np.ndarray], N
         info = infos.get(leaf.path)
         if info is None:
             raise UserError("MT_DIR", f"tensor {leaf.path} is missing from {path}", "use a complete mt directory")
-        if info.shape != leaf.shape or info.dtype not in _ST_DTYPES:
+        if info.shape != leaf.shape or info.dtype not in ST_DTYPES:
             raise UserError("MT_DIR", f"tensor {leaf.path} in {path} is {info.dtype} {list(info.shape)}, "
                             f"model.yaml implies {list(leaf.shape)} (float)", "use the model.yaml written with these weights")
     first = min(i.start for i in infos.values()) if infos else 0
@@ -115,7 +117,7 @@ def _mt_group_reader(mt_dir: str, name: str, layout) -> Callable[[np.ndarray], N
         with open(path, "rb", buffering=0) as f:
             if contiguous:  # the data section is the group's flat buffer: one read
                 f.seek(first)
-                _read_exact(f, memoryview(flat.view(np.uint8)))
+                read_exact(f, memoryview(flat.view(np.uint8)))
             else:  # any order; bf16/fp16 weights-only exports are upcast (exactly)
                 for leaf in layout.leaves:
                     info, dst = infos[leaf.path], flat[leaf.offset:leaf.offset + leaf.size]
@@ -139,7 +141,7 @@ def load_mt(mt_dir: str, bf16_stream: bool, *, log: Log = print):
     for name, read in readers.items():
         read(store[name].master)
         store[name].sync_stream()
-    _say(log, f"mt: read {store.num_params() / 1e6:.1f}M parameters from {mt_dir} in {time.perf_counter() - t0:.1f}s")
+    say(log, f"mt: read {store.num_params() / 1e6:.1f}M parameters from {mt_dir} in {time.perf_counter() - t0:.1f}s")
     return cfg, parts, store
 
 
@@ -163,19 +165,19 @@ def hf_to_mt(hf_dir: str, out_dir: str, *, overwrite: bool = False, log: Log = p
     check_output(out_dir, "mt", sources=[hf_dir], overwrite=overwrite, other=OTHER_KIND_HINT)
     tensors = index_checkpoint(hf_dir)
     _, layouts = model_layouts(cfg)
-    plan = _plan_import(layouts, tensors, cfg, hf_dir)
-    files = _Files()
+    plan = plan_import(layouts, tensors, cfg, hf_dir)
+    files = OpenFiles()
     t0 = time.perf_counter()
     try:
         with output_dir(out_dir, "mt", sources=[hf_dir], overwrite=overwrite) as tmp:
             for name, layout in layouts.items():
                 flat = np.empty(layout.size, np.float32)
                 for item in sorted((i for i in plan if i.group == name), key=lambda i: (i.info.path, i.info.start)):
-                    _load_item(files.get(item.info.path), item, flat)
+                    load_item(files.get(item.info.path), item, flat)
                 write_mt_group(os.path.join(tmp, f"{name}.safetensors"), name, layout, flat)
                 del flat
-                _say(log, f"convert: {name} ({layout.size / 1e6:.1f}M parameters) done, {time.perf_counter() - t0:.1f}s")
-            _write_mt_meta(tmp, cfg, hf)
+                say(log, f"convert: {name} ({layout.size / 1e6:.1f}M parameters) done, {time.perf_counter() - t0:.1f}s")
+            write_mt_meta(tmp, cfg, hf)
     finally:
         files.close()
     return cfg

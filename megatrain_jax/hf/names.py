@@ -1,22 +1,42 @@
-"""Tensor names: our (group, leaf path) <-> the checkpoint's tensor names, by the family's map
-(``Family.hf_name``, beside the family in ``megatrain_jax/models/``; else the module-tree default,
-``models/hfnames.py``). A name with ``*`` marks a leaf stacked along its first axis that the
-checkpoint holds as one tensor per slice (MoE experts: ``...experts.*.w1.weight``)."""
+"""Tensor names: our (group, leaf path) <-> the checkpoint's tensor names. Names follow our module
+tree (``default_hf_name``): leaf ``self_attn/q_proj/kernel`` of ``block_3`` is
+``model.layers.3.self_attn.q_proj.weight`` (kernels transposed: ours are ``(in, out)``), so a family
+whose modules are named like the ``transformers`` ones needs no map of its own; one that differs
+gives ``Family.hf_name`` in its file under ``megatrain_jax/models/``. A name with ``*`` marks a leaf
+stacked along its first axis that the checkpoint holds as one tensor per slice (MoE experts:
+``...experts.*.w1.weight``)."""
 from __future__ import annotations
 
 from megatrain_jax.config import ModelConfig
-from megatrain_jax.models.hfnames import default_hf_name
+from megatrain_jax.families import get_family
+
+
+def default_hf_name(group: str, leaf_path: str) -> tuple[str, bool]:
+    """Our (group, leaf path) -> (Hugging Face tensor name, transposed?), by the module tree."""
+    if group == "embed" and leaf_path == "embedding":
+        return "model.embed_tokens.weight", False
+    if group == "head":
+        if leaf_path == "lm_head":
+            return "lm_head.weight", True
+        if leaf_path in ("norm/scale", "norm/weight"):
+            return "model.norm.weight", False
+    if group.startswith("block_"):
+        *mods, kind = leaf_path.split("/")
+        prefix = f"model.layers.{int(group[6:])}." + ".".join(mods)
+        if kind == "kernel":
+            return prefix + ".weight", True
+        if kind in ("scale", "weight"):  # RMSNorm scales; Gemma's (1 + weight) norms
+            return prefix + ".weight", False
+        if kind == "bias":
+            return prefix + ".bias", False
+    raise ValueError(f"no Hugging Face name for {group}/{leaf_path}")
 
 
 def hf_name(group: str, leaf_path: str, family: str | None = None) -> tuple[str, bool]:
-    """Our (group, leaf path) -> (Hugging Face tensor name, transposed?)."""
-    if family is not None:
-        from megatrain_jax.models.registry import get_family
-
-        own = get_family(family).hf_name
-        if own is not None:
-            return own(group, leaf_path)
-    return default_hf_name(group, leaf_path)
+    """Our (group, leaf path) -> (Hugging Face tensor name, transposed?): the family's own name
+    where it has one, else the module tree's."""
+    own = get_family(family).hf_name(group, leaf_path) if family is not None else None
+    return own if own is not None else default_hf_name(group, leaf_path)
 
 
 def hf_tensors(group: str, leaf_path: str, shape: tuple[int, ...],
@@ -39,5 +59,3 @@ def model_layouts(cfg: ModelConfig):
 
     parts = streamed_parts(abstract_model(cfg))
     return parts, {n: Layout(t) for n, t in parts.host_trees().items()}
-
-

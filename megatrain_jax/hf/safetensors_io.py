@@ -15,9 +15,10 @@ import numpy as np
 
 from megatrain_jax.errors import UserError
 
-_ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+# safetensors dtype name -> numpy dtype; public: hf/importer.py and hf/mt.py read tensors by it
+ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
               "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64)}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict[str,
     return out, meta
 
 
-def _read_exact(f, view: memoryview) -> None:
+def read_exact(f, view: memoryview) -> None:
+    """Fill ``view`` from ``f`` (a short read is a truncated file). Public: hf/mt.py reads raw tensors with it."""
     got = 0
     while got < len(view):
         n = f.readinto(view[got:])
@@ -70,11 +72,11 @@ def _read_exact(f, view: memoryview) -> None:
 
 def read_tensor(f, info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
     """One tensor from an open file; read straight into ``out`` when given (same dtype, contiguous)."""
-    dtype = _ST_DTYPES[info.dtype]
+    dtype = ST_DTYPES[info.dtype]
     if out is None:
         out = np.empty(info.shape, dtype)
     f.seek(info.start)
-    _read_exact(f, memoryview(out.reshape(-1).view(np.uint8)))
+    read_exact(f, memoryview(out.reshape(-1).view(np.uint8)))
     return out
 
 

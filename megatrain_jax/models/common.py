@@ -6,7 +6,7 @@ The model is three kinds of parts, and that split is what the streaming engine s
 the tied embedding). Each block is called as ``block(hidden, aux)`` where ``aux`` carries what
 every layer shares (RoPE tables, one per RoPE base; the document ids); that is the signature of a
 layer template (see ``templates.py``). Which block class, which final norm and whether the
-embedding is scaled come from the family record (``registry.py``) named by ``cfg.family``.
+embedding is scaled come from the family object (``megatrain_jax/families.py``) named by ``cfg.family``.
 
 Weights are kept in ``param_dtype`` (fp32 master); compute happens in the dtype of the incoming
 weights and hidden state, so the same module serves fp32 and bf16 compute. Kernels are stored
@@ -23,7 +23,7 @@ from flax import nnx
 
 from megatrain_jax.attention import attention
 from megatrain_jax.config import ModelConfig
-from megatrain_jax.models.registry import get_family
+from megatrain_jax.families import get_family
 
 Aux = dict[str, Any]
 
@@ -357,8 +357,7 @@ class Decoder(nnx.Module):
 
     def aux_loss_fn(self):
         """The family's auxiliary loss of the summed block statistics, or None (most models)."""
-        make = get_family(self.cfg.family).aux_loss
-        return make(self.cfg) if make is not None else None
+        return get_family(self.cfg.family).aux_loss(self.cfg)
 
 
 def _call_block(layer: nnx.Module, x: jax.Array, aux: Aux) -> jax.Array:

@@ -29,6 +29,18 @@ LORA_MODULES = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v":
 TARGET_ORDER = tuple(LORA_MODULES)  # a target's index seeds its A: the same draw whatever else is targeted
 
 
+def plain_config(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` without adapters: the frozen base's model (its layouts, initialisation, export)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, lora=None)
+
+
+def adapter_shapes(cfg: ModelConfig) -> list[dict]:
+    """Every layer's adapter tree as ``ShapeDtypeStruct`` leaves (``{submodule: {proj: {lora_a, lora_b}}}``)."""
+    return [split_lora(abstract_lora_block(cfg, i))[1] for i in range(cfg.num_layers)]
+
+
 class LoraParam(nnx.Param):
     """An adapter weight (``lora_a``, ``lora_b``): the only thing LoRA training updates."""
 

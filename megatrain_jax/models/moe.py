@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders: Mixtral and Qwen3-MoE (two families in one module).
+"""Mixture-of-experts decoders: what the families ``mixtral.py`` and ``qwen3_moe.py`` share (the MoE
+layer, the sparse block, the parameter counts, and ``MoEFamily``, Llama's family with experts).
 
 Both are the pre-norm Llama block whose MLP is a sparse mixture of SwiGLU experts: a router
 (``mlp/gate``, a bias-free ``(H, E)`` linear) scores ``E`` experts per token, the top ``k`` are
@@ -11,7 +12,7 @@ The experts' weights are stacked inside the block's group: ``mlp/experts/gate_pr
 ``up_proj`` ``(E, H, F)``, ``down_proj`` ``(E, F, H)`` (each expert ``(in, out)`` like our kernels),
 so a block streams as one group like any other. Hugging Face checkpoints hold one tensor per expert
 (Mixtral: ``block_sparse_moe.experts.{e}.w1/w3/w2``; Qwen3-MoE: ``mlp.experts.{e}.gate_proj/
-up_proj/down_proj``); ``hf_name`` returns those names with ``*`` for the expert index, and
+up_proj/down_proj``); ``MoEFamily.hf_name`` returns those names with ``*`` for the expert index, and
 ``megatrain_jax.hf`` maps each slice of the stack to its tensor on import and export.
 
 Two expert computations (``ModelConfig.moe_impl``), both static-shape and capacity-free (no token
@@ -46,14 +47,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import megatrain_jax.hf.config as hfc
 from megatrain_jax.config import ModelConfig
-from megatrain_jax.config.validate import MOE_IMPLS  # noqa: F401 (checked there)
 from megatrain_jax.errors import UserError
-import megatrain_jax.models.hfconfig as hfconfig
-from megatrain_jax.models.hfnames import default_hf_name
 from megatrain_jax.models.common import MLP, Attention, Aux, RMSNorm, dense_block_params
-from megatrain_jax.models.registry import Family, register
-
+from megatrain_jax.models.llama import LlamaFamily, no_gemma_fields, no_qkv_bias
 
 
 # ------------------------------------------------------------------------------- the MoE layer
@@ -93,7 +91,7 @@ def router_aux_loss(coef: float, num_experts: int):
 
 
 def aux_loss_of(cfg: ModelConfig):
-    """The family record's ``aux_loss``: the router loss when ``router_aux_loss_coef`` > 0."""
+    """``MoEFamily.aux_loss``: the router loss when ``router_aux_loss_coef`` > 0."""
     if not cfg.router_aux_loss_coef:
         return None
     return router_aux_loss(float(cfg.router_aux_loss_coef), int(cfg.num_experts))
@@ -162,7 +160,7 @@ class SparseMoE(nnx.Module):
         return (out, router_stats(probs, idx)) if self.stats else out
 
 
-class MixtralBlock(nnx.Module):
+class MoEBlock(nnx.Module):
     """x + attn(norm(x)), then + moe(norm(x)) (or a dense MLP on Qwen3-MoE's ``mlp_only_layers``).
 
     With ``router_aux_loss_coef`` > 0 a sparse block returns ``(hidden, router_stats)``
@@ -191,14 +189,10 @@ class MixtralBlock(nnx.Module):
         return x + y
 
 
-class Qwen3MoeBlock(MixtralBlock):
-    QK_NORM = RMSNorm
-
-
 # ------------------------------------------------------------------------------- parameter counts
 
 
-def _expert_size(cfg: ModelConfig) -> int:
+def expert_size(cfg: ModelConfig) -> int:
     return 3 * cfg.hidden_size * (cfg.moe_intermediate_size or cfg.intermediate_size)
 
 
@@ -206,7 +200,7 @@ def block_params(cfg: ModelConfig, qk_norm: bool) -> int:
     """A sparse block: attention, norms, router and all ``num_experts`` experts (what the host
     stores and streams; the largest block when some layers are dense)."""
     no_mlp = dense_block_params(cfg, qk_norm=qk_norm) - 3 * cfg.hidden_size * cfg.intermediate_size
-    return no_mlp + cfg.hidden_size * cfg.num_experts + cfg.num_experts * _expert_size(cfg)
+    return no_mlp + cfg.hidden_size * cfg.num_experts + cfg.num_experts * expert_size(cfg)
 
 
 def dense_layer_saving(cfg: ModelConfig) -> int:
@@ -216,35 +210,16 @@ def dense_layer_saving(cfg: ModelConfig) -> int:
 
 def inactive_block_params(cfg: ModelConfig) -> int:
     """Parameters of one sparse block that a token does not use: the experts it is not routed to."""
-    return (cfg.num_experts - cfg.experts_per_token) * _expert_size(cfg)
+    return (cfg.num_experts - cfg.experts_per_token) * expert_size(cfg)
 
 
-# ------------------------------------------------------------------------------- Hugging Face
-
-_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-
-
-def _hf_name(group: str, leaf: str, mixtral: bool) -> tuple[str, bool]:
-    if group.startswith("block_") and leaf.startswith("mlp/"):
-        prefix = f"model.layers.{int(group[6:])}." + ("block_sparse_moe" if mixtral else "mlp")
-        if leaf == "mlp/gate/kernel":
-            return prefix + ".gate.weight", True
-        kind = leaf.split("/")[-1]
-        if leaf.startswith("mlp/experts/") and kind in _MIXTRAL_EXPERT:  # stacked: one tensor per expert
-            return f"{prefix}.experts.*.{_MIXTRAL_EXPERT[kind] if mixtral else kind}.weight", True
-    return default_hf_name(group, leaf)
-
+# ------------------------------------------------------------------------------- the family
 
 AUX_COEF_DEFAULT = 0.001  # transformers' MixtralConfig and Qwen3MoeConfig default router_aux_loss_coef
+MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
-def _refuse_common(hf: dict, where: str) -> None:
-    hfconfig.check_act(hf, where, ("hidden_act",), ("silu", "swish"), "silu", "SwiGLU (silu)")
-    if hf.get("attention_bias"):
-        hfconfig.refuse(where, "attention_bias (biases on q/k/v and o_proj)", "use a checkpoint without attention biases")
-
-
-def _aux_coef(hf: dict, base: ModelConfig, where: str) -> float:
+def aux_coef(hf: dict, base: ModelConfig, where: str) -> float:
     """transformers trains with ``router_aux_loss_coef`` x the load-balancing loss when
     ``output_router_logits`` is true; otherwise the YAML's ``model.router_aux_loss_coef`` (default 0)."""
     if not hf.get("output_router_logits"):
@@ -256,139 +231,84 @@ def _aux_coef(hf: dict, base: ModelConfig, where: str) -> float:
     return float(coef)
 
 
-def mlp_only_layers_from_hf(hf: dict, n: int, where: str) -> list[int] | None:
-    """Qwen3-MoE's dense layers as transformers picks them: layer ``i`` is sparse unless it is in
-    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``. None: every layer sparse."""
-    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise UserError("model.from_hf", f"decoder_sparse_step={step!r} in {where} is not a positive integer",
-                        "fix config.json")
-    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
-        raise UserError("model.from_hf", f"mlp_only_layers={only!r} in {where} is not a list of layer indices",
-                        "fix config.json")
-    dense = [i for i in range(n) if i in only or (i + 1) % step != 0]
-    if n and len(dense) == n:
-        raise UserError("model.from_hf", f"decoder_sparse_step={step} and mlp_only_layers={only} in {where} make "
-                        "every layer dense (no experts)", "load it as a dense model (Qwen3ForCausalLM)")
-    return dense or None
+class MoEFamily(LlamaFamily):
+    """Llama's family with a sparse MLP: what Mixtral and Qwen3-MoE share. A subclass sets
+    ``experts_keys`` (config.json's expert count, first found wins), ``moe_prefix`` (the MLP's name
+    in the checkpoint) and ``expert_names`` (our expert projections -> the checkpoint's)."""
 
+    extra = {"moe": True}  # config validation: the expert fields are allowed
+    act_keys = ("hidden_act",)
+    experts_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
+    moe_prefix = "mlp"
+    expert_names = {k: k for k in MIXTRAL_EXPERT}
 
-def mlp_only_layers_to_hf(cfg: ModelConfig) -> tuple[int, list[int]]:
-    """(decoder_sparse_step, mlp_only_layers) for config.json: a step when one gives exactly our
-    dense layers (the form checkpoints use), else step 1 and the list."""
-    dense = sorted(cfg.mlp_only_layers or [])
-    for step in range(2, cfg.num_layers + 1):
-        if dense == [i for i in range(cfg.num_layers) if (i + 1) % step != 0]:
-            return step, []
-    return 1, dense
+    def check_hf(self, hf: dict, where: str, arch: str) -> None:
+        hfc.check_act(hf, where, self.act_keys, ("silu", "swish"), "silu", "SwiGLU (silu)")
+        if hf.get("attention_bias"):
+            hfc.refuse(where, "attention_bias (biases on q/k/v and o_proj)", "use a checkpoint without attention biases")
 
+    def fields_from_hf(self, hf: dict, base: ModelConfig, where: str, arch: str) -> dict:
+        coef = aux_coef(hf, base, where)
+        e = next((hf[k] for k in self.experts_keys if hf.get(k) is not None), None)
+        if e is None or int(hf.get("num_experts_per_tok") or 0) <= 0:
+            hfc.refuse(where, f"a config without {self.experts_keys[0]} / num_experts_per_tok", "use a MoE checkpoint")
+        return dict(router_aux_loss_coef=coef, num_experts=int(e), experts_per_token=int(hf["num_experts_per_tok"]))
 
-def _moe_fields(hf: dict, where: str, experts_key: tuple[str, ...]) -> dict:
-    e = next((hf[k] for k in experts_key if hf.get(k) is not None), None)
-    if e is None or int(hf.get("num_experts_per_tok") or 0) <= 0:
-        hfconfig.refuse(where, f"a config without {experts_key[0]} / num_experts_per_tok", "use a MoE checkpoint")
-    return dict(num_experts=int(e), experts_per_token=int(hf["num_experts_per_tok"]))
+    def to_hf_config(self, cfg: ModelConfig, arch: str, out: dict) -> None:
+        super().to_hf_config(cfg, arch, out)
+        on = bool(cfg.router_aux_loss_coef)  # trained with the load-balancing loss: transformers adds it too
+        out.update(num_experts_per_tok=cfg.experts_per_token, output_router_logits=on)
+        if on:
+            out["router_aux_loss_coef"] = cfg.router_aux_loss_coef
+        else:
+            out.setdefault("router_aux_loss_coef", AUX_COEF_DEFAULT)  # unused without output_router_logits
 
+    def hf_name(self, group: str, leaf_path: str) -> tuple[str, bool] | None:
+        """The router and the stacked experts (one checkpoint tensor per expert: ``*``)."""
+        if group.startswith("block_") and leaf_path.startswith("mlp/"):
+            prefix = f"model.layers.{int(group[6:])}.{self.moe_prefix}"
+            if leaf_path == "mlp/gate/kernel":
+                return prefix + ".gate.weight", True
+            kind = leaf_path.split("/")[-1]
+            if leaf_path.startswith("mlp/experts/") and kind in self.expert_names:
+                return f"{prefix}.experts.*.{self.expert_names[kind]}.weight", True
+        return None
 
-def mixtral_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> ModelConfig:
-    _refuse_common(hf, where)
-    if hf.get("router_jitter_noise"):
-        raise UserError("model.from_hf", f"router_jitter_noise={hf['router_jitter_noise']} in {where} is not supported",
-                        "set router_jitter_noise to 0 in config.json")
-    theta, scaling = hfconfig.rope_from_hf(hf, where, allowed=("llama3", "linear"))
-    window = int(hf["sliding_window"]) if hf.get("sliding_window") else None
-    return hfconfig.base_from_hf(hf, base, where, "mixtral", rope_theta=theta, rope_scaling=scaling,
-                                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
-                                 moe_intermediate_size=None, norm_topk_prob=True,
-                                 router_aux_loss_coef=_aux_coef(hf, base, where),
-                                 **_moe_fields(hf, where, ("num_local_experts", "num_experts")))
+    # ---- sizes, the router loss, validation
 
+    def block_params(self, cfg: ModelConfig) -> int:
+        return block_params(cfg, qk_norm=self.block.QK_NORM is not None)
 
-def qwen3_moe_from_hf(hf: dict, base: ModelConfig, where: str, arch: str) -> ModelConfig:
-    _refuse_common(hf, where)
-    theta, scaling = hfconfig.rope_from_hf(hf, where, allowed=("llama3", "linear"))
-    window = int(hf["sliding_window"]) if hf.get("use_sliding_window") and hf.get("sliding_window") else None
-    n = int(hf.get("num_hidden_layers") or 0)
-    return hfconfig.base_from_hf(hf, base, where, "qwen3_moe", rope_theta=theta, rope_scaling=scaling,
-                                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
-                                 moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                                 mlp_only_layers=mlp_only_layers_from_hf(hf, n, where),
-                                 router_aux_loss_coef=_aux_coef(hf, base, where),
-                                 **_moe_fields(hf, where, ("num_experts", "num_local_experts")))
+    def non_embedding_params(self, cfg: ModelConfig) -> int:
+        n = super().non_embedding_params(cfg)
+        if cfg.mlp_only_layers:  # dense layers: block_params() is a sparse block's
+            n -= len(cfg.mlp_only_layers) * dense_layer_saving(cfg)
+        return n
 
+    def active_non_embedding_params(self, cfg: ModelConfig) -> int:
+        if not cfg.num_experts:
+            return self.non_embedding_params(cfg)
+        sparse = cfg.num_layers - len(cfg.mlp_only_layers or ())
+        return self.non_embedding_params(cfg) - sparse * inactive_block_params(cfg)
 
-def _to_hf_common(cfg: ModelConfig, out: dict) -> None:
-    on = bool(cfg.router_aux_loss_coef)  # trained with the load-balancing loss: transformers adds it too
-    out.update(hidden_act="silu", num_experts_per_tok=cfg.experts_per_token, output_router_logits=on)
-    if on:
-        out["router_aux_loss_coef"] = cfg.router_aux_loss_coef
-    else:
-        out.setdefault("router_aux_loss_coef", AUX_COEF_DEFAULT)  # unused without output_router_logits
+    def aux_loss(self, cfg: ModelConfig):
+        return aux_loss_of(cfg)
 
-
-def mixtral_to_hf(cfg: ModelConfig, arch: str, out: dict) -> None:
-    _to_hf_common(cfg, out)
-    out.update(num_local_experts=cfg.num_experts, sliding_window=cfg.sliding_window, router_jitter_noise=0.0)
-    out.pop("num_experts", None)
-
-
-def qwen3_moe_to_hf(cfg: ModelConfig, arch: str, out: dict) -> None:
-    _to_hf_common(cfg, out)
-    step, only = mlp_only_layers_to_hf(cfg)
-    out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size or cfg.intermediate_size,
-               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=step, mlp_only_layers=only, attention_bias=False,
-               use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
-    out.pop("num_local_experts", None)
-
-
-# ------------------------------------------------------------------------------- validation
-
-
-def _validate(cfg: ModelConfig) -> None:
-    from megatrain_jax.models.llama import _no_gemma_fields
-
-    if cfg.qkv_bias:
-        raise UserError("model.qkv_bias", f"the {cfg.family} family has no q/k/v biases", "set model.qkv_bias: false")
-    if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1:
-        raise UserError("model.layer_types", f"the {cfg.family} family uses model.sliding_window on every layer",
-                        "set layer_types to null")
-    _no_gemma_fields(cfg)
-    if cfg.num_experts is None or cfg.experts_per_token is None:
-        raise UserError("model.num_experts", f"the {cfg.family} family needs model.num_experts and "
-                        "model.experts_per_token", "set both (e.g. num_experts: 8, experts_per_token: 2)")
-    dense = cfg.mlp_only_layers
-    if dense is not None:
-        if (not isinstance(dense, (list, tuple)) or len(set(dense)) != len(dense)
-                or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.num_layers for i in dense)):
-            raise UserError("model.mlp_only_layers", f"must list distinct layer indices in [0, {cfg.num_layers}), "
-                            f"got {dense!r}", "fix the list, or null for every layer sparse")
-        if len(dense) == cfg.num_layers:
-            raise UserError("model.mlp_only_layers", "makes every layer dense (no experts left)",
-                            "use family qwen3 for a dense model, or leave some layers sparse")
-
-
-def mixtral_validate(cfg: ModelConfig) -> None:
-    _validate(cfg)
-    if not cfg.norm_topk_prob:
-        raise UserError("model.norm_topk_prob", "Mixtral always renormalises the top-k router weights",
-                        "set model.norm_topk_prob: true (or use family qwen3_moe)")
-    if cfg.mlp_only_layers is not None:
-        raise UserError("model.mlp_only_layers", "every Mixtral layer is sparse",
-                        "set model.mlp_only_layers: null (dense layers: family qwen3_moe)")
-
-
-# ModelConfig's parameter counts read these through the family (the config does not import the models)
-_MOE_EXTRA = {"moe": True, "dense_layer_saving": dense_layer_saving, "inactive_block_params": inactive_block_params}
-
-register(Family(
-    name="mixtral", architectures=("MixtralForCausalLM",), model_types=("mixtral",), block=MixtralBlock,
-    block_params=lambda cfg: block_params(cfg, qk_norm=False), config_from_hf=mixtral_from_hf,
-    config_to_hf=mixtral_to_hf, validate=mixtral_validate, hf_name=lambda g, l: _hf_name(g, l, True),
-    aux_loss=aux_loss_of, extra=_MOE_EXTRA))
-
-register(Family(
-    name="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), model_types=("qwen3_moe",), block=Qwen3MoeBlock,
-    block_params=lambda cfg: block_params(cfg, qk_norm=True), config_from_hf=qwen3_moe_from_hf,
-    config_to_hf=qwen3_moe_to_hf, validate=_validate, hf_name=lambda g, l: _hf_name(g, l, False),
-    aux_loss=aux_loss_of, extra=_MOE_EXTRA))
+    def validate(self, cfg: ModelConfig) -> None:
+        no_qkv_bias(cfg)
+        if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1:
+            raise UserError("model.layer_types", f"the {cfg.family} family uses model.sliding_window on every layer",
+                            "set layer_types to null")
+        no_gemma_fields(cfg)
+        if cfg.num_experts is None or cfg.experts_per_token is None:
+            raise UserError("model.num_experts", f"the {cfg.family} family needs model.num_experts and "
+                            "model.experts_per_token", "set both (e.g. num_experts: 8, experts_per_token: 2)")
+        dense = cfg.mlp_only_layers
+        if dense is not None:
+            if (not isinstance(dense, (list, tuple)) or len(set(dense)) != len(dense)
+                    or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.num_layers for i in dense)):
+                raise UserError("model.mlp_only_layers", f"must list distinct layer indices in [0, {cfg.num_layers}), "
+                                f"got {dense!r}", "fix the list, or null for every layer sparse")
+            if len(dense) == cfg.num_layers:
+                raise UserError("model.mlp_only_layers", "makes every layer dense (no experts left)",
+                                "use family qwen3 for a dense model, or leave some layers sparse")

@@ -55,7 +55,9 @@ def build_schedule(optim_cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), main], [warm])
 
 
-def _learning_rate(optim_cfg: OptimConfig, total_steps: int) -> float | optax.Schedule:
+def learning_rate_or_schedule(optim_cfg: OptimConfig, total_steps: int) -> float | optax.Schedule:
+    """The learning rate optax gets: a float for a constant rate without warmup (no schedule state),
+    else the schedule. Public: the LoRA trainer builds its optimizer with it."""
     s = optim_cfg.schedule
     if s.kind == "constant" and s.warmup_steps == 0:
         return float(optim_cfg.lr)  # optax then scales by a constant, no schedule state
@@ -69,7 +71,7 @@ def build_host_optimizer(optim_cfg: OptimConfig, total_steps: int) -> HostOptimi
     (``lean.lion_int8``), muon (``optax.contrib.muon``), or
     ``optax.<optax_name>(learning_rate=schedule, weight_decay=..., **optax_kwargs)``."""
     o = optim_cfg
-    lr = _learning_rate(o, total_steps)
+    lr = learning_rate_or_schedule(o, total_steps)
     if o.kernel == "fused":
         if o.name != "adamw":
             raise UserError("optim.kernel", f"the fused kernel implements adamw only, not {o.name}",

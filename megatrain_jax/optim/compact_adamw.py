@@ -67,7 +67,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from megatrain_jax.optim.fused_adamw import _adamw_elem, _bf16_rne, bias_correction, grad_f32, launch
+from megatrain_jax.optim.fused_adamw import adamw_elem, bf16_rne, bias_correction, grad_f32, launch
 
 BLOCK = 2048
 CHUNK_BLOCKS = 16  # blocks a thread takes from the kernel's work queue at a time (32768 values)
@@ -323,7 +323,7 @@ def _adamw_int8_core(param, grad, mq, ms, vq, vs, bf16_out, code_s, code_u, tab_
     overlap. Per block, five loops that LLVM vectorizes:
 
     1. dequantize (gather the code values of the old indices) and update: the AdamW arithmetic of
-       ``_adamw_elem`` (sqrt and divide are IEEE vector instructions, no fastmath), the new params,
+       ``adamw_elem`` (sqrt and divide are IEEE vector instructions, no fastmath), the new params,
        the new moments into the scratch rows, their absmax as an integer max of the magnitude bits;
     2. the bfloat16 copy of the new params;
     3. the lookup words of m * (1 / absmax) and v * (1 / absmax), in place;
@@ -350,7 +350,7 @@ def _adamw_int8_core(param, grad, mq, ms, vq, vs, bf16_out, code_s, code_u, tab_
                 mx_m = np.uint32(0)
                 mx_v = np.uint32(0)
                 for j in range(cnt):
-                    p, m, v = _adamw_elem(param[lo + j], grad[lo + j], code_s[mq[lo + j]] * am, code_u[vq[lo + j]] * av,
+                    p, m, v = adamw_elem(param[lo + j], grad[lo + j], code_s[mq[lo + j]] * am, code_u[vq[lo + j]] * av,
                                           gs, nlr, b1, omb1, b2, omb2, rbc1, rbc2, eps, eps_root, wd, decay)
                     param[lo + j] = p
                     sc[j] = m
@@ -359,7 +359,7 @@ def _adamw_int8_core(param, grad, mq, ms, vq, vs, bf16_out, code_s, code_u, tab_
                     mx_v = max(mx_v, _abs_bits(v))
                 if write_bf16:
                     for j in range(cnt):
-                        bf16_out[lo + j] = _bf16_rne(param[lo + j])
+                        bf16_out[lo + j] = bf16_rne(param[lo + j])
                 am, av = _bits_f32(mx_m), _bits_f32(mx_v)
                 rm = np.float32(1.0) / am if am > zero else zero
                 rv = np.float32(1.0) / av if av > zero else zero
@@ -405,13 +405,16 @@ def _adamw_bf16_core(param, grad, mu, nu, bf16_out, nlr, b1, omb1, b2, omb2, rbc
             u = u + wd * p
         p = p + nlr * u
         param[i] = p
-        mu[i] = _bf16_rne(m)
-        nu[i] = _bf16_rne(v)
+        mu[i] = bf16_rne(m)
+        nu[i] = bf16_rne(v)
         if write_bf16:
-            bf16_out[i] = _bf16_rne(p)
+            bf16_out[i] = bf16_rne(p)
 
 
-def _scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale):
+def adamw_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale):
+    """The step's 11 float32 scalars as the kernels take them (negated lr, betas and their complements,
+    inverse bias corrections, eps, eps_root, weight decay, gradient scale). Public: optim/host.py hands them
+    to the device-side update."""
     return (np.float32(-np.float32(lr)), np.float32(b1), np.float32(1.0 - b1), np.float32(b2), np.float32(1.0 - b2),
             np.float32(1.0) / bias_correction(b1, count), np.float32(1.0) / bias_correction(b2, count),
             np.float32(eps), np.float32(eps_root), np.float32(weight_decay), np.float32(grad_scale))
@@ -504,7 +507,7 @@ def adamw_int8_step(param, grad, state, bf16_out, *, lr, b1, b2, eps, eps_root, 
         raise ValueError(f"gather must be one of {GATHER_MODES} or None, got {gather!r}")
     args = (param, grad, state["mu_q"], state["mu_scale"], state["nu_q"], state["nu_scale"],
             _EMPTY_U16 if bf16_out is None else bf16_out, CODE_SIGNED, CODE_UNSIGNED)
-    scalars = _scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale)
+    scalars = adamw_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale)
     with launch:
         tab_s, tab_u = lookup_tables()
         mode = _GATHER.next() if gather is None else gather
@@ -520,7 +523,7 @@ def adamw_bf16_step(param, grad, state, bf16_out, *, lr, b1, b2, eps, eps_root, 
     """One in-place step; ``state``: ``mu_bf16``/``nu_bf16`` uint16 bf16 bits (n,)."""
     with launch:
         _adamw_bf16_core(param, grad, state["mu_bf16"], state["nu_bf16"], _EMPTY_U16 if bf16_out is None else bf16_out,
-                         *_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale))
+                         *adamw_scalars(lr, b1, b2, eps, eps_root, weight_decay, count, grad_scale))
 
 
 # ------------------------------------------------------------------------- the numpy reference
@@ -541,7 +544,7 @@ def reference_int8_step(param, grad, state, *, lr, b1, b2, eps, eps_root, weight
     """The same blockwise int8 AdamW step written as plain numpy, block by block (for the tests).
     Updates ``param`` and ``state`` in place; returns the bf16 bits of the new params."""
     f = np.float32
-    nlr, b1f, omb1, b2f, omb2, rbc1, rbc2, epsf, eps_rootf, wd, gs = _scalars(lr, b1, b2, eps, eps_root,
+    nlr, b1f, omb1, b2f, omb2, rbc1, rbc2, epsf, eps_rootf, wd, gs = adamw_scalars(lr, b1, b2, eps, eps_root,
                                                                                 weight_decay, count, grad_scale)
     n = param.shape[0]
     for b in range(-(-n // BLOCK)):

@@ -7,9 +7,23 @@ the device-side update's working set (``train.update_on=device``), from the opti
   needs the most (``memory_analysis()`` of the step lowered for the CPU backend from abstract shapes:
   no GPU is touched and nothing is allocated; the GPU's assignment may differ a little, so the plan
   keeps its margin). The fused AdamW updates a group in chunks: its temporaries are per chunk value.
+
+Asking JAX for its CPU device starts every backend JAX has, the GPU's too, with XLA's default budgets:
+the plan's (its GPU pool fraction, whether the pool is made at the start, the pinned-pool limit) are
+environment variables read once, when the backends start, and the plan sets them after planning. So
+where a GPU may be there and JAX has not started yet, the compile runs in a child process that sees
+the CPU only (``JAX_PLATFORMS=cpu``). Measured (s18, one H200): planned in-process, a 110B-shape run got
+XLA's default pool (0.75 of the GPU, 112.6 GB) under a plan of 124.9 of 143.2 GB, and the full 110B
+run of s17 ran out of GPU memory there.
 """
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +79,10 @@ def update_cost(optim_cfg: OptimConfig, group_trees: dict[str, Any], total_steps
                           chunked=True, host_fast=True)
     host_state = model_state_bytes(optim_cfg, group_trees, steps) / max(n_total, 1)
     temp, group, flops, nbytes = 0.0, 0.0, 0.0, 0.0
-    for tree, count in _distinct(group_trees):
+    distinct = _distinct(group_trees)
+    if compile_in_child():
+        _measure_in_child(optim_cfg, steps, [tree for tree, _ in distinct])
+    for tree, count in distinct:
         t, g, f, b = _compiled_bytes(opt, tree, repr(optim_cfg))
         temp, group, flops, nbytes = max(temp, t), max(group, g), flops + count * f, nbytes + count * b
     _trim()
@@ -110,13 +127,74 @@ _CACHE: dict[Any, tuple[float, float, float, float]] = {}  # (optimizer config, 
 _LOCK = threading.Lock()
 
 
+def compile_in_child() -> bool:
+    """Whether the device step is compiled in a CPU-only child process: JAX has not started its backends
+    yet and a GPU may be there (the module docstring says why). ``MEGATRAIN_COST_IN_CHILD=1`` / ``0`` forces it
+    (tests)."""
+    forced = os.environ.get("MEGATRAIN_COST_IN_CHILD")
+    if forced is not None:
+        return forced == "1"
+    from jax._src import xla_bridge
+
+    if xla_bridge._backends:  # noqa: SLF001 - started already: asking for the CPU device starts nothing
+        return False
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    return shutil.which("nvidia-smi") is not None or os.path.exists("/dev/nvidiactl")
+
+
+def _layout_of(tree):
+    from megatrain_jax.templates import Layout
+
+    return Layout(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), tree))
+
+
+def _key(config_key: str, layout) -> tuple:
+    return (config_key, layout.treedef, tuple(s.shape for s in layout.leaves))
+
+
+def _measure_in_child(optim_cfg: OptimConfig, steps: int, trees: list) -> None:
+    """``_measure`` of each tree not cached yet, in a child process on the CPU backend alone; the results
+    fill the cache."""
+    config_key = repr(optim_cfg)
+    todo = [t for t in trees if _key(config_key, _layout_of(t)) not in _CACHE]
+    if not todo:
+        return
+    shapes = [jax.tree.map(lambda x: tuple(int(d) for d in x.shape), t, is_leaf=_is_array_like) for t in todo]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MEGATRAIN_COST_IN_CHILD": "0",
+           "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run([sys.executable, "-m", "megatrain_jax.optim.costs"], input=pickle.dumps(
+        (optim_cfg, steps, shapes)), capture_output=True, env=env, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"the optimizer's cost (a CPU-only compile in a child process) failed: "
+                           f"{out.stderr.decode(errors='replace')[-2000:]}")
+    for tree, costs in zip(todo, json.loads(out.stdout.decode().strip().splitlines()[-1])):
+        with _LOCK:
+            _CACHE[_key(config_key, _layout_of(tree))] = tuple(costs)
+
+
+def _is_array_like(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _child_main() -> None:
+    """The child of ``_measure_in_child``: (optimizer config, steps, trees of shapes) on stdin, the costs of
+    each tree as one JSON line on stdout."""
+    from megatrain_jax.optim.build import build_host_optimizer
+
+    optim_cfg, steps, shapes = pickle.loads(sys.stdin.buffer.read())
+    opt = build_host_optimizer(optim_cfg, steps)
+    leaf = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)  # noqa: E731
+    trees = [jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32), t, is_leaf=leaf) for t in shapes]
+    print(json.dumps([_measure(opt, _layout_of(t)) for t in trees]), flush=True)
+
+
 def _compiled_bytes(opt, tree, config_key: str) -> tuple[float, float, float, float]:
     """(temporaries, everything) per parameter of the device step of a group shaped like ``tree``, and the
     step's flops and bytes accessed (whole group)."""
-    from megatrain_jax.templates import Layout
-
-    layout = Layout(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), tree))
-    key = (config_key, layout.treedef, tuple(s.shape for s in layout.leaves))
+    layout = _layout_of(tree)
+    key = _key(config_key, layout)
     with _LOCK:
         hit = _CACHE.get(key)
     if hit is None:
@@ -153,3 +231,7 @@ def auto_update_on(cost: UpdateCost, *, on_gpu: bool, devices: int, moments: str
     if not cost.host_fast:
         return "device"
     return "device" if moments in ("bfloat16", "int8") else "host"
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -4,7 +4,7 @@ Why: with the optimizer state streamed, the GPU can update a layer itself while 
 crosses PCIe, instead of the host's numba kernel (``fused_adamw.py``, ``compact_adamw.py``) updating
 it in host memory. A run must not change its numbers with where the update ran, so every mode
 reproduces its host kernel operation by operation, in float32, with the scalars of
-``compact_adamw._scalars`` (one float32 array argument, not static: one compilation serves every step):
+``compact_adamw.adamw_scalars`` (one float32 array argument, not static: one compilation serves every step):
 
 - ``float32``: ``fused_adamw._adamw_core`` (state ``mu``, ``nu`` float32);
 - ``bfloat16``: ``compact_adamw._adamw_bf16_core`` (``mu_bf16``, ``nu_bf16``: bf16 bits, RNE);
@@ -82,7 +82,7 @@ def _sqrt(a):
 
 
 def _bf16_bits(x):
-    """float32 -> bfloat16 bits (uint16), round to nearest even, NaN -> sign | 0x7fc0 (``_bf16_rne``)."""
+    """float32 -> bfloat16 bits (uint16), round to nearest even, NaN -> sign | 0x7fc0 (``fused_adamw.bf16_rne``)."""
     b = _bits(x)
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     nan = ((b >> 16) & 0x8000) | 0x7FC0
@@ -90,7 +90,7 @@ def _bf16_bits(x):
 
 
 def _update(p, g, m, v, s):
-    """``_adamw_elem`` on whole arrays; ``s``: the 11 scalars of ``_scalars`` and a zero."""
+    """``fused_adamw.adamw_elem`` on whole arrays; ``s``: the 11 scalars of ``compact_adamw.adamw_scalars`` and a zero."""
     nlr, b1, omb1, b2, omb2, rbc1, rbc2, eps, eps_root, wd, gs, zero = (s[i] for i in range(12))
     z = _bits(zero)
 
@@ -118,8 +118,9 @@ def _step_bf16(p, g, st, s):
     return p, {"mu_bf16": _bf16_bits(m), "nu_bf16": _bf16_bits(v)}
 
 
-def _nearest(tab, x):
-    """``_nearest`` of compact_adamw: the lookup word of x, then one table entry and an add."""
+def nearest_code(tab, x):
+    """``compact_adamw._nearest`` on the device: the lookup word of x, then one table entry and an add.
+    Public: optim/lean.py quantizes with the same lookup."""
     b = _bits(x)
     a = jnp.clip(b & 0x7FFFFFFF, _ca.LOOKUP_LO, _ca.LOOKUP_HI)  # NaN magnitudes clamp to HI
     neg = (b > _u32(0x80000000)) & (b <= _u32(0xFF800000))  # x < 0 ordered: not -0.0, not NaN
@@ -148,8 +149,8 @@ def _step_int8(p, g, st, s):
     v = jnp.take(code_u, st["nu_q"].astype(jnp.int32), mode="clip") * per_value(st["nu_scale"])
     p, m, v = _update(p, g, m, v, s)
     am, av = absmax(m), absmax(v)
-    mq = _nearest(tab_s, m * per_value(recip(am)))
-    vq = _nearest(tab_u, v * per_value(recip(av)))
+    mq = nearest_code(tab_s, m * per_value(recip(am)))
+    vq = nearest_code(tab_u, v * per_value(recip(av)))
     return p, {"mu_q": mq, "nu_q": vq, "mu_scale": am, "nu_scale": av}
 
 
@@ -194,7 +195,7 @@ _JITS = {mode: jax.jit(_chunked(fn), donate_argnums=(0, 2), static_argnums=(4,),
 def device_adamw_step(moments: str, param, grad, state: dict, scalars, chunk: int | None = None
                       ) -> tuple[jax.Array, dict]:
     """moments: 'float32' | 'bfloat16' | 'int8'. param: f32 (n,) device array; grad f32/bf16 (n,);
-    state: dict of device arrays with the keys above; scalars: the 11-tuple from _scalars (numpy f32).
+    state: dict of device arrays with the keys above; scalars: the 11-tuple from compact_adamw.adamw_scalars (numpy f32).
     Returns (new param f32 (n,), new state dict with the same keys, dtypes, shapes).
 
     ``chunk``: values per slice (default ``CHUNK``; the plan's ``device_update_chunk``), whole blocks.
@@ -212,7 +213,7 @@ def device_adamw_step(moments: str, param, grad, state: dict, scalars, chunk: in
         raise TypeError(f"param must be float32 (n,) and grad float32 or bfloat16 of its shape, got "
                         f"{param.dtype} {param.shape} and {grad.dtype} {grad.shape}")
     if len(scalars) != 11:
-        raise ValueError(f"scalars: the 11 values of compact_adamw._scalars, got {len(scalars)}")
+        raise ValueError(f"scalars: the 11 values of compact_adamw.adamw_scalars, got {len(scalars)}")
     s = np.array([*scalars, 0.0], np.float32)  # the zero: see ``_update``
     with jax.enable_x64(True):  # float64 / and sqrt inside; thread-local
         return _JITS[moments](param, grad, dict(state), s, chunk)

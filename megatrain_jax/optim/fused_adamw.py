@@ -74,13 +74,14 @@ launch = _Launch()
 
 
 @intrinsic
-def _bf16_rne(typingctx, x):
+def bf16_rne(typingctx, x):
     """float32 -> bfloat16 bits, round to nearest even, as XLA converts (NaN -> sign | 0x7fc0).
 
     Written in LLVM IR so the integer work stays in 32-bit lanes (numba would widen it to 64 bits)::
 
         b = bits(x); r = (b + 0x7fff + ((b >> 16) & 1)) >> 16; nan: ((b >> 16) & 0x8000) | 0x7fc0
-    """
+
+    Public: compact_adamw.py's kernels round the same way."""
     if x != types.float32:
         return None
 
@@ -101,7 +102,7 @@ def _bf16_rne(typingctx, x):
 @njit(parallel=True, fastmath=False, cache=True, nogil=True)
 def _to_bf16_kernel(src, out):
     for i in prange(src.shape[0]):
-        out[i] = _bf16_rne(src[i])
+        out[i] = bf16_rne(src[i])
 
 
 # --------------------------------------------------------------------------------------- the kernel
@@ -124,7 +125,9 @@ def grad_f32(typingctx, g):
 
 
 @njit(inline="always")
-def _adamw_elem(p, g, m, v, gs, nlr, b1, omb1, b2, omb2, rbc1, rbc2, eps, eps_root, wd, decay):
+def adamw_elem(p, g, m, v, gs, nlr, b1, omb1, b2, omb2, rbc1, rbc2, eps, eps_root, wd, decay):
+    """One element's AdamW step: (new param, new m, new v) in float32. Public: compact_adamw.py's kernels
+    run the same element step."""
     g = grad_f32(g) * gs
     m = omb1 * g + b1 * m
     v = omb2 * (g * g) + b2 * v
@@ -143,15 +146,15 @@ def _adamw_core(param, grad, mu, nu, bf16_out, nlr, b1, omb1, b2, omb2, rbc1, rb
     decay = wd != np.float32(0.0)
     if bf16_out.shape[0] == n:
         for i in prange(n):
-            p, m, v = _adamw_elem(param[i], grad[i], mu[i], nu[i], gs, nlr, b1, omb1, b2, omb2, rbc1,
+            p, m, v = adamw_elem(param[i], grad[i], mu[i], nu[i], gs, nlr, b1, omb1, b2, omb2, rbc1,
                                   rbc2, eps, eps_root, wd, decay)
             param[i] = p
             mu[i] = m
             nu[i] = v
-            bf16_out[i] = _bf16_rne(p)
+            bf16_out[i] = bf16_rne(p)
     else:
         for i in prange(n):
-            p, m, v = _adamw_elem(param[i], grad[i], mu[i], nu[i], gs, nlr, b1, omb1, b2, omb2, rbc1,
+            p, m, v = adamw_elem(param[i], grad[i], mu[i], nu[i], gs, nlr, b1, omb1, b2, omb2, rbc1,
                                   rbc2, eps, eps_root, wd, decay)
             param[i] = p
             mu[i] = m

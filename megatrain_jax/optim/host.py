@@ -96,15 +96,17 @@ class HostOptimizer(Protocol):
     def as_optax(self) -> optax.GradientTransformation: ...
 
 
-def _cpu(device=None):
+def device_or_cpu(device=None):
+    """``device``, else the first CPU device. Public: optim/optax_flat.py places its state with it."""
     return device if device is not None else jax.local_devices(backend="cpu")[0]
 
 
-class _ScheduleOnCpu:
+class ScheduleOnCpu:
     """A schedule's float32 value per step, computed once, op by op, on the CPU device: never on the
     GPU (reading a GPU scalar back would wait behind the queued layer computations), and not jitted,
     so it is bit-identical to optax's eager evaluation (a jitted schedule may differ by an ulp where
-    XLA fuses into FMAs)."""
+    XLA fuses into FMAs).
+    Public: optim/named.py evaluates the named optimizers' schedules with it."""
 
     def __init__(self, schedule: optax.Schedule, device=None):
         self._schedule = schedule
@@ -116,7 +118,7 @@ class _ScheduleOnCpu:
         value = self._cache.get(step)
         if value is None:
             with self._lock:
-                dev = _cpu(self._device)
+                dev = device_or_cpu(self._device)
                 with jax.default_device(dev):
                     value = np.float32(self._schedule(jax.device_put(np.int32(step), dev)))
                 if len(self._cache) > 4096:
@@ -146,7 +148,7 @@ class FusedAdamW:
         self.learning_rate = learning_rate
         self.b1, self.b2, self.eps, self.eps_root = float(b1), float(b2), float(eps), float(eps_root)
         self.weight_decay = float(weight_decay)
-        self._lr = _ScheduleOnCpu(learning_rate, cpu_device) if callable(learning_rate) else None
+        self._lr = ScheduleOnCpu(learning_rate, cpu_device) if callable(learning_rate) else None
 
     def lr_at(self, count: int) -> float | np.float32:
         """The learning rate that update ``count`` (1-based) uses."""
@@ -184,9 +186,9 @@ class FusedAdamW:
     def device_scalars(self, count: int, grad_scale: float = 1.0) -> tuple:
         """The step's float32 scalars as the host kernels round them, for the device-side update
         (``train.update_on=device``: ``optim/device_adamw.py``)."""
-        from megatrain_jax.optim.compact_adamw import _scalars
+        from megatrain_jax.optim.compact_adamw import adamw_scalars
 
-        return _scalars(self.lr_at(count), self.b1, self.b2, self.eps, self.eps_root, self.weight_decay, count,
+        return adamw_scalars(self.lr_at(count), self.b1, self.b2, self.eps, self.eps_root, self.weight_decay, count,
                         grad_scale)
 
     def update(self, params, grad, state, count, grad_scale=1.0, bf16_out=None, unflatten=None) -> None:
@@ -198,7 +200,7 @@ class FusedAdamW:
         return {"mu": state["mu"], "nu": state["nu"]}
 
     def state_from_arrays(self, arrays, params, unflatten=None) -> dict[str, np.ndarray]:
-        _check_keys(arrays, {"mu", "nu"})
+        check_keys(arrays, {"mu", "nu"})
         n = params.shape[0]
         state = self.init_state(params)
         for k in ("mu", "nu"):
@@ -291,7 +293,8 @@ class CompactAdamW(FusedAdamW):
                            eps_root=self.eps_root, weight_decay=self.weight_decay, mu_dtype=jnp.bfloat16)
 
 
-def _check_keys(arrays: dict, expected: set[str]) -> None:
+def check_keys(arrays: dict, expected: set[str]) -> None:
+    """Optimizer state keys must be exactly ``expected``. Public: optim/optax_flat.py checks its state too."""
     missing, extra = expected - set(arrays), set(arrays) - expected
     if missing or extra:
         raise ValueError(f"optimizer state keys do not match: missing {sorted(missing)}, "

@@ -17,9 +17,9 @@ import numpy as np
 import optax
 
 from megatrain_jax.config import OPTIMIZER_FIELDS, OptimConfig
-from megatrain_jax.config.validate import _OPTAX_FIX, check_optax
+from megatrain_jax.config.validate import OPTAX_FIX, check_optax
 from megatrain_jax.errors import UserError
-from megatrain_jax.optim.host import Unflatten, _ScheduleOnCpu
+from megatrain_jax.optim.host import Unflatten, ScheduleOnCpu
 from megatrain_jax.optim.optax_flat import OptaxHostOptimizer
 
 # optimizers whose update of a leaf depends on its shape: they must see the group's pytree
@@ -75,7 +75,7 @@ def named_tx(o: OptimConfig, lr: float | optax.Schedule) -> optax.GradientTransf
             kwargs["weight_decay"] = wd
         tx = fn(learning_rate=lr, **kwargs)
         if not isinstance(tx, optax.GradientTransformation):
-            raise UserError("optim.optax_name", f"optax.{o.optax_name} is not an optimizer", _OPTAX_FIX)
+            raise UserError("optim.optax_name", f"optax.{o.optax_name} is not an optimizer", OPTAX_FIX)
         return tx
     raise UserError("optim.name", f"{o.name!r} is not an optimizer",
                     "use adamw, lion, adafactor, sgd, muon or optax (with optim.optax_name)")
@@ -93,7 +93,7 @@ class NamedOptaxOptimizer(OptaxHostOptimizer):
         super().__init__(tx, cpu_device)
         self.label, self.shape_aware, self.learning_rate = label, shape_aware, learning_rate
         self.key_prefix = f"{label}/"
-        self._lr = _ScheduleOnCpu(learning_rate, cpu_device) if callable(learning_rate) else None
+        self._lr = ScheduleOnCpu(learning_rate, cpu_device) if callable(learning_rate) else None
 
     def lr_at(self, count: int) -> float | np.float32:
         """The learning rate that update ``count`` (1-based) uses."""

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from megatrain_jax.optim.fused_adamw import to_bf16_bits_
-from megatrain_jax.optim.host import Unflatten, _check_keys, _cpu, alloc_aligned
+from megatrain_jax.optim.host import Unflatten, check_keys, device_or_cpu, alloc_aligned
 
 
 @dataclass(frozen=True)
@@ -66,10 +66,19 @@ class OptaxHostOptimizer:
 
     def __init__(self, tx: optax.GradientTransformation, cpu_device=None):
         self.tx = tx
-        self.device = _cpu(cpu_device)
+        self._device = cpu_device  # None: the first CPU device, asked for on first use (``device``)
         self._specs: dict[Any, _Spec] = {}  # per unflatten (or group size without one)
         self._jits: dict[Any, Any] = {}  # per group structure (_Spec.key)
         self._lock = threading.Lock()
+
+    @property
+    def device(self):
+        """The device the host update runs on. Asked for on first use, not when the optimizer is made: the
+        plan builds optimizers to cost them, and asking JAX for a device starts its backends, the GPU's with
+        XLA's default budgets instead of the plan's (optim/costs.py)."""
+        if self._device is None:
+            self._device = device_or_cpu(None)
+        return self._device
 
     # ---- structure
 
@@ -196,7 +205,7 @@ class OptaxHostOptimizer:
     def state_from_arrays(self, arrays, params, unflatten=None) -> dict[str, np.ndarray]:
         spec = self._spec(params.shape[0], unflatten, params)
         want = {self.key_prefix + dt: n for dt, n in spec.sizes}
-        _check_keys(arrays, set(want))
+        check_keys(arrays, set(want))
         state = {}
         for dt, n in spec.sizes:
             k = self.key_prefix + dt

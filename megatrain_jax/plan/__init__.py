@@ -1,10 +1,13 @@
 """The memory plan: what a run needs, where each buffer lives, and the engine's options.
 
 ``machine`` (what the run may use), ``sizes`` (bytes of each buffer), ``decisions`` (every auto),
-``build`` (``make_plan``), ``refusal`` (the verdict and its fix), ``report`` (table, JSON,
-scaling). ``plan_or_refuse`` is the one planning step every entry point takes (the CLI's
-``train``, the library's ``Trainer.from_config``): the plan on this machine, or the one-line
-refusal before anything is allocated.
+``search`` (the step's placement), ``rows`` (host rows, what a candidate costs), ``build`` (``make_plan``),
+``refusal`` (the verdict and its fix), ``report`` (table, JSON, scaling); the placement names are
+``megatrain_jax.placements``'s; ``lora`` (the plan's LoRA rows: a frozen base and its adapters, and
+``variant``, where the choice LoRA or full training is made). ``plan_or_refuse`` is the one planning step
+every entry point takes (the CLI's ``train``, the library's ``Trainer.from_config``): the plan on this
+machine, or the one-line refusal before anything is allocated; ``plan_of`` the plan as ``megatrain-jax
+plan`` prints it. Both give the LoRA rows for a model with adapters.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Callable
 
 from megatrain_jax.plan.build import Plan, make_plan  # noqa: F401
 from megatrain_jax.plan.step_model import predicted_step  # noqa: F401
+from megatrain_jax.plan.lora import LoraPlan, lora_plan, lora_plan_or_refuse
 from megatrain_jax.plan.decisions import MODES, Placement, RuntimeSettings  # noqa: F401
 from megatrain_jax.plan.machine import (Machine, _jax_backend_ready, detect_machine, host_limit,  # noqa: F401
                                         jax_backend_ready, memory_snapshot, target_machine)
@@ -50,10 +54,26 @@ def apply_gpu_settings(p: Plan) -> None:
         os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(round(limit / GiB))))
 
 
-def plan_or_refuse(cfg, log: Log = print):
+def plan_of(cfg, machine: Machine | None = None, *, devices: int | None = None) -> Plan | LoraPlan:
+    """The memory plan for ``cfg`` on ``machine`` (this one by default): the LoRA rows for a model with
+    adapters (``lora.make_lora_plan``), else the full-training plan (``make_plan``, on ``devices`` GPUs)."""
+    lora_rows = lora_plan(cfg, machine)
+    return lora_rows if lora_rows is not None else make_plan(cfg, machine, devices=devices)
+
+
+def plan_or_refuse(cfg, log: Log = print) -> Plan | LoraPlan:
     """The memory plan for ``cfg`` on this machine, or the one-line refusal (``UserError``) before
-    anything is allocated. Gives XLA the plan's budgets when its backend has not started yet."""
+    anything is allocated. Gives XLA the plan's budgets when its backend has not started yet. A model
+    with adapters gets the plan's LoRA rows (``lora.lora_plan_or_refuse``)."""
+    lora_rows = lora_plan_or_refuse(cfg, log)
+    if lora_rows is not None:
+        return lora_rows
+    started_before = _jax_backend_ready()
     plan = make_plan(cfg)
+    if not started_before and _jax_backend_ready() and plan.machine.backend == "gpu":
+        # planning must start nothing (tests/test_device_optax.py checks it): XLA read its budgets just now
+        log("plan: warning: JAX started while planning, before the plan could give XLA its GPU pool and pinned "
+            "limit: XLA's defaults apply (0.75 of the GPU); please report this with the config")
     err = plan.verdict()
     if err is not None:
         raise err

@@ -2,7 +2,8 @@
 
 The plan decides (``decisions.py``) where boundary activations live, where gradients wait for the
 clipping norm, how many micro-batches ``auto`` means, and the GPU budget XLA is given: nothing is
-left to XLA's defaults or to free memory read at run time. Sizes come from ``sizes.py``.
+left to XLA's defaults or to free memory read at run time. Sizes come from ``sizes.py``, the host rows
+and what a candidate placement costs from ``rows.py``, the placement from ``search.py``.
 """
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from megatrain_jax.errors import UserError
 import megatrain_jax.plan.decisions as choose
 import megatrain_jax.plan.search as search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
-from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, EngineOptions, check_one_device
+from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS, EngineOptions, check_one_device
 from megatrain_jax.optim.costs import auto_update_on
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLAB_ELEMS, GRAD_SLABS, HOST_HOLD_BYTES,
-                                      HOST_MARGIN, IO_VOCAB_CHUNK, MOMENT_BYTES, PINNED_HOLDS, PINNED_REUSED, RUNTIME_HOST_BYTES,
-                                      XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_rows,
-                                      pinned_in_use, pinned_limit, pinned_need, pinned_pool, usable)
-from megatrain_jax.plan.step_model import _optax_cost, _step_basis, predicted_step, step_rates
+from megatrain_jax.plan.rows import PlacementCosts, disk_rows, xla_pool
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN, IO_VOCAB_CHUNK,
+                                      MOMENT_BYTES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes, pinned_in_rows,
+                                      pinned_limit, usable)
+from megatrain_jax.plan.step_model import _optax_cost, _step_basis, step_rates
 
 
 @dataclass
@@ -158,171 +159,174 @@ def _mode_plan(cfg: Config, machine: Machine, devices: int | None, attention: bo
     return _make_plan(dataclasses.replace(cfg, train=t, optim=o), machine, devices, attention)
 
 
-def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attention: bool = True) -> Plan:
-    train, optim, model = cfg.train, cfg.optim, cfg.model
+@dataclass
+class _Limits:
+    """What the run may use: the machine, the GPUs of the run, the host limit, and the GPU budget and room."""
+
+    machine: Machine
+    n_dev: int
+    host_limit: float  # the limit that decides (cgroup memory.max, MemTotal, or train.host_memory_gb)
+    host_source: str
+    host_avail: float  # free now
+    gpu_budget: float | None  # what XLA's allocator is given
+    gpu_usable: float | None  # the room the search compares each candidate with (the budget less its margin, and
+    #                           less a huge group's headroom)
+    rates: dict[str, float]  # the predicted step's floor rates
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.machine.backend == "gpu"
+
+    @property
+    def host_usable(self) -> float:
+        return usable(self.host_limit, HOST_MARGIN)
+
+
+def _limits_of(cfg: Config, machine: Machine | None, devices: int | None) -> _Limits:
+    """The run's machine (this one where none is described) and what the config lets the run use of it."""
+    train = cfg.train
     machine = machine or detect_machine((train.out_dir,) + ((train.export,) if train.export else ()))
     n_dev = choose.resolve_devices(train.devices, machine.gpu_count, process_count(), devices)
     host_limit = train.host_memory_gb * GB if train.host_memory_gb else machine.host_bytes
     host_source = "train.host_memory_gb" if train.host_memory_gb else machine.host_source
     host_avail = host_limit if train.host_memory_gb else machine.host_available
-    on_gpu = machine.backend == "gpu"
-    gpu_budget = choose.gpu_budget_of(machine.gpu_bytes, on_gpu, train.gpu_memory_gb)
-    gpu_usable = choose.gpu_usable_of(gpu_budget)
-    rates = step_rates(machine)
+    gpu_budget = choose.gpu_budget_of(machine.gpu_bytes, machine.backend == "gpu", train.gpu_memory_gb)
+    return _Limits(machine, n_dev, host_limit, host_source, host_avail, gpu_budget, choose.gpu_usable_of(gpu_budget),
+                   step_rates(machine))
 
+
+def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attention: bool = True) -> Plan:
+    """The plan of ``cfg`` (its state mode and fix aside): the run's limits, where the update runs, what streams,
+    the placement searched, the GPU's peak with kept residuals, the host rows with their slabs."""
+    train = cfg.train
+    lim = _limits_of(cfg, machine, devices)
     bf16 = train.compute_dtype == "bfloat16"
+    per_dev_batch = train.batch_size // lim.n_dev if train.batch_size % lim.n_dev == 0 else train.batch_size
+    shapes = Shapes.of(cfg.model, per_dev_batch, cfg.data.seq_len, train.compute_dtype, backend=lim.machine.backend)
     notes: list[str] = []
-    per_dev_batch = train.batch_size // n_dev if train.batch_size % n_dev == 0 else train.batch_size
-    shapes = Shapes.of(model, per_dev_batch, cfg.data.seq_len, train.compute_dtype, backend=machine.backend)
-    headroom = 0.0
-    if on_gpu and gpu_usable is not None and shapes.largest_group > HUGE_GROUP:
-        # the 110B lean shape (1.36B-parameter blocks) ran out of GPU memory in step 1 on a 10.1 GiB request, two
-        # blocks' fp32 gradients, beyond a plan 12 GB under the budget (session 17; cause open): held free
-        headroom = 2 * 4.0 * shapes.largest_group
-        gpu_usable -= headroom
-        notes.append(f"GPU: {headroom / GB:.1f} GB kept free beyond the phases for groups over "
-                     f"{HUGE_GROUP / 1e9:.0f}B parameters (a transient two groups' fp32 gradients, measured at 110B)")
+    headroom = _huge_group_headroom(shapes, lim, notes)
+    if headroom:
+        lim.gpu_usable -= headroom
+    update_on, moment_bytes, shapes = _update_on_rule(cfg, shapes, lim, bf16)
+    asked_keep = 0 if train.keep_residuals == "auto" else min(int(train.keep_residuals), shapes.layers - 1)
+    check_one_device(lim.n_dev, update_on=update_on, keep_residuals=asked_keep)
+    if train.update_on == "auto" and lim.on_gpu and lim.n_dev == 1 and _device_update_runs(cfg, bf16):
+        return _both_updates(cfg, update_on, lim.machine, devices, attention)
+    stream_copy = _stream_copy(cfg, shapes, lim, update_on, moment_bytes, bf16)
+    device_cast = bf16 and stream_copy == "device"
+    costs = PlacementCosts(cfg, shapes, lim.machine, lim.n_dev, lim.gpu_budget, update_on, moment_bytes,
+                           stream_bytes=2 if (bf16 and not device_cast) else 4, host_copy=bf16 and not device_cast,
+                           rates=lim.rates, attention=attention,
+                           # an optax update on the host (every group, or with a device-side update the embedding
+                           # and head that stream_io makes in host memory) runs on the jax CPU device: its group's
+                           # inputs, outputs and temporaries in host memory
+                           optax_group=_optax_cost(cfg).device_group if cfg.optim.kernel == "optax" else 0.0)
+    found, attn_info = _search_placement(cfg, costs, lim, device_cast)
+    placed = found.best
+    notes.extend(placed.notes)
+    gpu_rows, n_keep = _gpu_peak(cfg, costs, lim, found, headroom, notes)
+    slabs, rows = _slabs_and_host_rows(cfg, costs, lim, placed)
+    return _assemble(cfg, costs, lim, found, attn_info, rows=rows, gpu_rows=gpu_rows, slabs=slabs, n_keep=n_keep,
+                     stream_copy=stream_copy, notes=notes)
+
+
+def _huge_group_headroom(shapes: Shapes, lim: _Limits, notes: list[str]) -> float:
+    """GPU bytes kept free beyond the phases where a group is over HUGE_GROUP parameters (0 elsewhere): a margin
+    for fragmentation, where single allocations are many GB. The 110B lean shape's block backward asks for one
+    10.8 GB temporary (XLA's buffer assignment, s18), which must find one free piece among 5.4 GB accumulators
+    and 2.7 GB held gradients; in a 12-layer slice of that shape the least largest free piece was 18.7 GB with
+    30.7 GB free (s18). The s17 run that ran out of GPU memory on that request had XLA's default pool (0.75 of
+    the GPU, the plan's budgets never applied: optim/costs.py), not a plan error; whether this margin is needed
+    is not measured, and the 110B ran within it (GPU peak 108.9 of a planned 122.8 GB, s18)."""
+    if not (lim.on_gpu and lim.gpu_usable is not None and shapes.largest_group > HUGE_GROUP):
+        return 0.0
+    headroom = 2 * 4.0 * shapes.largest_group
+    notes.append(f"GPU: {headroom / GB:.1f} GB kept free beyond the phases for groups over "
+                 f"{HUGE_GROUP / 1e9:.0f}B parameters (a fragmentation margin: the block backward's one-piece temporary)")
+    return headroom
+
+
+def _update_on_rule(cfg: Config, shapes: Shapes, lim: _Limits, bf16: bool) -> tuple[str, float, Shapes]:
+    """Where the update runs by the rule (``update_on=auto`` may then plan both: ``_both_updates``), the optimizer
+    state's host bytes per parameter, and the shapes with an optax transformation's device temporaries (its state
+    and temporaries from its own init/step)."""
+    train, optim = cfg.train, cfg.optim
     moment_bytes = MOMENT_BYTES[optim.moments]
-    update_on = choose.choose_update_on(train.update_on, on_gpu=on_gpu, devices=n_dev, kernel=optim.kernel,
+    update_on = choose.choose_update_on(train.update_on, on_gpu=lim.on_gpu, devices=lim.n_dev, kernel=optim.kernel,
                                         moments=optim.moments, bf16=bf16, stream_copy=train.stream_copy)
-    if optim.kernel == "optax":  # any optax transformation: its state and device temporaries, from its own init/step
+    if optim.kernel == "optax":
         cost = _optax_cost(cfg)
         moment_bytes = cost.host_state
         shapes = dataclasses.replace(shapes, update_temp=cost.device_temp, update_chunked=cost.chunked)
         if train.update_on == "auto":
-            update_on = auto_update_on(cost, on_gpu=on_gpu, devices=n_dev, moments=optim.moments,
+            update_on = auto_update_on(cost, on_gpu=lim.on_gpu, devices=lim.n_dev, moments=optim.moments,
                                        bf16_host_copy=bf16 and train.stream_copy == "host")
-    asked_keep = 0 if train.keep_residuals == "auto" else min(int(train.keep_residuals), shapes.layers - 1)
-    check_one_device(n_dev, update_on=update_on, keep_residuals=asked_keep)
-    if train.update_on == "auto" and on_gpu and n_dev == 1 and _device_update_runs(cfg, bf16):
-        # update_on=auto: both placements of the update are planned and the faster fitting one taken (steps within
-        # UPDATE_SWITCH_TOL equal: then the one the rule above names, the measured path; a note names the other).
-        # A device-side update carries its state in flight and must hold every gradient (or resweep) on a small
-        # GPU; a host update waits for the norm with the host's cores: neither wins everywhere (issue 43)
-        other = "host" if update_on == "device" else "device"
-        mine = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=update_on)), machine,
-                          devices, attention)
-        if update_on == "host" and optim.kernel == "fused" and optim.moments == "float32" and mine.found.best.fits:
-            return mine  # fp32 moments on the GPU: 16 bytes/param more over PCIe, not measured to pay; tried where
-            #              the host update does not fit
-        alt = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=other)), machine,
-                         devices, attention)
-        return _faster_update(mine, alt)
-    stream_copy = "device" if (update_on == "device" and bf16) else train.stream_copy
-    # the runtime at its largest (a preallocated pool's allocator table) while choosing the options
-    runtime_max = RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] \
-        + (XLA_FRACTION * machine.gpu_bytes * BFC_TABLE_BYTES_PER_POOL_BYTE if on_gpu and machine.gpu_bytes else 0.0)
+    return update_on, moment_bytes, shapes
+
+
+def _both_updates(cfg: Config, rule: str, machine: Machine, devices: int | None, attention: bool) -> Plan:
+    """``update_on=auto``: both placements of the update are planned and the faster fitting one taken (steps within
+    UPDATE_SWITCH_TOL equal: then the one the rule names, the measured path; a note names the other). A device-side
+    update carries its state in flight and must hold every gradient (or resweep) on a small GPU; a host update waits
+    for the norm with the host's cores: neither wins everywhere (issue 43)."""
+    train, optim = cfg.train, cfg.optim
+    other = "host" if rule == "device" else "device"
+    mine = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=rule)), machine,
+                      devices, attention)
+    if rule == "host" and optim.kernel == "fused" and optim.moments == "float32" and mine.found.best.fits:
+        return mine  # fp32 moments on the GPU: 16 bytes/param more over PCIe, not measured to pay; tried where
+        #              the host update does not fit
+    alt = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=other)), machine,
+                     devices, attention)
+    return _faster_update(mine, alt)
+
+
+def _stream_copy(cfg: Config, shapes: Shapes, lim: _Limits, update_on: str, moment_bytes: float, bf16: bool) -> str:
+    """What streams with bf16 compute (``train.stream_copy``): the fp32 master for a device-side update; ``auto``
+    decided with the host room left by the store, the runtime at its largest (a preallocated pool's allocator
+    table) and the fewest slabs."""
+    stream_copy = "device" if (update_on == "device" and bf16) else cfg.train.stream_copy
+    if stream_copy != "auto":
+        return stream_copy
+    m = lim.machine
+    runtime_max = RUNTIME_HOST_BYTES["gpu" if lim.on_gpu else "cpu"] \
+        + (XLA_FRACTION * m.gpu_bytes * BFC_TABLE_BYTES_PER_POOL_BYTE if lim.on_gpu and m.gpu_bytes else 0.0)
     store_bytes = shapes.params * (4.0 + moment_bytes)
-    fewest_slabs = GRAD_SLABS[0] * GRAD_SLAB_ELEMS * 4
-    if stream_copy == "auto":
-        room = usable(host_limit, HOST_MARGIN) - store_bytes - runtime_max - fewest_slabs
-        stream_copy = choose.choose_stream_copy(shapes, cfg.data.seq_len, model, on_gpu, bf16, room, rates["h2d"],
-                                                rates["matmul_bf16"])
-    device_cast = bf16 and stream_copy == "device"
-    stream_bytes = 2 if (bf16 and not device_cast) else 4
+    fewest_slabs = GRAD_SLABS_FEWEST * GRAD_SLAB_ELEMS * 4
+    room = usable(lim.host_limit, HOST_MARGIN) - store_bytes - runtime_max - fewest_slabs
+    return choose.choose_stream_copy(shapes, cfg.data.seq_len, cfg.model, lim.on_gpu, bf16, room, lim.rates["h2d"],
+                                     lim.rates["matmul_bf16"])
 
-    # ---- the step's placement: searched (search.py) over every auto decision
-    micro_candidates = choose.micro_batch_candidates(train.micro_batches, shapes.batch, shapes.seq, n_dev)
-    cpu_only = not on_gpu and gpu_budget is None
-    attn_info, attn_extra = _attention(cfg, shapes, micro_candidates[0], on_gpu, machine.target) \
-        if attention else (None, None)
-    host_act_bytes = float(shapes.layers * shapes.batch * shapes.seq * shapes.hidden * shapes.dtype_bytes * n_dev)
-    chunked = optim.kernel == "fused"
-    slab = (min(GRAD_SLAB_ELEMS, shapes.largest_group) if chunked else shapes.largest_group) * 4
-    host_copy = bf16 and not device_cast
 
-    # an optax update on the host (every group, or with a device-side update the embedding and head that stream_io
-    # makes in host memory) runs on the jax CPU device: its group's inputs, outputs and temporaries in host memory
-    optax_group = _optax_cost(cfg).device_group if optim.kernel == "optax" else 0.0
-
-    def rows_of(p: choose.Placement, slabs: int) -> list[Row]:
-        """The host rows with placement ``p`` and ``slabs`` gradient slabs (where the path has them)."""
-        return placement_rows(p, slabs) + gpu_side_rows(p)
-
-    def placement_rows(p: choose.Placement, slabs: int) -> list[Row]:
-        """The host rows that follow from where ``p`` puts things, not from its GPU bytes."""
-        slab_row = None
-        if _has_slabs(on_gpu, update_on, p):
-            slab_row = Row("host", "gradient staging (pinned slabs)", float(slab * slabs),
-                           f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)")
-        rows = _host_rows(cfg, shapes, moment_bytes, host_copy=host_copy, on_gpu=on_gpu, n_dev=n_dev, placed=p,
-                          host_act_bytes=host_act_bytes, slab_row=slab_row, update_on=update_on,
-                          optax_group_bytes=optax_group)
-        arrays = pinned_need(rows)
-        in_use = pinned_in_use(rows, shapes, p.boundary_every, p.gpu_groups, arrays, p.gpu_act_blocks,
-                               HOST_HOLD_BYTES[p.grad_hold]) \
-            if p.activations == "pinned_host" and p.grad_hold in PINNED_HOLDS else arrays
-        if in_use < arrays:
-            rows.append(Row("host", PINNED_REUSED, in_use - arrays,
-                            "held gradients land where the activations they follow were"))
-        growth = pinned_pool(in_use, chunk=pinned_chunk(p)) - in_use if on_gpu else 0.0
-        if growth > 0:
-            rows.append(Row("host", "XLA host allocator: regions grown beyond its arrays", growth,
-                            "its regions double from 2 MiB (all page-locked), cut at its limit"))
-        return rows
-
-    def pinned_chunk(p: choose.Placement) -> float:
-        """The largest array XLA's pinned pool takes with placement ``p`` (sizes.bfc_capacity: a region holds only
-        whole ones): a held block's gradient, a parked block input (one GPU's), a gradient slab."""
-        sizes = [slab if _has_slabs(on_gpu, update_on, p) else 0.0]
-        if p.grad_hold in PINNED_HOLDS:
-            groups = [shapes.block] + ([] if p.stream_io else [shapes.embed, shapes.head])
-            sizes.append(HOST_HOLD_BYTES[p.grad_hold] * max(groups))
-        if p.activations == "pinned_host":
-            sizes.append(host_act_bytes / max(shapes.layers * n_dev, 1))
-        return max(sizes)
-
-    def gpu_side_rows(p: choose.Placement) -> list[Row]:
-        """The host rows that follow from ``p``'s GPU bytes: XLA's pool table (the CPU backend: the buffers)."""
-        pool_row, _, _ = _xla_pool(machine, gpu_budget, p.gpu_need, n_dev)
-        rows = [] if pool_row is None else [pool_row]
-        if not on_gpu:
-            rows.append(Row("host", "device buffers (the CPU backend's device memory is host memory)", p.gpu_need))
-        return rows
-
-    steps: dict[tuple, dict] = {}
-
-    def step_of(p: choose.Placement) -> dict:
-        """The candidate's predicted step (the same for candidates that differ only in the loss chunk or GPU bytes)."""
-        key = (p.grad_hold, p.activations, p.boundary_every, p.stream_io, p.gpu_group_params, p.micro_batches,
-               p.blocks_queued, p.gpu_act_blocks)
-        if key not in steps:
-            steps[key] = predicted_step(cfg, shapes, rates, n_dev=n_dev, n_keep=0, stream_bytes=stream_bytes,
-                                        moment_bytes=moment_bytes, update_on=update_on, cpu_cores=machine.cpu_cores,
-                                        attention=attention, placement=p)
-        return dict(steps[key])
-
-    # the search evaluates thousands of candidates that differ only in what their host rows do not read
-    # (micro-batches, loss chunk): each placement's rows are summed once
-    placed_sums: dict[tuple, float] = {}
-
-    def host_of(p: choose.Placement) -> tuple[float, float]:
-        key = (p.grad_hold, p.activations, p.boundary_every, p.stream_io, p.gpu_groups, p.gpu_group_params,
-               p.gpu_act_blocks)
-        fixed = placed_sums.get(key)
-        if fixed is None:
-            fixed = placed_sums[key] = sum(r.bytes for r in placement_rows(p, GRAD_SLABS[0]))
-        need, placed = _host_sums(gpu_side_rows(p))
-        return fixed + need, fixed + placed
-
+def _search_placement(cfg: Config, costs: PlacementCosts, lim: _Limits,
+                      device_cast: bool) -> tuple[search.Result, dict[str, Any] | None]:
+    """The step's placement, searched (search.py) over every auto decision, and the attention path's summary."""
+    train, shapes = cfg.train, costs.shapes
+    micro_candidates = choose.micro_batch_candidates(train.micro_batches, shapes.batch, shapes.seq, lim.n_dev)
+    cpu_only = not lim.on_gpu and lim.gpu_budget is None
+    attn_info, attn_extra = _attention(cfg, shapes, micro_candidates[0], lim.on_gpu, lim.machine.target) \
+        if costs.attention else (None, None)
     ctx = search.Context(
-        stream_bytes=stream_bytes, device_cast=device_cast, attn=attn_extra,
-        update_state_bytes=moment_bytes if update_on == "device" else None, gpu_usable=gpu_usable,
-        host_usable=usable(host_limit, HOST_MARGIN),
-        host_of=host_of,
-        step_of=step_of)
-    axes = search.axes_of(train, micro_candidates, on_gpu=on_gpu, cpu_only=cpu_only, update_on=update_on,
-                          devices=n_dev)
-    found = search.search(shapes, axes, ctx)
-    placed = found.best
+        stream_bytes=costs.stream_bytes, device_cast=device_cast, attn=attn_extra,
+        update_state_bytes=costs.moment_bytes if costs.update_on == "device" else None, gpu_usable=lim.gpu_usable,
+        host_usable=lim.host_usable, host_of=costs.host_of, step_of=costs.step_of)
+    axes = search.axes_of(train, micro_candidates, on_gpu=lim.on_gpu, cpu_only=cpu_only, update_on=costs.update_on,
+                          devices=lim.n_dev)
+    return search.search(shapes, axes, ctx), attn_info
+
+
+def _gpu_peak(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Result, headroom: float,
+              notes: list[str]) -> tuple[list[Row], int]:
+    """The chosen placement's GPU rows, and the blocks whose forward residuals are kept: each on top of the step's
+    peak, as a huge group's headroom is (the chosen placement's phases and GPU need grow by them)."""
+    train, optim, shapes, placed = cfg.train, cfg.optim, costs.shapes, found.best
     phases, gpu_rows, gpu_need = placed.phases, search.gpu_rows(found.shapes, found.ctx, placed), placed.gpu_need
-    notes.extend(placed.notes)
     n_keep, per_block = choose.choose_keep_residuals(
-        train.keep_residuals, shapes, on_gpu=on_gpu, devices=n_dev,
+        train.keep_residuals, shapes, on_gpu=lim.on_gpu, devices=lim.n_dev,
         act_on_gpu=placed.activations == "device" and placed.boundary_every == 1 and placed.grad_hold != "resweep",
-        moments=optim.moments, need=gpu_need, budget=gpu_budget, gpu_usable=gpu_usable,
-        moe=bool(getattr(model, "num_experts", None)))
-    if optim.kernel == "optax" and update_on == "device" and train.keep_residuals == "auto" and n_keep:
+        moments=optim.moments, need=gpu_need, budget=lim.gpu_budget, gpu_usable=lim.gpu_usable,
+        moe=bool(getattr(cfg.model, "num_experts", None)))
+    if optim.kernel == "optax" and costs.update_on == "device" and train.keep_residuals == "auto" and n_keep:
         # an optax update on the GPU works on whole groups (no chunking): with the room filled by kept residuals
         # the 3B shape ran out of memory, and without them it was as fast (RESULTS.md s7, H100): none kept
         notes.append(f"train.keep_residuals=auto: 0 with an optax update on the GPU (the room would keep {n_keep})")
@@ -334,61 +338,73 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         phases["loss, residuals kept"] = max(phases.values()) + n_keep * per_block
         gpu_need = max(phases.values())
     if headroom:  # (the search compared each candidate with the room less it: the same test as the verdict's)
-        gpu_rows.append(Row("gpu", "kept free for a huge group's transient fp32 copies", headroom,
-                            f"two fp32 gradients of a {shapes.largest_group / 1e9:.2f}B-parameter group"))
+        gpu_rows.append(Row("gpu", "kept free for fragmentation (groups over 1B parameters)", headroom,
+                            f"two fp32 gradients' bytes of a {shapes.largest_group / 1e9:.2f}B-parameter group"))
         phases["peak + huge-group headroom"] = max(phases.values()) + headroom
         gpu_need = max(phases.values())
-
-    # ---- host rows
     placed.gpu_need = gpu_need  # the pool's table covers the residuals too
-    fewest = rows_of(placed, GRAD_SLABS[0])
-    slabs = choose.choose_slabs(train.grad_slabs, chunked=chunked, on_gpu=on_gpu, moments=optim.moments,
-                                host_room=usable(host_limit, HOST_MARGIN) - sum(r.bytes for r in fewest)
-                                + GRAD_SLABS[0] * slab * _has_slabs(on_gpu, update_on, placed), slab_bytes=slab)
-    rows = rows_of(placed, slabs)
-    while slabs > GRAD_SLABS[0] and sum(r.bytes for r in rows) > usable(host_limit, HOST_MARGIN):
-        slabs -= 1  # the pinned pool's growth with more slabs must fit too
-        rows = rows_of(placed, slabs)
-    _, gpu_mem_fraction, preallocate = _xla_pool(machine, gpu_budget, gpu_need, n_dev)
-    host_need = sum(r.bytes for r in rows)
-    if host_avail < host_need <= usable(host_limit, HOST_MARGIN):
-        notes.append(f"host: only {host_avail / GB:.1f} GB is available now ({host_source} limit "
-                     f"{host_limit / GB:.1f} GB) and the plan needs {host_need / GB:.1f} GB: other processes hold "
-                     "the rest; free it, or the run may be killed")
+    return gpu_rows, n_keep
 
-    disk_rows, disk_need = _disk_rows(cfg, shapes.params, moment_bytes)
-    step = predicted_step(cfg, shapes, rates, n_dev=n_dev, n_keep=n_keep, stream_bytes=stream_bytes,
-                          moment_bytes=moment_bytes, update_on=update_on, cpu_cores=machine.cpu_cores,
-                          attention=attention, placement=placed)
+
+def _slabs_and_host_rows(cfg: Config, costs: PlacementCosts, lim: _Limits,
+                         placed: choose.Placement) -> tuple[int, list[Row]]:
+    """The pinned gradient slabs the host has room for (choose_slabs; fewer while the pinned pool's growth with
+    them does not fit) and the host rows with them."""
+    fewest = costs.rows_of(placed, GRAD_SLABS_FEWEST)
+    slabs = choose.choose_slabs(cfg.train.grad_slabs, chunked=costs.chunked, on_gpu=lim.on_gpu,
+                                moments=cfg.optim.moments,
+                                host_room=usable(lim.host_limit, HOST_MARGIN) - sum(r.bytes for r in fewest)
+                                + GRAD_SLABS_FEWEST * costs.slab * costs.has_slabs(placed), slab_bytes=costs.slab)
+    rows = costs.rows_of(placed, slabs)
+    while slabs > GRAD_SLABS_FEWEST and sum(r.bytes for r in rows) > usable(lim.host_limit, HOST_MARGIN):
+        slabs -= 1  # the pinned pool's growth with more slabs must fit too
+        rows = costs.rows_of(placed, slabs)
+    return slabs, rows
+
+
+def _assemble(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Result,
+              attn_info: dict[str, Any] | None, *, rows: list[Row], gpu_rows: list[Row], slabs: int, n_keep: int,
+              stream_copy: str, notes: list[str]) -> Plan:
+    """The plan of the chosen placement: its XLA settings, the engine's options, the rows, the predicted step."""
+    train, optim, placed = cfg.train, cfg.optim, found.best
+    gpu_need = placed.gpu_need
+    _, gpu_mem_fraction, preallocate = xla_pool(lim.machine, lim.gpu_budget, gpu_need, lim.n_dev)
+    host_need = sum(r.bytes for r in rows)
+    if lim.host_avail < host_need <= usable(lim.host_limit, HOST_MARGIN):
+        notes.append(f"host: only {lim.host_avail / GB:.1f} GB is available now ({lim.host_source} limit "
+                     f"{lim.host_limit / GB:.1f} GB) and the plan needs {host_need / GB:.1f} GB: other processes hold "
+                     "the rest; free it, or the run may be killed")
+    disk, disk_need = disk_rows(cfg, costs.shapes.params, costs.moment_bytes)
+    step = costs.predicted_step(placed, n_keep)
     settings = choose.RuntimeSettings(
         attention=attn_info["impl"] if attn_info else None,
-        attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=n_dev,
+        attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=lim.n_dev,
         pinned_pool_bytes=pinned_in_rows(rows),
-        pinned_limit_bytes=pinned_limit(pinned_in_rows(rows), pinned_chunk(placed)),
+        pinned_limit_bytes=pinned_limit(pinned_in_rows(rows), costs.pinned_chunk(placed)),
         gpu_mem_fraction=gpu_mem_fraction, gpu_preallocate=preallocate)
     options = EngineOptions(compute_dtype=train.compute_dtype, micro_batches=placed.micro_batches,
                             loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
                             activations=placed.activations, grad_hold=placed.grad_hold, grad_slabs=slabs,
-                            grad_slab_elems=GRAD_SLAB_ELEMS if chunked else None, stream_copy=stream_copy,
-                            update_on=update_on, keep_residuals=n_keep, devices=train.devices,
+                            grad_slab_elems=GRAD_SLAB_ELEMS if costs.chunked else None, stream_copy=stream_copy,
+                            update_on=costs.update_on, keep_residuals=n_keep, devices=train.devices,
                             device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile,
-                            grad_hold_gpu_groups=placed.gpu_groups, stream_io=placed.stream_io,
-                            activations_gpu_blocks=placed.gpu_act_blocks,
+                            grad_hold_gpu_groups=placed.grad_hold_gpu_groups, stream_io=placed.stream_io,
+                            activations_gpu_blocks=placed.activations_gpu_blocks,
                             boundary_every=placed.boundary_every, vocab_chunk=IO_VOCAB_CHUNK,
                             blocks_queued=placed.blocks_queued)
-    plan = Plan(rows=rows + gpu_rows + disk_rows, settings=settings, options=options, host_need=host_need,
-                host_limit=host_limit, host_available=host_avail, host_source=host_source,
-                gpu_need=gpu_need if gpu_budget else None, gpu_budget=gpu_budget, gpu_phases=phases,
-                disk_need=disk_need, disk_free=machine.disk_free.get(train.out_dir) if machine.disk_free else None,
-                step=step, params=shapes.params, machine=machine, notes=notes,
-                step_basis=_step_basis(machine), search=search_summary(found))
+    m = lim.machine
+    plan = Plan(rows=rows + gpu_rows + disk, settings=settings, options=options, host_need=host_need,
+                host_limit=lim.host_limit, host_available=lim.host_avail, host_source=lim.host_source,
+                gpu_need=gpu_need if lim.gpu_budget else None, gpu_budget=lim.gpu_budget, gpu_phases=placed.phases,
+                disk_need=disk_need, disk_free=m.disk_free.get(train.out_dir) if m.disk_free else None,
+                step=step, params=costs.shapes.params, machine=m, notes=notes,
+                step_basis=_step_basis(m), search=search_summary(found))
     plan.found = found  # the search itself (not a field: not in the JSON): what tests re-check
     return plan
 
 
-STORE_SLACK = 0.005  # host bytes per byte of the store the process holds beyond the rows (glibc, the driver's
-#                      registration of the store): 0.3% measured at 70B; the row is 0.5% (one point measured)
-HUGE_GROUP = 1.0e9  # parameters of a group above which the GPU keeps two of its fp32 gradients free (see _make_plan)
+HUGE_GROUP = 1.0e9  # parameters of a group above which the GPU keeps two of its fp32 gradients' bytes free
+#                     (_huge_group_headroom: a fragmentation margin)
 UPDATE_SWITCH_TOL = 0.05  # the other placement of the update is taken over the rule's where predicted this much faster
 
 
@@ -426,17 +442,6 @@ def _faster_update(mine: Plan, alt: Plan) -> Plan:
     return pick
 
 
-def _host_sums(rows: list[Row]) -> tuple[float, float]:
-    """(host need, the same without XLA's GPU pool table): the search compares the second."""
-    need = sum(r.bytes for r in rows)
-    return need, need - sum(r.bytes for r in rows if r.what.startswith("XLA's GPU allocator table"))
-
-
-def _has_slabs(on_gpu: bool, update_on: str, p: choose.Placement) -> bool:
-    """Whether the run has pinned gradient slabs: a host update's gradient, or a pageable hold's, lands there."""
-    return on_gpu and (update_on == "host" or p.grad_hold in ("host_fp32", "host_bf16"))
-
-
 def search_summary(found: search.Result) -> dict[str, Any]:
     """What the search tried and, where nothing fit, the candidate that came closest."""
     b, room = found.best, found.ctx.gpu_usable if found.ctx else None
@@ -446,94 +451,6 @@ def search_summary(found: search.Result) -> dict[str, Any]:
             # whether any candidate fits the GPU (none: the GPU, not the host, is what refuses), and the least
             # host need among those that do (the host limit a refusal names is planned from it)
             "gpu_fits_any": bool(on_gpu), "least_host_on_gpu": min((c.host_need for c in on_gpu), default=None)}
-
-
-def _host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bool, on_gpu: bool, n_dev: int,
-               placed: choose.Placement, host_act_bytes: float, slab_row: Row | None, update_on: str = "host",
-               optax_group_bytes: float = 0.0) -> list[Row]:
-    """Host memory by component: the store, the pinned buffers the placement asks for, the checkpoint
-    writer, the data loader and the runtime (``slab_row``: the gradient slabs of a host update)."""
-    train = cfg.train
-    rows = [Row("host", "fp32 master weights", 4.0 * shapes.params),
-            Row("host", f"optimizer state ({cfg.optim.moments} moments)", moment_bytes * shapes.params)]
-    if host_copy:
-        rows.append(Row("host", "bf16 streaming copy (blocks)", 2.0 * shapes.layers * shapes.block,
-                        "train.stream_copy=device removes it"))
-    if slab_row is not None:  # device-side updates bring no gradient to the host
-        rows.append(slab_row)
-    # stream_io: the embedding's and head's fp32 gradients are made in host memory and wait there (engine/holds.HostArray),
-    # outside any hold (the H100's 524k slice ran 3.9 GB over the plan without this row, RESULTS.md s12)
-    io_grads = shapes.embed + shapes.head if placed.stream_io else 0
-    if io_grads:
-        rows.append(Row("host", "embedding + head gradients (train.stream_io)", 4.0 * io_grads,
-                        "fp32, made in host memory"))
-    if placed.stream_io:
-        # the head's vocabulary chunks: the engine's staging buffers (one per chunk, the whole output matrix gathered
-        # once a step in the background: engine/io.py; registered host memory) and two chunk gradients on their way
-        # to the host (XLA's pinned pool); the 3B at 10 GB ran 2.9 GB over a plan without them and without the
-        # parked segment inputs below (RESULTS.md s14 call 6)
-        vc = min(IO_VOCAB_CHUNK, shapes.vocab)
-        chunk, chunks = 4.0 * shapes.hidden * vc, -(-shapes.vocab // vc)
-        rows.append(Row("host", "head chunks' staging (train.stream_io)", chunks * chunk * shapes.dtype_bytes / 4,
-                        f"{chunks} chunks: the output matrix, vocabulary-major, in the compute dtype"))
-        rows.append(Row("host", "head chunks' gradients on their way (pinned)", 2.0 * chunk, "two chunks"))
-    held = shapes.params - io_grads - placed.gpu_group_params
-    split = f"; the first {placed.gpu_groups} groups wait on the GPU" if placed.gpu_groups else ""
-    if placed.grad_hold in PINNED_HOLDS:
-        rows.append(Row("host", "gradients held for clipping (pinned)", HOST_HOLD_BYTES[placed.grad_hold] * held,
-                        placed.grad_hold[7:].replace("host", "fp32") + split))
-    elif placed.grad_hold in HOST_HOLD_BYTES:
-        rows.append(Row("host", "gradients held for clipping (pageable)", HOST_HOLD_BYTES[placed.grad_hold] * held,
-                        placed.grad_hold[5:] + ", fed through the slabs" + split))
-        # measured over the rows above with a pageable hold, never with the pinned one (H100, RESULTS.md s10:
-        # 8B +2.3 GB, 14B +2.7 GB at 24 GB): one group in fp32 beside the hold, the size of the largest that goes
-        # through it (stream_io: a block; the embedding's and head's gradients are made in host memory, and
-        # counting the 8B's head there put the plan 5.3% over its run at 24 GB: RESULTS.md s15)
-        rows.append(Row("host", "pageable hold's staging (one group in fp32)",
-                        4.0 * (shapes.block if placed.stream_io else shapes.largest_group)))
-    if placed.activations == "pinned_host":
-        k = placed.boundary_every
-        kept = -(-shapes.layers // k) - kept_on_gpu(shapes.layers, k, placed.gpu_act_blocks)
-        parked = max(k - 2, 0)  # a segment's recomputed inputs below its top two wait parked too (weights.Boundaries)
-        rows.append(Row("host", "boundary activations (pinned)", host_act_bytes * (kept + parked) / shapes.layers,
-                        ", ".join(x for x in (f"every {k}th block input" if k > 1 else "",
-                                              f"{parked} recomputed parked" if parked else "",
-                                              f"the last {placed.gpu_act_blocks} blocks' on the GPU"
-                                              if placed.gpu_act_blocks else "") if x)))
-    host_updated = shapes.largest_group if update_on == "host" else \
-        (max(shapes.embed, shapes.head) if placed.stream_io else 0)
-    if optax_group_bytes and host_updated:
-        # one group at a time (one host-optimizer thread): the 110B lean shape's head (1.25B parameters, Adafactor,
-        # 16 bytes a parameter) is 20 GB; without this row its run was killed 20+ GB over its plan (issue 42)
-        rows.append(Row("host", "host update's working set (optax on the CPU device, one group)",
-                        optax_group_bytes * host_updated, "inputs, outputs and temporaries of its compiled step"))
-    if train.final_checkpoint or train.ckpt_every:
-        rows.append(Row("host", "checkpoint writer (one group in flight)", shapes.largest_group * (4 + moment_bytes)))
-    rows.append(Row("host", "data loader (one batch, index)",
-                    float(train.batch_size * cfg.data.seq_len * 4 * 4 + 64e6)))
-    if on_gpu:  # measured at 70B (H200 x4, session 17 call 1): RSS 472.2 GB against 470.7 planned without this row
-        rows.append(Row("host", "bookkeeping that grows with the store (allocator, registration)",
-                        STORE_SLACK * (4.0 + moment_bytes) * shapes.params, f"{STORE_SLACK:.1%} of master + state"))
-    rows.append(Row("host", "runtime (Python, JAX" + (", CUDA context)" if on_gpu else ")"),
-                    RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] * (n_dev if on_gpu else 1)))
-    return rows
-
-
-def _xla_pool(machine: Machine, gpu_budget: float | None, gpu_need: float,
-              n_dev: int) -> tuple[Row | None, float | None, bool | None]:
-    """XLA's memory fraction, whether its pool is made whole at the start, and the host row of its
-    allocator table (None on the CPU backend)."""
-    if machine.backend != "gpu" or not machine.gpu_bytes:
-        return None, None, None
-    fraction = min(XLA_FRACTION, (gpu_budget or machine.gpu_bytes) / machine.gpu_bytes)
-    budgeted = bool(gpu_budget and gpu_budget < XLA_FRACTION * machine.gpu_bytes * 0.999)
-    preallocate = choose.preallocate_pool(gpu_budget, gpu_need, budgeted)
-    pool = fraction * machine.gpu_bytes
-    managed = pool if preallocate else min(pool, grown_pool(gpu_need))
-    row = Row("host", "XLA's GPU allocator table (8 bytes per 256 of its pool)",
-              managed * BFC_TABLE_BYTES_PER_POOL_BYTE * n_dev,
-              "pool made at the start" if preallocate else "pool grown on demand")
-    return row, round(fraction, 4), preallocate
 
 
 def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool, target: bool = False):
@@ -558,23 +475,3 @@ def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool, targ
 
     return describe(max(shapes.batch // first_micro, 1)), extra
 
-
-def _disk_rows(cfg: Config, params: int, mom: float) -> tuple[list[Row], float]:
-    t = cfg.train
-    rows = []
-    ckpt_bytes = params * (4 + mom)
-    keep = max(t.keep_last, 1) + 1  # the one being written while keep_last are kept
-    n_ckpt = 0
-    if t.ckpt_every:
-        n_ckpt = min(keep, max(1, t.steps // t.ckpt_every) + (1 if t.final_checkpoint else 0))
-        if t.keep_every:
-            n_ckpt += t.steps // max(t.keep_every, 1)
-    elif t.final_checkpoint:
-        n_ckpt = 1
-    if n_ckpt:
-        rows.append(Row("disk", f"checkpoints ({n_ckpt} x {ckpt_bytes / GB:.1f} GB)", n_ckpt * ckpt_bytes,
-                        f"in {t.out_dir}"))
-    if t.export:
-        rows.append(Row("disk", "Hugging Face export", params * (2 if t.export_dtype != "float32" else 4),
-                        f"in {t.export}"))
-    return rows, sum(r.bytes for r in rows)

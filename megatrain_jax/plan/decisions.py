@@ -12,8 +12,9 @@ from typing import Any
 
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan.options import BLOCKS_QUEUED
-from megatrain_jax.plan.sizes import (GB, GPU_MARGIN, GRAD_SLABS, MICRO_TOKENS, PREALLOCATE_ABOVE, RATES,
-                                      XLA_FRACTION, Row, Shapes, residual_bytes_per_block, usable)
+from megatrain_jax.plan.sizes import (GB, GPU_MARGIN, GRAD_SLABS_FEWEST, GRAD_SLABS_MOST, MICRO_TOKENS,
+                                      PREALLOCATE_ABOVE, RATES, XLA_FRACTION, Row, Shapes, residual_bytes_per_block,
+                                      usable)
 
 # the host-state modes, fullest first: (name, overrides)
 MODES = {"full": {"moments": "float32"},
@@ -50,8 +51,8 @@ class Placement:
     held gradients live, how the step streams, and the GPU phases, host need and step it makes."""
 
     micro_batches: int
-    activations: str  # device | pinned_host
-    grad_hold: str  # gpu_fp32 | gpu_bf16 | pinned_host | pinned_bf16 | host_fp32 | host_bf16 | resweep
+    activations: str  # placements.ACTIVATIONS
+    grad_hold: str  # placements.GRAD_HOLDS
     phases: dict[str, float]
     gpu_rows: list[Row]
     gpu_need: float
@@ -60,9 +61,10 @@ class Placement:
     seq_tile: int = 0  # the blocks' sequence tile (0: untiled)
     boundary_every: int = 1  # keep every k-th block input
     stream_io: bool = False  # embedding and head not resident
-    gpu_groups: int = 0  # a host hold's first groups held on the GPU in bf16 (grad_hold_gpu_groups)
-    gpu_group_params: int = 0  # their parameters
-    gpu_act_blocks: int = 0  # pinned activations: the last this-many blocks keep their inputs on the GPU (a split)
+    grad_hold_gpu_groups: int = 0  # a host hold's first groups held on the GPU in bf16
+    grad_hold_gpu_params: int = 0  # their parameters
+    activations_gpu_blocks: int = 0  # pinned activations: the last this-many blocks keep their inputs on the GPU
+    #                                  (a split)
     loss_chunk: int = 1024
     blocks_queued: int = BLOCKS_QUEUED  # the engine's pace (EngineOptions.blocks_queued)
     host_need: float = 0.0  # the plan's host need with this candidate (fewest slabs)
@@ -143,15 +145,15 @@ def choose_keep_residuals(asked: Any, shapes: Shapes, *, on_gpu: bool, devices: 
 
 def choose_slabs(setting: Any, *, chunked: bool, on_gpu: bool, moments: str, host_room: float,
                  slab_bytes: float) -> int:
-    """Pinned gradient slabs: as many as the host has room for (up to GRAD_SLABS[1]), never fewer than
-    GRAD_SLABS[0]; int8 moments (the leanest state, chosen for memory) take the fewest: the int8 kernel,
+    """Pinned gradient slabs: as many as the host has room for (up to GRAD_SLABS_MOST), never fewer than
+    GRAD_SLABS_FEWEST; int8 moments (the leanest state, chosen for memory) take the fewest: the int8 kernel,
     not the pool, paces those updates (RESULTS.md: Qwen2.5-7B 54.2 -> 50.7 GB host)."""
     if not chunked:
         return 3
     if setting != "auto":
         return int(setting)
-    most = GRAD_SLABS[0] if moments == "int8" else GRAD_SLABS[1]
-    return int(max(GRAD_SLABS[0], min(most, host_room // slab_bytes))) if on_gpu else GRAD_SLABS[0]
+    most = GRAD_SLABS_FEWEST if moments == "int8" else GRAD_SLABS_MOST
+    return int(max(GRAD_SLABS_FEWEST, min(most, host_room // slab_bytes))) if on_gpu else GRAD_SLABS_FEWEST
 
 
 def gpu_budget_of(gpu_bytes: float | None, on_gpu: bool, gpu_memory_gb: float | None) -> float | None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from megatrain_jax.config.schema import GRAD_HOLDS
 from megatrain_jax.errors import UserError
+from megatrain_jax.placements import (ACT_DEVICE, ACTIVATIONS, GPU_FP32, GRAD_HOLD, GRAD_HOLDS, STREAM_COPY,
+                                      STREAM_COPY_HOST, UPDATE_DEVICE, UPDATE_HOST, UPDATE_ON, GradHold)
 
 GRAD_SLAB_ELEMS = 32 << 20  # a pinned gradient slab: 32M fp32 values (128 MiB)
-GRAD_SLABS = 8  # pinned gradient slabs in flight at once
+DEFAULT_GRAD_SLABS = 8  # pinned gradient slabs of an engine built without a plan (the plan chooses its own count
+#                         between sizes.GRAD_SLABS_FEWEST and GRAD_SLABS_MOST)
 DEVICE_UPDATE_CHUNK = 8192 * 2048  # values per slice of a device-side update (bounded temporaries)
 # What the engine lets wait on the GPU at once, and the plan counts (sizes.gpu_phases). Unbounded, the dispatching
 # thread ran ahead of the GPU and the host copies fell behind it: the H100 held 23 block gradients waiting for a
@@ -23,18 +25,12 @@ BLOCKS_QUEUED = 2  # blocks dispatched and not yet computed (one computing, the 
 WRITEBACKS_IN_FLIGHT = 3  # device-side updates whose new master and state wait for their copy to the host
 HOLD_COPIES_IN_FLIGHT = 1  # gradients on the GPU waiting for their copy into a pageable host hold
 
-Activations = Literal["device", "pinned_host"]
-GradHold = Literal["gpu_fp32", "gpu_bf16", "pinned_host", "pinned_bf16", "host_fp32", "host_bf16", "resweep"]
-# gpu_*: on the GPU; pinned_host: pinned host arrays; host_*: ordinary (pageable) host memory, fed to the
-# updater through the pinned slabs; resweep: no hold, a second backward sweep once the norm is known
-StreamCopy = Literal["host", "device"]
-UpdateOn = Literal["host", "device"]
 
 
 def check_one_device(devices: int, *, update_on: str, keep_residuals: int) -> None:
     """Device-side updates and kept residuals run on one GPU: the one place this rule is checked (the
     plan calls it with the resolved device count, ``EngineOptions`` with its own)."""
-    if devices > 1 and update_on == "device":
+    if devices > 1 and update_on == UPDATE_DEVICE:
         raise UserError("train.update_on", f"device runs on one GPU, and this run uses {devices}",
                         "set train.update_on=host (or auto) for data parallel, or train.devices=1")
     if devices > 1 and keep_residuals:
@@ -52,12 +48,17 @@ class EngineOptions:
     loss_chunk: int = 1024  # tokens per chunk of the fused head + cross-entropy
     clip_norm: float | None = None  # global-norm clipping (None: off)
     skip_nonfinite: bool = False  # a step with a non-finite loss or norm changes nothing
-    activations: Activations = "device"  # where boundary activations wait for the backward
-    grad_hold: GradHold = "gpu_fp32"  # where deferred gradients wait for the clipping norm
-    grad_slabs: int = GRAD_SLABS  # pinned gradient slabs feeding the host optimizer
+    activations: str = ACT_DEVICE  # where boundary activations wait for the backward (placements.ACTIVATIONS)
+    grad_hold: str = GPU_FP32.name  # where deferred gradients wait for the clipping norm (placements.GRAD_HOLDS:
+    #                                 gpu_* on the GPU; pinned_*: pinned host arrays; host_*: ordinary (pageable) host
+    #                                 memory, fed to the updater through the pinned slabs; resweep: no hold, a second
+    #                                 backward sweep once the norm is known). The engine reads the placement object
+    #                                 (``grad_hold_placement``), the name is what serialises
+    grad_slabs: int = DEFAULT_GRAD_SLABS  # pinned gradient slabs feeding the host optimizer
     grad_slab_elems: int | None = GRAD_SLAB_ELEMS  # values per slab (None: whole groups)
-    stream_copy: StreamCopy = "host"  # the bf16 streaming copy lives on the host, or the GPU casts fp32
-    update_on: UpdateOn = "host"  # where each group's optimizer step runs
+    stream_copy: str = STREAM_COPY_HOST  # the bf16 streaming copy lives on the host, or the GPU casts fp32
+    #                            (placements.STREAM_COPY)
+    update_on: str = UPDATE_HOST  # where each group's optimizer step runs (placements.UPDATE_ON)
     keep_residuals: int = 0  # the last N blocks keep their VJP residuals (no recompute)
     devices: int | Literal["all"] = 1  # data parallel: devices per process (distributed.run_devices)
     device_update_chunk: int = DEVICE_UPDATE_CHUNK
@@ -89,8 +90,8 @@ class EngineOptions:
             bad("train.micro_batches", f"must be >= 1, got {self.micro_batches}", "set a positive integer")
         if int(self.loss_chunk) < 1:
             bad("train.loss_chunk", f"must be >= 1, got {self.loss_chunk}", "set a positive integer")
-        if self.activations not in ("device", "pinned_host"):
-            bad("train.activations", f"{self.activations!r}", "use device or pinned_host")
+        if self.activations not in ACTIVATIONS:
+            bad("train.activations", f"{self.activations!r}", "use " + " or ".join(ACTIVATIONS))
         if self.grad_hold not in GRAD_HOLDS:
             bad("train.grad_hold", f"{self.grad_hold!r}", f"use one of {', '.join(GRAD_HOLDS)}")
         if int(self.grad_hold_gpu_groups) < 0:
@@ -103,10 +104,10 @@ class EngineOptions:
             bad("blocks_queued", f"must be >= 1, got {self.blocks_queued}", "set 1 or 2")
         if int(self.boundary_every) < 1:
             bad("train.boundary_every", f"must be >= 1, got {self.boundary_every}", "set 1 (keep every input) or more")
-        if self.stream_copy not in ("host", "device"):
-            bad("train.stream_copy", f"{self.stream_copy!r}", "use host or device")
-        if self.update_on not in ("host", "device"):
-            bad("train.update_on", f"{self.update_on!r}", "use host or device")
+        if self.stream_copy not in STREAM_COPY:
+            bad("train.stream_copy", f"{self.stream_copy!r}", "use " + " or ".join(STREAM_COPY))
+        if self.update_on not in UPDATE_ON:
+            bad("train.update_on", f"{self.update_on!r}", "use " + " or ".join(UPDATE_ON))
         if int(self.grad_slabs) < 1:
             bad("train.grad_slabs", f"must be >= 1, got {self.grad_slabs}", "set a positive integer")
         if isinstance(self.seq_tile, bool) or not isinstance(self.seq_tile, int) or self.seq_tile < 0:
@@ -116,14 +117,20 @@ class EngineOptions:
             bad("train.keep_residuals", f"must be >= 0, got {self.keep_residuals}", "set 0 or more")
         if self.devices != "all":  # "all": the plan resolves the count and checks it (check_one_device)
             check_one_device(int(self.devices), update_on=self.update_on, keep_residuals=int(self.keep_residuals))
-        if self.update_on == "device" and self.stream_copy == "host" and self.compute_dtype == "bfloat16":
+        if self.update_on == UPDATE_DEVICE and self.stream_copy == STREAM_COPY_HOST \
+                and self.compute_dtype == "bfloat16":
             bad("train.update_on", "device needs a store without a bf16 streaming copy",
                 "set train.stream_copy=device (or train.update_on=host)")
 
     @property
     def host_bf16_copy(self) -> bool:
         """Whether the host store keeps a bf16 streaming copy of the blocks."""
-        return self.compute_dtype == "bfloat16" and self.stream_copy == "host"
+        return self.compute_dtype == "bfloat16" and self.stream_copy == STREAM_COPY_HOST
+
+    @property
+    def grad_hold_placement(self) -> GradHold:
+        """The gradient hold ``grad_hold`` names: the object the engine builds its hold from."""
+        return GRAD_HOLD[self.grad_hold]
 
     def with_(self, **changes: Any) -> "EngineOptions":
         return replace(self, **changes)

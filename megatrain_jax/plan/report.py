@@ -7,13 +7,17 @@ from typing import Any
 
 from megatrain_jax.config import Config
 from megatrain_jax.plan.build import Plan, make_plan
+from megatrain_jax.plan.lora import LoraPlan, refuse_lora_scaling
 from megatrain_jax.plan.machine import Machine, detect_machine
 from megatrain_jax.plan.sizes import GB, GPU_MARGIN, HOST_MARGIN, GiB
 
 
-def plan_table(p: Plan) -> str:
-    """The plan as a readable table (rich), one line per component."""
+def plan_table(p: Plan | LoraPlan) -> str:
+    """The plan as a readable table (rich), one line per component (the LoRA rows: ``LoraPlan.table``)."""
     import io
+
+    if isinstance(p, LoraPlan):
+        return p.table
 
     from rich.console import Console
     from rich.table import Table
@@ -79,7 +83,8 @@ def plan_json(p: Plan) -> str:
 def scaling_rows(cfg: Config, machine: Machine | None = None, counts=(1, 2, 4, 8)) -> list[dict[str, Any]]:
     """The same config's plan on N GPUs (data parallel, the global batch split over them), one dict
     per N: per-GPU peak, the host's total, the step's floor terms; ``error`` where the batch does not
-    split. Predictions from the plan's rates, until measured."""
+    split. Predictions from the plan's rates, until measured. Refused for LoRA (``lora.refuse_lora_scaling``)."""
+    refuse_lora_scaling(cfg)
     machine = machine or detect_machine((cfg.train.out_dir,))
     tokens = cfg.train.batch_size * cfg.data.seq_len
     rows = []

@@ -23,12 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from megatrain_jax.placements import ACTIVATIONS, GRAD_HOLDS, HOST_HOLDS
 from megatrain_jax.plan.decisions import Placement
-from megatrain_jax.plan.sizes import (AUTO_SEQ_TILE, HOLD_BYTES, TILE_ABOVE, AttentionExtra, Shapes,
+from megatrain_jax.plan.sizes import (AUTO_SEQ_TILE, GPU_HOLD_BYTES, TILE_ABOVE, AttentionExtra, PhaseInputs, Shapes,
                                       block_working_set, gpu_phases)
 
-HOLDS = ("gpu_fp32", "gpu_bf16", "pinned_host", "pinned_bf16", "host_fp32", "host_bf16", "resweep")
-HOST_HOLDS = ("pinned_host", "pinned_bf16", "host_fp32", "host_bf16")
 BOUNDARY_EVERY = (1, 2, 4)
 MIN_LOSS_CHUNK = 256  # the smallest loss chunk the search tries (below it the head's matmuls are too thin)
 
@@ -44,7 +43,8 @@ class Axes:
     stream_io: tuple[bool, ...]
     loss_chunks: tuple[int, ...]
     split: bool  # a host hold may keep its first groups on the GPU (grad_hold_gpu_groups)
-    act_blocks: int | None = None  # pinned activations: the last blocks whose inputs stay on the GPU (None: searched)
+    activations_gpu_blocks: int | None = None  # pinned activations: the last blocks whose inputs stay on the GPU
+    #                                            (None: searched)
 
     @property
     def size(self) -> int:
@@ -60,8 +60,8 @@ def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, updat
     candidate whatever runs the update (a device-side update's resweep applies each group in the second
     sweep) and whatever the number of GPUs (data parallel runs every hold, boundary_every and stream_io:
     tests/test_data_parallel.py); a split of the activations (their last blocks on the GPU) is one GPU's."""
-    holds = HOLDS if train.grad_hold == "auto" else (train.grad_hold,)
-    acts = ("device", "pinned_host") if train.activations == "auto" else (train.activations,)
+    holds = GRAD_HOLDS if train.grad_hold == "auto" else (train.grad_hold,)
+    acts = ACTIVATIONS if train.activations == "auto" else (train.activations,)
     boundary = BOUNDARY_EVERY if train.boundary_every == "auto" else (int(train.boundary_every),)
     io = (False, True) if train.stream_io == "auto" else (bool(train.stream_io),)
     if not on_gpu:  # GPU mechanisms: a CPU run takes them only when asked for
@@ -76,11 +76,11 @@ def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, updat
         chunks.append(chunks[-1] // 2)
     if cpu_only:
         chunks = chunks[:1]
-    act_blocks = None if train.activations_gpu_blocks == "auto" else int(train.activations_gpu_blocks)
-    if act_blocks is None and (not on_gpu or devices > 1 or cpu_only):  # a GPU's free room, one GPU
-        act_blocks = 0
+    act_gpu = None if train.activations_gpu_blocks == "auto" else int(train.activations_gpu_blocks)
+    if act_gpu is None and (not on_gpu or devices > 1 or cpu_only):  # a GPU's free room, one GPU
+        act_gpu = 0
     return Axes(tuple(micro), tuple(acts), tuple(holds), tuple(boundary), tuple(io), tuple(chunks),
-                split=on_gpu and not cpu_only, act_blocks=act_blocks)
+                split=on_gpu and not cpu_only, activations_gpu_blocks=act_gpu)
 
 
 @dataclass
@@ -151,19 +151,20 @@ def group_params(shapes: Shapes, n: int, io: bool = False) -> int:
 
 
 def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k: int, io: bool, chunk: int,
-             groups: int = 0, act_blocks: int = 0, want_rows: bool = False) -> Placement:
+             grad_hold_gpu_groups: int = 0, activations_gpu_blocks: int = 0, want_rows: bool = False) -> Placement:
     """One candidate: its GPU phases, host need, predicted step, and whether it fits both (its GPU rows
     only with ``want_rows``: ``gpu_rows`` makes them for the one taken)."""
-    phases, rows = gpu_phases(shapes, micro_batches=micro, stream_bytes=ctx.stream_bytes,
-                              device_cast=ctx.device_cast, act_on_gpu=act == "device", hold_bytes=HOLD_BYTES[hold],
-                              loss_chunk=chunk, deferred=True, attn=ctx.attn,
-                              update_state_bytes=ctx.update_state_bytes, boundary_every=k, stream_io=io,
-                              gpu_group_bytes=group_bytes(shapes, groups, io), resweep=hold == "resweep",
-                              act_gpu_blocks=act_blocks, want=want_rows)
+    groups = grad_hold_gpu_groups
+    phases, rows = gpu_phases(shapes, PhaseInputs(
+        micro_batches=micro, stream_bytes=ctx.stream_bytes, device_cast=ctx.device_cast, act_on_gpu=act == "device",
+        hold_bytes=GPU_HOLD_BYTES[hold], loss_chunk=chunk, deferred=True, attn=ctx.attn,
+        update_state_bytes=ctx.update_state_bytes, boundary_every=k, stream_io=io,
+        grad_hold_gpu_bytes=group_bytes(shapes, groups, io), resweep=hold == "resweep",
+        activations_gpu_blocks=activations_gpu_blocks), want=want_rows)
     need = max(phases.values())
     p = Placement(micro, act, hold, phases, rows, need, False, seq_tile=shapes.seq_tile, boundary_every=k,
-                  stream_io=io, gpu_groups=groups, gpu_group_params=group_params(shapes, groups, io), loss_chunk=chunk,
-                  blocks_queued=shapes.blocks_queued, gpu_act_blocks=act_blocks)
+                  stream_io=io, grad_hold_gpu_groups=groups, grad_hold_gpu_params=group_params(shapes, groups, io),
+                  loss_chunk=chunk, blocks_queued=shapes.blocks_queued, activations_gpu_blocks=activations_gpu_blocks)
     p.host_need, p.host_placed = ctx.host_of(p)
     p.step = ctx.step_of(p)
     p.fits = (ctx.gpu_usable is None or need <= ctx.gpu_usable) and p.host_need <= ctx.host_usable
@@ -176,8 +177,9 @@ def gpu_rows(shapes: Shapes, ctx: Context, p: Placement) -> list:
 
 
 def _again(shapes: Shapes, ctx: Context, base: Placement, **change: int) -> Placement:
-    """``base`` evaluated with its split counts changed (``groups``, ``act_blocks``)."""
-    kw = {"groups": base.gpu_groups, "act_blocks": base.gpu_act_blocks, **change}
+    """``base`` evaluated with its split counts changed (``grad_hold_gpu_groups``, ``activations_gpu_blocks``)."""
+    kw = {"grad_hold_gpu_groups": base.grad_hold_gpu_groups, "activations_gpu_blocks": base.activations_gpu_blocks,
+          **change}
     return evaluate(shapes, ctx, micro=base.micro_batches, act=base.activations, hold=base.grad_hold,
                     k=base.boundary_every, io=base.stream_io, chunk=base.loss_chunk, **kw)
 
@@ -215,8 +217,8 @@ def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
     leave (``_most``)."""
     if ctx.gpu_usable is None:
         return None
-    if base.gpu_act_blocks:
-        return _most(shapes, ctx, base, "groups", shapes.layers + 1)
+    if base.activations_gpu_blocks:
+        return _most(shapes, ctx, base, "grad_hold_gpu_groups", shapes.layers + 1)
     room = ctx.gpu_usable - base.gpu_need
     n = 0
     while n < shapes.layers + 1 and group_bytes(shapes, n + 1, base.stream_io) <= room:
@@ -224,7 +226,7 @@ def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
     for _ in range(4):  # the room is the peak's; another phase may be where the groups do not fit
         if n <= 0:
             break
-        p = _again(shapes, ctx, base, groups=n)
+        p = _again(shapes, ctx, base, grad_hold_gpu_groups=n)
         if p.gpu_need <= ctx.gpu_usable:
             return p
         n -= max(1, n // 4)
@@ -234,7 +236,7 @@ def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
 def _split_acts(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
     """Pinned activations with as many of the last blocks' inputs on the GPU as its room allows (the
     held gradients' phases are not the activations': both take the same free room, at other times)."""
-    return _most(shapes, ctx, base, "act_blocks", shapes.layers - 1)
+    return _most(shapes, ctx, base, "activations_gpu_blocks", shapes.layers - 1)
 
 
 def variants(shapes: Shapes, ctx: Context, axes: Axes, p: Placement) -> list[Placement]:
@@ -242,7 +244,7 @@ def variants(shapes: Shapes, ctx: Context, axes: Axes, p: Placement) -> list[Pla
     blocks' inputs on the GPU, where that count is searched; and a host hold with its first groups on the GPU,
     on ``p`` and on that split."""
     bases, out = [p], []
-    if axes.act_blocks is None and p.activations == "pinned_host" and p.boundary_every == 1:
+    if axes.activations_gpu_blocks is None and p.activations == "pinned_host" and p.boundary_every == 1:
         acts = _split_acts(shapes, ctx, p)
         if acts is not None:
             bases.append(acts)
@@ -271,10 +273,11 @@ def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
                         if k > 1 and k >= shapes.layers:
                             continue
                         found = False  # a smaller chunk changes only the loss's GPU bytes: the first that fits
-                        fixed = min(axes.act_blocks or 0, shapes.layers - 1) if act == "pinned_host" else 0
+                        fixed = (min(axes.activations_gpu_blocks or 0, shapes.layers - 1)
+                                 if act == "pinned_host" else 0)  # a fixed split of the activations
                         for chunk in axes.loss_chunks:
                             p = evaluate(shapes, ctx, micro=micro, act=act, hold=hold, k=k, io=io, chunk=chunk,
-                                         act_blocks=fixed)
+                                         activations_gpu_blocks=fixed)
                             consider(p)
                             for q in variants(shapes, ctx, axes, p):
                                 consider(q)
@@ -328,10 +331,10 @@ def describe(p: Placement) -> str:
     parts = [f"train.micro_batches={p.micro_batches}", f"train.activations={p.activations}",
              f"train.grad_hold={p.grad_hold}", f"train.boundary_every={p.boundary_every}",
              f"train.stream_io={'true' if p.stream_io else 'false'}", f"train.loss_chunk={p.loss_chunk}"]
-    if p.gpu_groups:
-        parts.append(f"grad_hold_gpu_groups={p.gpu_groups}")
-    if p.gpu_act_blocks:
-        parts.append(f"activations_gpu_blocks={p.gpu_act_blocks}")
+    if p.grad_hold_gpu_groups:
+        parts.append(f"grad_hold_gpu_groups={p.grad_hold_gpu_groups}")
+    if p.activations_gpu_blocks:
+        parts.append(f"activations_gpu_blocks={p.activations_gpu_blocks}")
     if p.seq_tile:
         parts.append(f"model.seq_tile={p.seq_tile}")
     return " ".join(parts)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatrain_jax.config import ModelConfig
+from megatrain_jax.placements import GRAD_HOLD_LIST
 from megatrain_jax.plan.options import BLOCKS_QUEUED, DEVICE_UPDATE_CHUNK, HOLD_COPIES_IN_FLIGHT, WRITEBACKS_IN_FLIGHT
 
 GB = 1e9
@@ -31,8 +32,9 @@ BFC_TABLE_BYTES_PER_POOL_BYTE = 1.0 / 32  # XLA's BFC allocator: one 8-byte chun
 PREALLOCATE_ABOVE = 0.75  # of the GPU budget: below it XLA grows its pool on demand, so the allocator table
 # covers only what is used; above it the pool is made whole at the start (RESULTS.md)
 BFC_FIRST_REGION = 2 << 20
-GRAD_SLAB_ELEMS = 32 << 20  # gradient slab: 32M fp32 values (128 MiB) per pinned buffer
-GRAD_SLABS = (6, 24)  # pinned slabs in the pool (fewest, most): a deeper pool keeps the host optimizer fed
+# pinned gradient slabs (of options.GRAD_SLAB_ELEMS values) the plan chooses between (decisions.choose_slabs): a
+# deeper pool keeps the host optimizer fed
+GRAD_SLABS_FEWEST, GRAD_SLABS_MOST = 6, 24
 # (RESULTS.md: 6 -> 24 slabs, Llama-2-7B 388 -> 397 model-TFLOPS on the H100)
 # One block's recompute + VJP working set (the engine's block backward: XLA's temporaries beyond its arguments),
 # per backend, in bytes per token and unit of width in bf16 compute (x4 in fp32 compute, as calibrated before)
@@ -72,11 +74,8 @@ RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9,
          # 16 threads of the H100 machine's host (experiments/bench_compact_adamw.py)
          "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 3.5e9, "optax": 1.0e9}}
 MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
-HOLD_BYTES = {"gpu_fp32": 4, "gpu_bf16": 2, "pinned_host": None, "pinned_bf16": None, "host_fp32": None,
-              "host_bf16": None, "resweep": None}  # GPU bytes/param of each gradient hold
-HOST_HOLD_BYTES = {"pinned_host": 4, "pinned_bf16": 2, "host_fp32": 4, "host_bf16": 2}  # host bytes/param of each
-#                                                                                  host hold
-PINNED_HOLDS = ("pinned_host", "pinned_bf16")  # the holds in XLA's pinned pool, beside the parked activations
+GPU_HOLD_BYTES = {h.name: h.gpu_bytes for h in GRAD_HOLD_LIST}  # GPU bytes/param of each gradient hold (None: none)
+HOST_HOLD_BYTES = {h.name: h.host_bytes for h in GRAD_HOLD_LIST if h.on_host}  # host bytes/param of each host hold
 IO_GATHER_RATE = 20e9  # bytes/s of the streamed head's host gather as the step sees it. Gathered twice a step on the
 # dispatching thread, an 8B (128256 x 4096) head cost 1.13 s more per step than the resident one (3.7e9 then:
 # experiments/probe_stream_io.py, H100 machine, RESULTS.md s7); now once, in the background (engine/io_head.py): with
@@ -204,146 +203,224 @@ def loss_working_set(shapes: Shapes, tokens_mb: int, loss_chunk: int) -> float:
 AttentionExtra = Callable[[int], "tuple[float, str]"]  # sequences per micro-batch -> (bytes, implementation)
 
 
-def gpu_phases(shapes: Shapes, *, micro_batches: int, stream_bytes: int, device_cast: bool, act_on_gpu: bool,
-               hold_bytes: int | None, loss_chunk: int, deferred: bool, attn: AttentionExtra | None = None,
-               update_state_bytes: float | None = None, boundary_every: int = 1, stream_io: bool = False,
-               gpu_group_bytes: float = 0.0, resweep: bool = False,
-               act_gpu_blocks: int = 0, want: bool = True) -> tuple[dict[str, float], list[Row]]:
-    """Bytes on the GPU at each phase of a step, and the rows that explain them.
-    ``update_state_bytes``: optimizer state bytes/param of a device-side update (``train.update_on=device``),
-    None for host updates. ``boundary_every`` k: every k-th block input is kept (L/k layers), and the
-    backward holds the k-1 inputs it recomputes for one segment. ``stream_io``: neither embedding nor head
-    is resident; one vocabulary chunk of the head (fp32 + cast + its fp32 gradient), one logits tile and
-    the fp32 dx are. ``gpu_group_bytes``: the bf16 share of a split hold (``grad_hold_gpu_groups``).
-    ``resweep``: no hold; the activations stay for a second backward sweep. ``act_gpu_blocks`` (pinned
-    activations split): the last this-many blocks keep their inputs on the GPU. ``want=False``: the phases
-    only (the search evaluates thousands of candidates; the rows of the one it takes are made again)."""
+@dataclass(frozen=True)
+class PhaseInputs:
+    """What a step's GPU phases depend on besides the model's shapes: one candidate of the placement search
+    (``search.evaluate``) with the plan's fixed choices (how blocks stream, where the update runs)."""
+
+    micro_batches: int
+    stream_bytes: int  # bytes per streamed block parameter (2: the host's bf16 copy; 4: the fp32 master)
+    device_cast: bool  # the fp32 master is cast on the GPU (the block's compute-dtype copy beside it)
+    act_on_gpu: bool  # every kept boundary activation waits on the GPU (train.activations=device)
+    hold_bytes: int | None  # GPU bytes/param of the gradient hold (None: a host hold, or a resweep)
+    loss_chunk: int
+    deferred: bool  # gradients wait for the clipping norm
+    attn: AttentionExtra | None = None
+    update_state_bytes: float | None = None  # optimizer state bytes/param of a device-side update
+    #                                          (``train.update_on=device``), None for host updates
+    boundary_every: int = 1  # k: every k-th block input is kept (L/k layers), the backward holds the k-1 inputs
+    #                          it recomputes for one segment
+    stream_io: bool = False  # neither embedding nor head is resident; one vocabulary chunk of the head (fp32 +
+    #                          cast + its fp32 gradient), one logits tile and the fp32 dx are
+    grad_hold_gpu_bytes: float = 0.0  # the bf16 share of a split hold (``grad_hold_gpu_groups``)
+    resweep: bool = False  # no hold; the activations stay for a second backward sweep
+    activations_gpu_blocks: int = 0  # pinned activations split: the last this-many blocks keep their inputs on the GPU
+
+
+def gpu_phases(shapes: Shapes, x: PhaseInputs, want: bool = True) -> tuple[dict[str, float], list[Row]]:
+    """Bytes on the GPU at each phase of a step with placement ``x``, and the rows that explain them.
+    ``want=False``: the phases only (the search evaluates thousands of candidates; the rows of the one it
+    takes are made again)."""
+    rows: list[Row] = []
+    out = rows if want else None
+    tok_mb = shapes.batch * shapes.seq // x.micro_batches
+    resident = _resident_weights(shapes, x, out)
+    queued, inflight = _blocks_in_flight(shapes, x, out)
+    act = _boundary_activations(shapes, x, out)
+    ws = _working_set(shapes, x, tok_mb, out)
+    emb_acc, head_acc, accum = _accumulators(shapes, x, queued, out)
+    loss_ws, out_grad = _loss(shapes, x, tok_mb, out)
+    held = _held_gradients(shapes, x, out)
+    # the step's inputs (tokens, labels, loss mask, positions: 4 bytes each) and every micro-batch's aux, made once
+    # for the step and read by each block: the rotary tables, cos and sin in fp32 (models/common.rope_tables)
+    inputs = shapes.tokens * (16 + 4 * shapes.head_dim)
+    _add(out, Row("gpu", "step inputs and the blocks' aux (rotary tables)", inputs, "for the whole step"))
+    fixed = resident + inflight + inputs
+    update = _device_update(shapes, x, out)
+    head_hold = shapes.head * (x.hold_bytes or 0) if (x.deferred and not x.stream_io) else 0
+    # resweep with stream_io: the first sweep keeps the top cotangents for the second (the streamed head is not
+    # run again), a layer of activations on the GPU from the loss to the second sweep's start
+    top = act.layer if (x.resweep and x.stream_io) else 0
+    if top:
+        _add(out, Row("gpu", "top cotangents kept for the second sweep", top, "resweep with train.stream_io"))
+    phases = {
+        "forward start (all held gradients, no activations)": fixed + held + act.layer + ws / 2 + update,
+        # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
+        "loss (all activations, loss chunk)": fixed + act.acts - act.segment + loss_ws + head_acc + emb_acc + out_grad
+        + act.layer + update,
+        # + the cotangents flowing down the blocks (one layer's worth; the VJP's new one is in its working set)
+        "backward start (activations, accumulators)": fixed + act.acts + accum + head_acc + ws + head_hold + act.layer
+        + top,
+        # (a split: the last pinned input comes back while the one before it is on its way: H100 s15 call 1 peaked
+        # 0.5 GB over a plan without it)
+        "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act.layer if x.act_on_gpu
+                                                                                 or act.split else 0)
+        + act.layer + act.segment + top,
+        **({"embedding backward (held gradients, the rows' gradient)": fixed + held + emb_acc + 2 * act.layer + top}
+           if x.stream_io else {}),
+    }
+    if x.resweep:  # the first sweep takes only the norm: every activation stays for the second, and dx of the top
+        # (and the first groups it holds on the GPU in bf16, where it holds some: grad_hold_gpu_groups)
+        phases["second backward (activations kept, top dx)"] = fixed + act.acts + accum + head_acc + ws + act.layer \
+            + top + held
+    return phases, rows
+
+
+def _add(rows: list[Row] | None, row: Row) -> None:
+    if rows is not None:
+        rows.append(row)
+
+
+def _resident_weights(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> float:
+    """The embedding and head weights on the GPU for the whole step (stream_io: one vocabulary chunk of the head)."""
     dt = shapes.dtype_bytes
-    tok_mb = shapes.batch * shapes.seq // micro_batches
-    rows = []
-    k = max(int(boundary_every), 1)
-    if stream_io:
+    if x.stream_io:
         vc = min(IO_VOCAB_CHUNK, shapes.vocab)
         resident = vc * shapes.hidden * (4 + dt + 4)
-        want and rows.append(Row("gpu", "head: one vocabulary chunk (train.stream_io)", resident,
-                        f"{vc} rows fp32 + cast + fp32 gradient; embedding rows gathered per batch"))
-    else:
-        # the embedding and head always stream their fp32 master (hoststore.py) and are cast in each jit
-        resident = (shapes.embed + shapes.head) * 4 + (shapes.embed + shapes.head) * (dt if dt == 2 else 0)
-        want and rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
-                        "fp32 + compute-dtype cast" if dt == 2 else "fp32"))
-    # the engine's pace (weights.Pace): one block computing, BLOCKS_QUEUED - 1 queued behind it, the next in flight
+        _add(rows, Row("gpu", "head: one vocabulary chunk (train.stream_io)", resident,
+                       f"{vc} rows fp32 + cast + fp32 gradient; embedding rows gathered per batch"))
+        return resident
+    # the embedding and head always stream their fp32 master (hoststore.py) and are cast in each jit
+    resident = (shapes.embed + shapes.head) * 4 + (shapes.embed + shapes.head) * (dt if dt == 2 else 0)
+    _add(rows, Row("gpu", "embedding + head weights (resident for the step)", resident,
+                   "fp32 + compute-dtype cast" if dt == 2 else "fp32"))
+    return resident
+
+
+def _blocks_in_flight(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> tuple[int, float]:
+    """(blocks queued, bytes of the blocks' weights on the GPU): the engine's pace (weights.Pace), one block
+    computing, BLOCKS_QUEUED - 1 queued behind it, the next in flight."""
     queued = shapes.blocks_queued
     blocks = queued + 1
-    inflight = blocks * shapes.block * stream_bytes + (shapes.block * dt if device_cast else 0)
-    want and rows.append(Row("gpu", f"{blocks} blocks' weights (" + ("computing, queued, in flight)" if queued > 1 else
-                                                            "computing, in flight)"), inflight,
-                    "fp32 master, cast on the GPU" if device_cast else ""))
-    act_layer = shapes.batch * shapes.seq * shapes.hidden * dt
+    inflight = blocks * shapes.block * x.stream_bytes + (shapes.block * shapes.dtype_bytes if x.device_cast else 0)
+    _add(rows, Row("gpu", f"{blocks} blocks' weights (" + ("computing, queued, in flight)" if queued > 1 else
+                                                          "computing, in flight)"), inflight,
+                   "fp32 master, cast on the GPU" if x.device_cast else ""))
+    return queued, inflight
+
+
+@dataclass(frozen=True)
+class _Activations:
+    layer: float  # one layer's boundary activation (the whole per-device batch)
+    acts: float  # the kept boundary activations on the GPU
+    segment: float  # the inputs of one segment, recomputed in the backward
+    split: int  # kept inputs among the last blocks a split placement keeps on the GPU
+
+
+def _boundary_activations(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> _Activations:
+    """The boundary activations the GPU keeps: every kept input (activations=device), or the layers of parked
+    inputs in flight (pinned_host), or a split's last blocks' inputs and one parked layer beside them."""
+    k = max(int(x.boundary_every), 1)
+    act_layer = shapes.batch * shapes.seq * shapes.hidden * shapes.dtype_bytes
     kept_layers = -(-shapes.layers // k)
     segment = (k - 1) * act_layer  # the inputs of one segment, recomputed in the backward
     # parked in pinned host memory: the copies of the last layers out are still in flight (the engine bounds them;
     # unbounded, the H100 held 31 micro-batch inputs of 64 MiB at once at 8 x 8192 tokens, ~4 layers: RESULTS.md s8)
-    split = 0 if act_on_gpu else kept_on_gpu(shapes.layers, k, act_gpu_blocks)
+    split = 0 if x.act_on_gpu else kept_on_gpu(shapes.layers, k, x.activations_gpu_blocks)
     # a split: the engine lets the parked layers land before the first the GPU keeps (weights.Boundaries), and in
     # the backward one parked layer comes back while the GPU's last one is used
-    acts = (kept_layers * act_layer if act_on_gpu else
+    acts = (kept_layers * act_layer if x.act_on_gpu else
             ((split + 1) if split else PINNED_ACT_LAYERS_ON_GPU) * act_layer) + segment
-    want and rows.append(Row("gpu", "boundary activations", acts,
-                    (f"{kept_layers} layers x {shapes.tokens} tokens" if act_on_gpu
-                     else f"the last {act_gpu_blocks} blocks' inputs here ({split} layers), the others in pinned "
-                          "host memory, one in flight" if split
-                     else f"in pinned host memory; {PINNED_ACT_LAYERS_ON_GPU} layers in flight")
-                    + (f"; every {k}th block input, {k - 1} recomputed per segment" if k > 1 else "")))
+    _add(rows, Row("gpu", "boundary activations", acts,
+                   (f"{kept_layers} layers x {shapes.tokens} tokens" if x.act_on_gpu
+                    else f"the last {x.activations_gpu_blocks} blocks' inputs here ({split} layers), the others in "
+                         "pinned host memory, one in flight" if split
+                    else f"in pinned host memory; {PINNED_ACT_LAYERS_ON_GPU} layers in flight")
+                   + (f"; every {k}th block input, {k - 1} recomputed per segment" if k > 1 else "")))
+    return _Activations(act_layer, acts, segment, split)
+
+
+def _working_set(shapes: Shapes, x: PhaseInputs, tok_mb: int, rows: list[Row] | None) -> float:
+    """One block's recompute + VJP working set, with the attention path's own beyond the calibrated (cuDNN) one."""
     ws = block_working_set(shapes, tok_mb)
-    want and rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"
-                    + (f", sequence tiles of {shapes.seq_tile}" if 0 < shapes.seq_tile < shapes.seq else "")))
-    if attn is not None:  # what the chosen attention path needs beyond the calibrated (cuDNN) coefficients
-        extra, impl = attn(max(shapes.batch // micro_batches, 1))
-        want and rows.append(Row("gpu", "attention working set beyond cuDNN's", extra, impl))
+    _add(rows, Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"
+                   + (f", sequence tiles of {shapes.seq_tile}" if 0 < shapes.seq_tile < shapes.seq else "")))
+    if x.attn is not None:  # what the chosen attention path needs beyond the calibrated (cuDNN) coefficients
+        extra, impl = x.attn(max(shapes.batch // x.micro_batches, 1))
+        _add(rows, Row("gpu", "attention working set beyond cuDNN's", extra, impl))
         ws += extra
+    return ws
+
+
+def _accumulators(shapes: Shapes, x: PhaseInputs, queued: int, rows: list[Row] | None) -> tuple[float, float, float]:
+    """(the embedding's, the head's, the blocks' and (not stream_io) the embedding's) fp32 gradient accumulators."""
     # current block's fp32 accumulator + the embedding's (stream_io: the gathered rows' gradient)
-    emb_acc = shapes.tokens * shapes.hidden * 4 if stream_io else shapes.embed * 4
-    head_acc = 0 if stream_io else shapes.head * 4  # stream_io: counted with the vocabulary chunk
+    emb_acc = shapes.tokens * shapes.hidden * 4 if x.stream_io else shapes.embed * 4
+    head_acc = 0 if x.stream_io else shapes.head * 4  # stream_io: counted with the vocabulary chunk
     # the blocks computing and queued each have one; a gradient copied to a host hold (pinned or pageable) waits on
     # the GPU until its copies are issued (HOLD_COPIES_IN_FLIGHT, the engine's bound: holds.PageableHold)
     # (a resweep's second sweep sends each gradient to the host as it completes: the same bound, updaters._bound_waiting)
-    host_hold = deferred and not hold_bytes
+    host_hold = x.deferred and not x.hold_bytes
     # (stream_io: the embedding rows' gradient exists only in the embedding's backward, after the last block)
-    accum = (queued + (HOLD_COPIES_IN_FLIGHT if host_hold else 0)) * shapes.block * 4 + (0 if stream_io else emb_acc)
-    want and rows.append(Row("gpu", "gradient accumulators (fp32)", accum + head_acc + (emb_acc if stream_io else 0),
-                    f"{queued} blocks" + (f" + {HOLD_COPIES_IN_FLIGHT} on its way to the host hold" if host_hold else "")
-                    + (", embedding rows" if stream_io else ", embedding, head")))
-    if stream_io:
+    accum = (queued + (HOLD_COPIES_IN_FLIGHT if host_hold else 0)) * shapes.block * 4 \
+        + (0 if x.stream_io else emb_acc)
+    _add(rows, Row("gpu", "gradient accumulators (fp32)", accum + head_acc + (emb_acc if x.stream_io else 0),
+                   f"{queued} blocks" + (f" + {HOLD_COPIES_IN_FLIGHT} on its way to the host hold" if host_hold
+                                         else "")
+                   + (", embedding rows" if x.stream_io else ", embedding, head")))
+    return emb_acc, head_acc, accum
+
+
+def _loss(shapes: Shapes, x: PhaseInputs, tok_mb: int, rows: list[Row] | None) -> tuple[float, float]:
+    """(the loss's working set, the output matrix's gradient at the loss): logits never exist whole."""
+    if x.stream_io:
         vc = min(IO_VOCAB_CHUNK, shapes.vocab)
-        loss_ws = min(loss_chunk, tok_mb) * vc * LOSS_BYTES_PER_LOGIT + shapes.tokens * shapes.hidden * 4 \
+        loss_ws = min(x.loss_chunk, tok_mb) * vc * LOSS_BYTES_PER_LOGIT + shapes.tokens * shapes.hidden * 4 \
             + 3 * tok_mb * shapes.hidden * 4
-        want and rows.append(Row("gpu", "loss tile and dx (logits never exist whole)", loss_ws,
-                        f"{min(loss_chunk, tok_mb)} tokens x {vc} vocabulary, fp32 dx of the step"))
-        out_grad = 0.0  # the head's gradient leaves one vocabulary chunk at a time
-    else:
-        loss_ws = loss_working_set(shapes, tok_mb, loss_chunk)
-        want and rows.append(Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
-                        f"chunk {min(loss_chunk, tok_mb)} tokens"))
-        out_grad = shapes.vocab * shapes.hidden * (4 + dt)  # the output matrix's fp32 gradient and its cast
+        _add(rows, Row("gpu", "loss tile and dx (logits never exist whole)", loss_ws,
+                       f"{min(x.loss_chunk, tok_mb)} tokens x {vc} vocabulary, fp32 dx of the step"))
+        return loss_ws, 0.0  # the head's gradient leaves one vocabulary chunk at a time
+    loss_ws = loss_working_set(shapes, tok_mb, x.loss_chunk)
+    _add(rows, Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
+                   f"chunk {min(x.loss_chunk, tok_mb)} tokens"))
+    return loss_ws, shapes.vocab * shapes.hidden * (4 + shapes.dtype_bytes)  # its fp32 gradient and its cast
+
+
+def _held_gradients(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> float:
+    """The gradients held on the GPU for the clipping norm: a GPU hold's, a split hold's first groups in bf16."""
     # (stream_io: the embedding's and head's gradients are made in host memory and wait there)
-    on_gpu_params = shapes.params - (shapes.embed + shapes.head if stream_io else 0)
-    held = (on_gpu_params * hold_bytes) if (deferred and hold_bytes) else 0
-    held += gpu_group_bytes if deferred else 0.0
-    if deferred:
-        want and rows.append(Row("gpu", "gradients held for clipping", held,
-                        "none: a second backward sweep (resweep)" if resweep else
-                        {4: "fp32", 2: "bf16"}.get(hold_bytes or 0, "in host memory")
-                        + (", the first groups in bf16 on the GPU" if gpu_group_bytes else "")))
-    # the step's inputs (tokens, labels, loss mask, positions: 4 bytes each) and every micro-batch's aux, made once
-    # for the step and read by each block: the rotary tables, cos and sin in fp32 (models/common.rope_tables)
-    inputs = shapes.tokens * (16 + 4 * shapes.head_dim)
-    want and rows.append(Row("gpu", "step inputs and the blocks' aux (rotary tables)", inputs, "for the whole step"))
-    fixed = resident + inflight + inputs
-    update = 0.0
-    if update_state_bytes is not None:
-        # the state of the two blocks in flight and of the embedding or head being updated, three updated
-        # blocks (master + state) being written back, and one slice of the update's temporaries (up to 16
-        # bytes a value); counted at the loss too, where the H100 measured it (RESULTS.md)
-        # (stream_io: the embedding and head update on the host: blocks only)
-        big = shapes.block if stream_io else max(shapes.embed, shapes.head)
-        largest = shapes.block if stream_io else max(shapes.embed, shapes.head, shapes.block)
-        update = update_state_bytes * (2 * shapes.block + big) + (4 + update_state_bytes) * WRITEBACKS_IN_FLIGHT * shapes.block \
-            + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, largest) if shapes.update_chunked else largest)
-        want and rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
-                        "train.update_on=device"))
-    head_hold = shapes.head * (hold_bytes or 0) if (deferred and not stream_io) else 0
-    # resweep with stream_io: the first sweep keeps the top cotangents for the second (the streamed head is not
-    # run again), a layer of activations on the GPU from the loss to the second sweep's start
-    top = act_layer if (resweep and stream_io) else 0
-    if top:
-        want and rows.append(Row("gpu", "top cotangents kept for the second sweep", top, "resweep with train.stream_io"))
-    phases = {
-        "forward start (all held gradients, no activations)": fixed + held + act_layer + ws / 2 + update,
-        # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
-        "loss (all activations, loss chunk)": fixed + acts - segment + loss_ws + head_acc + emb_acc + out_grad
-        + act_layer + update,
-        # + the cotangents flowing down the blocks (one layer's worth; the VJP's new one is in its working set)
-        "backward start (activations, accumulators)": fixed + acts + accum + head_acc + ws + head_hold + act_layer
-        + top,
-        # (a split: the last pinned input comes back while the one before it is on its way: H100 s15 call 1 peaked
-        # 0.5 GB over a plan without it)
-        "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act_layer if act_on_gpu or split
-                                                                                 else 0)
-        + act_layer + segment + top,
-        **({"embedding backward (held gradients, the rows' gradient)": fixed + held + emb_acc + 2 * act_layer + top}
-           if stream_io else {}),
-    }
-    if resweep:  # the first sweep takes only the norm: every activation stays for the second, and dx of the top
-        # (and the first groups it holds on the GPU in bf16, where it holds some: grad_hold_gpu_groups)
-        phases["second backward (activations kept, top dx)"] = fixed + acts + accum + head_acc + ws + act_layer + top \
-            + held
-    return phases, rows
+    on_gpu_params = shapes.params - (shapes.embed + shapes.head if x.stream_io else 0)
+    held = (on_gpu_params * x.hold_bytes) if (x.deferred and x.hold_bytes) else 0
+    held += x.grad_hold_gpu_bytes if x.deferred else 0.0
+    if x.deferred:
+        _add(rows, Row("gpu", "gradients held for clipping", held,
+                       "none: a second backward sweep (resweep)" if x.resweep else
+                       {4: "fp32", 2: "bf16"}.get(x.hold_bytes or 0, "in host memory")
+                       + (", the first groups in bf16 on the GPU" if x.grad_hold_gpu_bytes else "")))
+    return held
 
 
-def kept_on_gpu(layers: int, every: int, gpu_blocks: int) -> int:
-    """Kept block inputs among the last ``gpu_blocks`` blocks (a split placement keeps those on the GPU)."""
-    return sum(1 for i in range(max(layers - gpu_blocks, 0), layers) if i % max(every, 1) == 0)
+def _device_update(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> float:
+    """A device-side update's GPU bytes: the state of the two blocks in flight and of the embedding or head being
+    updated, three updated blocks (master + state) being written back, and one slice of the update's temporaries
+    (up to 16 bytes a value); counted at the loss too, where the H100 measured it (RESULTS.md). 0 for host updates."""
+    if x.update_state_bytes is None:
+        return 0.0
+    s = x.update_state_bytes
+    # (stream_io: the embedding and head update on the host: blocks only)
+    big = shapes.block if x.stream_io else max(shapes.embed, shapes.head)
+    largest = shapes.block if x.stream_io else max(shapes.embed, shapes.head, shapes.block)
+    update = s * (2 * shapes.block + big) + (4 + s) * WRITEBACKS_IN_FLIGHT * shapes.block \
+        + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, largest) if shapes.update_chunked else largest)
+    _add(rows, Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
+                   "train.update_on=device"))
+    return update
+
+
+def kept_on_gpu(layers: int, every: int, activations_gpu_blocks: int) -> int:
+    """Kept block inputs among the last ``activations_gpu_blocks`` blocks (a split placement keeps those on the
+    GPU)."""
+    return sum(1 for i in range(max(layers - activations_gpu_blocks, 0), layers) if i % max(every, 1) == 0)
 
 
 def pinned_pool(pinned: float, limit: float | None = None, chunk: float = 0.0) -> float:
@@ -458,26 +535,26 @@ def pinned_in_rows(rows: list[Row]) -> float:
     return pinned_need(rows) + sum(r.bytes for r in rows if r.what == PINNED_REUSED)
 
 
-def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, gpu_groups: int = 0,
-                  total: float | None = None, gpu_act_blocks: int = 0, hold_bytes: float = 4.0) -> float:
+def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, grad_hold_gpu_groups: int = 0,
+                  total: float | None = None, activations_gpu_blocks: int = 0, hold_bytes: float = 4.0) -> float:
     """Pinned bytes in use at the step's peak, what XLA's pinned pool must hold. With pinned activations and
     a pinned hold both, the backward trades one for the other: block i's gradient lands (block L-1's first)
     while the inputs of blocks <= i still wait, so the peak is the largest of those sums, not activations +
     hold (the 8B at 10 GB measured a 34.4 GB pool where the sum said 48 GB, RESULTS.md s10). Counted
     conservatively: block i's own input is still there when its gradient lands, and the hold's groups
     that are not blocks (the head lands first, the embedding last) are there throughout. The first
-    ``gpu_groups`` groups of the forward (embedding, block 0, ...) wait on the GPU, not here; PINNED_REUSE_ROOM
-    over it, never more than the arrays' sum. A split placement (``gpu_act_blocks``) parks only the inputs
-    of blocks below the last ``gpu_act_blocks``. ``hold_bytes``: 4 (pinned_host) or 2 (pinned_bf16) a value."""
+    ``grad_hold_gpu_groups`` groups of the forward (embedding, block 0, ...) wait on the GPU, not here;
+    PINNED_REUSE_ROOM over it, never more than the arrays' sum. A split placement (``activations_gpu_blocks``) parks
+    only the inputs of blocks below the last ``activations_gpu_blocks``. ``hold_bytes``: 4 (pinned_host) or 2 (pinned_bf16) a value."""
     total = pinned_need(rows) if total is None else total
     acts = sum(r.bytes for r in rows if r.what == PINNED_ACTS)
     held = sum(r.bytes for r in rows if r.what == PINNED_HOLD)
     if not acts or not held:
         return total
     n, k = shapes.layers, max(1, boundary_every)
-    first_host = max(gpu_groups - 1, 0)  # the first block whose gradient waits here
+    first_host = max(grad_hold_gpu_groups - 1, 0)  # the first block whose gradient waits here
     block = hold_bytes * shapes.block
-    parked_below = n - gpu_act_blocks  # blocks below it park their kept inputs
+    parked_below = n - activations_gpu_blocks  # blocks below it park their kept inputs
     per_input = acts / max(len(range(0, parked_below, k)), 1)
     rest = max(held - (n - first_host) * block, 0.0)
     peak = max(per_input * len(range(0, min(i, parked_below - 1) + 1, k)) + block * (n - max(i, first_host))

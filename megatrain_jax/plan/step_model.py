@@ -11,9 +11,10 @@ from megatrain_jax.config import Config
 from megatrain_jax.optim.costs import device_update_s, update_cost
 import megatrain_jax.plan.decisions as choose
 from megatrain_jax.plan.machine import Machine
+from megatrain_jax.placements import BF16_HOLDS, PAGEABLE_HOLDS, PINNED_HOLDS
 from megatrain_jax.plan.sizes import (DISPATCH_BLOCK_S, DISPATCH_CALL_S, HOLD_RETURN_RATE, HOST_COPY_PARALLEL_RATE,
                                       HOST_COPY_RATE, HOST_HOLD_BYTES, IO_GATHER_RATE, MICRO_BATCH_BYTES_PER_PARAM,
-                                      PINNED_HOLDS, RATES, Shapes, kept_on_gpu)
+                                      RATES, Shapes, kept_on_gpu)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
 
@@ -79,12 +80,12 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # those whose gradients it holds on the GPU (grad_hold_gpu_groups: the embedding and the lowest blocks)
     again = 0.0
     if hold == "resweep":
-        again = (shapes.layers - min(max((p.gpu_groups if p else 0) - 1, 0), shapes.layers)) / shapes.layers
+        again = (shapes.layers - min(max((p.grad_hold_gpu_groups if p else 0) - 1, 0), shapes.layers)) / shapes.layers
         hw_flops += 3 * fwd_blocks * again
     rate = rates["matmul_bf16" if train.compute_dtype == "bfloat16" else "matmul_fp32"] * n_dev
     compute_s = hw_flops / rate
     # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
-    cast = shapes.params if hold in ("gpu_bf16", "host_bf16", "pinned_bf16") else (p.gpu_group_params if p else 0)
+    cast = shapes.params if hold in BF16_HOLDS else (p.grad_hold_gpu_params if p else 0)
     memory_s = 6.0 * cast / GPU_MEMORY_RATE
     # each micro-batch's gradient accumulation in fp32, per block (a resweep's second sweep accumulates again)
     mb = p.micro_batches if p else (train.micro_batches if isinstance(train.micro_batches, int) else 1)
@@ -111,22 +112,22 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     extra_h2d = extra_d2h = copy_bytes = widen_bytes = 0.0
     if p is not None and p.activations == "pinned_host":  # the parked inputs (a split keeps the last ones on the GPU)
         act = shapes.tokens * shapes.hidden * shapes.dtype_bytes \
-            * (-(-shapes.layers // k) - kept_on_gpu(shapes.layers, k, p.gpu_act_blocks))
+            * (-(-shapes.layers // k) - kept_on_gpu(shapes.layers, k, p.activations_gpu_blocks))
         extra_d2h += act
         extra_h2d += act * (1 + again)
     # stream_io with a device-side update: the embedding and head (gradients in host memory) update on the host
     io_params = (shapes.embed + shapes.head) if io else 0  # their gradients wait in host memory, outside any hold
     host_params = io_params if update_on == "device" else 0
     if hold in HOST_HOLD_BYTES:
-        held = HOST_HOLD_BYTES[hold] * (shapes.params - io_params - (p.gpu_group_params if p else 0))
+        held = HOST_HOLD_BYTES[hold] * (shapes.params - io_params - (p.grad_hold_gpu_params if p else 0))
         if update_on == "device":  # out for the norm, back for the update
             extra_d2h += held
             extra_h2d += held
-        elif hold in ("host_bf16", "pinned_bf16"):  # the held part leaves in bf16
+        elif hold in BF16_HOLDS:  # the held part leaves in bf16
             grad_d2h -= held
         if hold not in PINNED_HOLDS:  # the copier moves each landed slab into the pageable hold
             copy_bytes += held * (2 if update_on == "device" else 1)
-        if hold in ("host_bf16", "pinned_bf16") and update_on == "host" and optim.kernel == "optax":
+        if hold in BF16_HOLDS and update_on == "host" and optim.kernel == "optax":
             widen_bytes = 2 * held  # widened to fp32 for an optax host update, after the norm (the fused
             #                         kernels widen each value as they read it: HostOptimizer.bf16_grads)
     step = {"compute_s": compute_s, "h2d_s": h2d_s + extra_h2d / rates["h2d"],
@@ -154,7 +155,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, chain)
     else:
         step["updates_after_norm_s"] = compute_s + (shapes.embed / opt_rate if host_params else 0.0)
-        if hold in ("host_fp32", "host_bf16"):  # a pageable hold comes back through the copier on that path
+        if hold in PAGEABLE_HOLDS:  # a pageable hold comes back through the copier on that path
             step["updates_after_norm_s"] += held / HOLD_RETURN_RATE
     step["work_s"] = sum(step[t] for t in terms)
     terms = terms + ("updates_after_norm_s",)

@@ -54,7 +54,7 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.templates import StreamedModel  # noqa: F401 - re-exported
 from megatrain_jax.stream.common import Streamed  # noqa: F401 - re-exported
 from megatrain_jax.stream.probe import compose_logits  # noqa: F401 - re-exported
-from megatrain_jax.stream.from_nnx import _stream_nnx
+from megatrain_jax.stream.from_nnx import stream_nnx
 from megatrain_jax.stream.from_linen import stream_linen  # noqa: F401 - re-exported
 
 
@@ -76,7 +76,7 @@ def stream(model, *, params: Any = None, blocks: str | None = None, embed: str |
     if isinstance(model, nnx.Module):
         if params is not None:
             raise UserError("params", "an NNX model carries its own weights", "call stream(model) without params=")
-        return _stream_nnx(model, blocks=blocks, embed=embed, head=head, embed_fn=embed_fn, head_fn=head_fn,
+        return stream_nnx(model, blocks=blocks, embed=embed, head=head, embed_fn=embed_fn, head_fn=head_fn,
                            aux_fn=aux_fn, block_fn=block_fn, tied=tied, vocab_size=vocab_size,
                            logit_softcap=logit_softcap, check=check, call_kwargs=call_kwargs)
     import flax.linen as linen

@@ -11,20 +11,22 @@ from flax import nnx
 
 from megatrain_jax.errors import UserError
 from megatrain_jax.templates import LayerStack, StreamedModel
-from megatrain_jax.stream.common import Streamed, _placeholders, _split_call
+from megatrain_jax.stream.common import Streamed, placeholders, split_call
 
 
-class _Reached(Exception):
-    """Raised by a block recorder: the model's forward reached its blocks (or finished them)."""
+class Reached(Exception):
+    """Raised by a block recorder: the model's forward reached its blocks (or finished them).
+    Shared by the Linen and NNX paths."""
 
     def __init__(self, x, calls):
         super().__init__("reached the blocks")
         self.x, self.calls = x, calls
 
 
-class _Recorder:
+class Recorder:
     """Stands in for block ``i`` while the model's own ``__call__`` runs: records the call, passes
-    the hidden state through, and stops the forward after the last block (or at the first one)."""
+    the hidden state through, and stops the forward after the last block (or at the first one).
+    Used by the NNX path (from_nnx.py)."""
 
     def __init__(self, i: int, n: int, calls: list, stop_at_first: bool, replace: Any = None):
         self.i, self.n, self.calls, self.stop_at_first, self.replace = i, n, calls, stop_at_first, replace
@@ -32,23 +34,27 @@ class _Recorder:
     def __call__(self, x, *args, **kwargs):
         self.calls.append((self.i, x, args, kwargs))
         if self.stop_at_first or self.i == self.n - 1:
-            raise _Reached(x if self.replace is None else self.replace, self.calls)
+            raise Reached(x if self.replace is None else self.replace, self.calls)
         return x
 
 
-def _aux_from_tokens(run_to_blocks, shell):
+def aux_from_tokens(run_to_blocks, shell):
+    """A jitted function (embedding weights, tokens) -> the dynamic leaves of block 0's recorded call.
+    Used by the NNX path (from_nnx.py)."""
     def f(ew, t):
         calls = run_to_blocks(shell(ew), t, stop_at_first=True)[1]
-        return _split_call(calls[0][2], calls[0][3])[1]
+        return split_call(calls[0][2], calls[0][3])[1]
     return jax.jit(f)
 
 
-def _hidden_probe(embed_call, embed_w):
+def hidden_probe(embed_call, embed_w):
+    """The embedding's output shape for a (1, 4) token batch. Used by the NNX path (from_nnx.py)."""
     return jax.eval_shape(embed_call, embed_w, jnp.zeros((1, 4), jnp.int32))
 
 
-def _head_reads_embedding(f, embed_w, head_w, hidden) -> bool:
-    """Tied when the head cannot run with shape-only embedding weights."""
+def head_reads_embedding(f, embed_w, head_w, hidden) -> bool:
+    """Tied when the head cannot run with shape-only embedding weights.
+    Used by the NNX path (from_nnx.py)."""
     try:
         jax.eval_shape(lambda hw, h: f(None, hw, h), head_w, hidden)
         return False
@@ -59,13 +65,14 @@ def _head_reads_embedding(f, embed_w, head_w, hidden) -> bool:
         return True
 
 
-def _check_closures(stack: LayerStack, embed_call, embed_w, aux_fn, blocks: str) -> None:
+def check_closures(stack: LayerStack, embed_call, embed_w, aux_fn, blocks: str) -> None:
     """A block must compute only from its state: array constants captured by the traced template
-    are weights the engine would neither stream nor train."""
+    are weights the engine would neither stream nor train.
+    Shared by the Linen and NNX paths."""
     x = jax.eval_shape(embed_call, embed_w, jnp.zeros((1, 4), jnp.int32))
     pos = jnp.zeros((1, 4), jnp.int32)
     aux = jax.eval_shape(aux_fn, pos)
-    w = _placeholders(stack.weights[0])
+    w = placeholders(stack.weights[0])
     args = (w, x, aux) + ((jax.ShapeDtypeStruct((), jax.random.key(0).dtype),) if stack.takes_rng else ())
     jaxpr = jax.make_jaxpr(stack.templates[stack.kinds[0]])(*args)
     for c in jaxpr.consts:
@@ -75,14 +82,15 @@ def _check_closures(stack: LayerStack, embed_call, embed_w, aux_fn, blocks: str)
                             "store weights as nnx.Param attributes of the block (Linen: self.param)")
 
 
-def _check_against_model(parts: Streamed, model, call_kwargs, vocab) -> None:
-    """The composed parts must give ``model(tokens)``'s logits (with dropout off)."""
+def check_against_model(parts: Streamed, model, call_kwargs, vocab) -> None:
+    """The composed parts must give ``model(tokens)``'s logits (with dropout off).
+    Shared by the Linen and NNX paths."""
     toks = (np.arange(12, dtype=np.int32).reshape(2, 6) * 5 + 3) % max(vocab, 2)
     logits_parts = np.asarray(compose_logits(parts, toks, rng_step=None))
     try:
         if isinstance(model, nnx.Module):
             ref_model = nnx.clone(model)
-            _set_deterministic(ref_model)
+            set_deterministic(ref_model)
             g, st = nnx.split(ref_model)
             want = jax.jit(lambda st, t: nnx.merge(g, st)(t, **call_kwargs))(st, jnp.asarray(toks))
         else:
@@ -102,7 +110,8 @@ def _check_against_model(parts: Streamed, model, call_kwargs, vocab) -> None:
                         "check=False skips this comparison")
 
 
-def _set_deterministic(m) -> None:
+def set_deterministic(m) -> None:
+    """Dropout off in every module of ``m``. Used by the NNX path (from_nnx.py)."""
     for _, mod in nnx.iter_graph(m):
         if isinstance(mod, nnx.Dropout):
             mod.deterministic = True

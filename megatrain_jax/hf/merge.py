@@ -8,12 +8,16 @@ checkpoint of ``model.from_hf`` as read, or the config's initialisation (``model
 not the bf16/int8 copy the GPU streamed (a merged int8 base would carry its rounding into every weight).
 One group at a time (``exporter.one_group_at_a_time``): host memory peaks at one block, never the model.
 The output directory follows ``atomic.check_output``'s rules, as every export does.
+
+A LoRA checkpoint (``engine/lora_run.LoraSaver`` writes it) is read here too: ``read_checked`` checks its
+manifest (the crc32 of each file, ``file_crc`` / ``manifest_files``) before its state is trusted.
 """
 from __future__ import annotations
 
-import dataclasses
+import json
 import os
 import time
+import zlib
 from typing import Any, Callable
 
 import numpy as np
@@ -23,7 +27,40 @@ from megatrain_jax.atomic import check_output
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 
-ADAPTER = "adapter"
+ADAPTER = "adapter"  # a LoRA checkpoint's PEFT directory (step_N/adapter)
+
+
+def file_crc(path: str) -> int:
+    """The crc32 of a file (a LoRA checkpoint's manifest lists one per file)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def manifest_files(root: str) -> list[str]:
+    """The files of a checkpoint directory that its manifest covers (all but the manifest), relative, sorted."""
+    out = []
+    for base, _, names in os.walk(root):
+        out += [os.path.relpath(os.path.join(base, n), root) for n in names if n != ck.MANIFEST]
+    return sorted(out)
+
+
+def read_checked(path: str) -> dict:
+    """A LoRA checkpoint's ``state.json``, once every file its manifest lists is there with its crc32
+    (``checkpoint.CorruptCheckpoint`` otherwise)."""
+    try:
+        with open(os.path.join(path, ck.MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ck.CorruptCheckpoint(f"{ck.MANIFEST} unreadable ({e})") from None
+    for rel, crc in manifest.get("files", {}).items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full) or file_crc(full) != crc:
+            raise ck.CorruptCheckpoint(f"{rel} is missing or fails its checksum")
+    with open(os.path.join(path, ck.STATE)) as f:
+        return json.load(f)
 
 
 def is_lora_checkpoint(path: str) -> bool:
@@ -34,8 +71,6 @@ def is_lora_checkpoint(path: str) -> bool:
 def find_lora_checkpoint(spec: str, log=print) -> tuple[str, dict] | None:
     """``spec`` (a LoRA checkpoint, a ``checkpoints/`` directory or a run's out_dir) -> the newest intact
     LoRA checkpoint and its state; None when ``spec`` holds no LoRA checkpoint."""
-    from megatrain_jax.engine.lora_run import read_checked
-
     if not os.path.isdir(spec):
         return None
     if is_lora_checkpoint(spec):
@@ -79,19 +114,19 @@ def base_filler(cfg: ModelConfig, seed: int, layouts: dict) -> tuple[Callable[[s
     """``(fill(group, flat), close())``: one group's fp32 base values, as the run's frozen store was built."""
     from flax import nnx
 
-    from megatrain_jax.engine.lora import plain_config
-    from megatrain_jax.engine.lora_base import fill_fast_group
+    from megatrain_jax.hoststore import fill_fast_group
+    from megatrain_jax.models.lora import plain_config
 
     if cfg.from_hf:
-        from megatrain_jax.hf.importer import _Files, _load_item, _plan_import, index_checkpoint
+        from megatrain_jax.hf.importer import OpenFiles, load_item, plan_import, index_checkpoint
 
-        plan = _plan_import(layouts, index_checkpoint(cfg.from_hf), cfg, cfg.from_hf)
-        files = _Files()
+        plan = plan_import(layouts, index_checkpoint(cfg.from_hf), cfg, cfg.from_hf)
+        files = OpenFiles()
 
         def fill(name, flat):
             flat[:] = 0
             for item in (i for i in plan if i.group == name):
-                _load_item(files.get(item.info.path), item, flat)
+                load_item(files.get(item.info.path), item, flat)
 
         return fill, files.close
     names = list(layouts)
@@ -122,9 +157,11 @@ def merge_into(layout: Any, flat: np.ndarray, adapters: dict, scale: float) -> N
 def export_merged(checkpoint: str, out: str, dtype: str = "bfloat16", *, architecture: str | None = None,
                   overwrite: bool = False, max_shard_bytes: int | None = None, log=print) -> str:
     """The newest LoRA checkpoint in ``checkpoint`` merged into its base, as a Hugging Face directory."""
-    from megatrain_jax.engine.lora import LoraModel
     from megatrain_jax.hf.exporter import SHARD_BYTES, export_hf, one_group_at_a_time
     from megatrain_jax.hf.peft import load_peft
+    from megatrain_jax.models.common import abstract_model, streamed_parts
+    from megatrain_jax.models.lora import adapter_shapes, plain_config
+    from megatrain_jax.templates import Layout
 
     check_output(out, "hf", sources=[checkpoint], overwrite=overwrite)
     found = find_lora_checkpoint(checkpoint, log)
@@ -135,18 +172,18 @@ def export_merged(checkpoint: str, out: str, dtype: str = "bfloat16", *, archite
     t0 = time.perf_counter()
     cfg = merged_model_config(state, path)
     seed = int(state.get("config", {}).get("train", {}).get("seed", 0))
-    model = LoraModel(cfg)
-    adapters = load_peft(os.path.join(path, ADAPTER), cfg, model.adapter_shapes)
-    fill_base, close = base_filler(cfg, seed, model.layouts)
+    plain = plain_config(cfg)
+    layouts = {n: Layout(t) for n, t in streamed_parts(abstract_model(plain)).host_trees().items()}
+    adapters = load_peft(os.path.join(path, ADAPTER), cfg, adapter_shapes(cfg))
+    fill_base, close = base_filler(cfg, seed, layouts)
 
     def fill(name, flat):
         fill_base(name, flat)
         if name.startswith("block_"):
-            merge_into(model.layouts[name], flat, adapters[int(name[6:])], cfg.lora.scale)
+            merge_into(layouts[name], flat, adapters[int(name[6:])], cfg.lora.scale)
 
-    plain = dataclasses.replace(cfg, lora=None)
     try:
-        export_hf(one_group_at_a_time(model.layouts, fill), plain, out, dtype, architecture, overwrite=overwrite,
+        export_hf(one_group_at_a_time(layouts, fill), plain, out, dtype, architecture, overwrite=overwrite,
                   max_shard_bytes=max_shard_bytes or SHARD_BYTES, sources=[checkpoint, path], log=log)
     finally:
         close()
@@ -156,7 +193,7 @@ def export_merged(checkpoint: str, out: str, dtype: str = "bfloat16", *, archite
 
 
 def lora_export_main(argv: list[str]) -> int | None:
-    """``megatrain-jax export`` where it concerns LoRA (``cli.main`` asks here first): ``--merge-lora``
+    """``megatrain-jax export`` where it concerns LoRA (``cli.main`` asks here first, then ``export_main``): ``--merge-lora``
     exports; a LoRA run without it is refused in one line; None: not a LoRA export (``hf.export_main``)."""
     from megatrain_jax.hf.commands import export_parser
 

@@ -12,20 +12,44 @@ block's recompute + VJP working set (the calibrated ``plan.sizes`` estimate) and
 Predicted step: the base crosses PCIe twice (forward and backward) and the blocks compute a forward,
 a recompute and a backward without weight gradients (about 4 x 2·N·T FLOPs where full training does
 4 x 2·N·T with 2·N·T of them weight gradients); the larger of the two bounds the step.
+
+These are the plan's LoRA rows: ``variant`` is the one place the choice "LoRA or full training" is made
+(the plan's entries ``plan_of`` / ``plan_or_refuse`` and the engine's ``engine/variants.py`` dispatch on
+it); ``lora_plan`` / ``lora_plan_or_refuse`` give these rows for a model with adapters, None otherwise.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan.options import BLOCKS_QUEUED
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, pinned_limit, pinned_pool, GPU_MARGIN, HOST_MARGIN, MICRO_TOKENS, RATES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes,
-                                      block_working_set, loss_working_set, usable)
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GPU_MARGIN, HOST_MARGIN, MICRO_TOKENS, RATES,
+                                      RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes, block_working_set,
+                                      loss_working_set, pinned_limit, pinned_pool, usable)
 
-GB = 1e9
+FULL, LORA = "full", "lora"  # the two variants of the one engine (``variant``)
 LORA_HOST_PER_BASE_BYTE = 0.015  # host bytes beyond the plan's rows per byte of the frozen base (make_lora_plan)
+
+
+def variant(lora: Any) -> str:
+    """``LORA`` (adapters on a frozen, streamed base) or ``FULL`` (every weight trained) for a model's
+    ``lora`` section (``cfg.model.lora``, or ``Trainer(..., lora=)``): the one place the choice is made."""
+    return FULL if lora is None else LORA
+
+
+def lora_plan(cfg: Config, machine=None) -> "LoraPlan | None":
+    """The plan's LoRA rows for ``cfg`` (``make_lora_plan``) when its model has adapters; None: full training."""
+    return make_lora_plan(cfg, machine) if variant(cfg.model.lora) == LORA else None
+
+
+def refuse_lora_scaling(cfg: Config) -> None:
+    """``plan --scaling`` (``report.scaling_rows``) on a LoRA config: refused in one line."""
+    if variant(cfg.model.lora) == LORA:
+        raise UserError("--scaling", "no multi-GPU prediction for LoRA (each GPU runs the one-GPU plan on its "
+                        "slice of the batch)", "plan it without --scaling")
 
 
 @dataclass
@@ -44,6 +68,7 @@ class LoraPlan:
     params: int
     notes: list[str] = field(default_factory=list)
     options: Any = None  # (no EngineOptions: the LoRA engine takes its fields)
+    machine: Any = None  # the machine planned for (``plan.machine.Machine``)
 
     @property
     def decisions(self) -> dict[str, Any]:
@@ -101,8 +126,6 @@ def base_bytes_of(layouts: dict, dtype: str) -> dict[str, int]:
 
 def adapter_params(cfg) -> int:
     """Adapter parameters of the model, from the shapes (r x (in + out) per targeted projection)."""
-    from megatrain_jax.models.lora import LORA_MODULES  # noqa: F401 - the targets' names
-
     m, lora = cfg, cfg.lora
     h, q, kv, f = m.hidden_size, m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head, m.intermediate_size
     dims = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, f), "up": (h, f), "down": (f, h)}
@@ -112,7 +135,7 @@ def adapter_params(cfg) -> int:
 
 def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
     from megatrain_jax.models.common import abstract_model, streamed_parts
-    from megatrain_jax.engine.lora import plain_config
+    from megatrain_jax.models.lora import plain_config
     from megatrain_jax.plan.machine import detect_machine
     from megatrain_jax.templates import Layout
 
@@ -197,16 +220,18 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
     step = {"predicted_step_s": max(compute_s, stream_s), "compute_s": compute_s, "stream_s": stream_s,
             "binding": "compute-bound" if compute_s >= stream_s else "PCIe-bound"}
     return LoraPlan(rows, host_need, machine.host_bytes, machine.host_source, gpu_need if on_gpu else None, budget,
-                    mb, place, na, base, step, sum(lay.size for lay in layouts.values()))
+                    mb, place, na, base, step, sum(lay.size for lay in layouts.values()), machine=machine)
 
 
-def lora_plan_or_refuse(cfg: Config, log=print) -> LoraPlan:
+def lora_plan_or_refuse(cfg: Config, log=print) -> LoraPlan | None:
+    """``plan_or_refuse`` for a model with adapters: the LoRA plan on this machine, or the one-line refusal;
+    XLA's pool and pinned limit set before its backend starts. None: full training (no adapters)."""
+    if variant(cfg.model.lora) != LORA:
+        return None
     plan = make_lora_plan(cfg)
     err = plan.verdict()
     if err is not None:
         raise err
-    import os
-
     if plan.gpu_budget is not None:  # XLA's pool and pinned host limit, before its backend starts
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(XLA_FRACTION))
         pinned = sum(r.bytes for r in plan.rows if r.what.startswith("boundary activations (pinned)"))
