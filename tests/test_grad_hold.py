@@ -201,21 +201,8 @@ def test_a_resweep_holding_its_first_groups_reruns_only_the_blocks_above_them(ca
     gradients on the GPU in bf16 (the backward's last), and the second sweep recomputes only blocks 2 and 1.
     Five clipped steps equal, bit for bit, the host hold that keeps the same two groups on the GPU in bf16 (the
     rest exact in fp32 both ways), and the steps are counted once (the schedule would show it)."""
-    kw = RESWEEP_SPLIT[case]
-    swept = []
-    real = StreamedTrainer._backward_block
-
-    def spy(self, i, w, acts, mbs, dhs, again=False):
-        swept.append((i, again))
-        return real(self, i, w, acts, mbs, dhs, again)
-
-    monkeypatch.setattr(StreamedTrainer, "_backward_block", spy)
-    st, got, weights = _run_once("resweep", tuple(sorted({**kw, "grad_hold_gpu_groups": 2}.items())))
+    swept = _resweep_equals_the_host_hold(RESWEEP_SPLIT[case], 2, monkeypatch)
     assert swept == [(2, False), (1, False), (0, False), (2, True), (1, True)] * STEPS
-    monkeypatch.setattr(StreamedTrainer, "_backward_block", real)
-    _, base, base_w = _run("host_fp32", grad_hold_gpu_groups=2, **kw)
-    assert got == base and st.count == STEPS
-    _assert_equal_weights(weights, base_w)
 
 
 @pytest.mark.parametrize("case", ["host_update", "device_update", "boundary_every_2"])
@@ -224,7 +211,14 @@ def test_a_resweep_holding_every_block_runs_no_block_again(case, monkeypatch):
     sweep sends the head's gradient and runs no block (it failed on an unset variable where the plan held all but
     the head: a 12-layer slice of the 110B shape on an H200, s18), and five clipped steps equal the host hold that
     keeps the same four groups on the GPU, bit for bit."""
-    kw = RESWEEP_SPLIT[case]
+    swept = _resweep_equals_the_host_hold(RESWEEP_SPLIT[case], 4, monkeypatch)
+    assert swept == [(2, False), (1, False), (0, False)] * STEPS
+
+
+def _resweep_equals_the_host_hold(kw: dict, held: int, monkeypatch) -> list[tuple[int, bool]]:
+    """Five clipped steps of a resweep holding its first ``held`` groups on the GPU equal, bit for bit, the host
+    hold that keeps the same groups there (steps counted once); returns the (block, second sweep?) backward calls
+    of the resweep, in order."""
     swept = []
     real = StreamedTrainer._backward_block
 
@@ -233,12 +227,12 @@ def test_a_resweep_holding_every_block_runs_no_block_again(case, monkeypatch):
         return real(self, i, w, acts, mbs, dhs, again)
 
     monkeypatch.setattr(StreamedTrainer, "_backward_block", spy)
-    st, got, weights = _run_once("resweep", tuple(sorted({**kw, "grad_hold_gpu_groups": 4}.items())))
-    assert swept == [(2, False), (1, False), (0, False)] * STEPS
+    st, got, weights = _run_once("resweep", tuple(sorted({**kw, "grad_hold_gpu_groups": held}.items())))
     monkeypatch.setattr(StreamedTrainer, "_backward_block", real)
-    _, base, base_w = _run("host_fp32", grad_hold_gpu_groups=4, **kw)
+    _, base, base_w = _run("host_fp32", grad_hold_gpu_groups=held, **kw)
     assert got == base and st.count == STEPS
     _assert_equal_weights(weights, base_w)
+    return swept
 
 
 def test_resweep_with_a_nan_step_changes_nothing_and_skips_the_second_sweep():
