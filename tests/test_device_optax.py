@@ -279,3 +279,27 @@ def test_planning_starts_no_jax_backend():
     out = subprocess.run([sys.executable, "-c", PLANS_START_NOTHING], cwd=root, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+PLAN_STARTING_JAX = r"""
+from megatrain_jax.config import load_config
+from megatrain_jax.plan import plan_or_refuse
+plan_or_refuse(load_config("configs/tiny.yaml", ["optim.name=adafactor", "train.update_on=auto"]), print)
+"""
+
+
+def test_a_plan_that_started_jax_says_so():
+    """Were planning ever to start JAX again (here: the optax cost compiled in-process, as before s18), the run
+    says in one line that XLA took its default budgets, not the plan's."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "MEGATRAIN_GPU_MEMORY_GB": "80", "MEGATRAIN_COST_IN_CHILD": "0", "PYTHONPATH": root}
+    env.pop("JAX_PLATFORMS", None)
+    out = subprocess.run([sys.executable, "-c", PLAN_STARTING_JAX], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warned = [x for x in out.stdout.splitlines() if x.startswith("plan: warning: JAX started while planning")]
+    assert len(warned) == 1, out.stdout[-3000:]
