@@ -18,11 +18,22 @@ PLACEMENTS = {"resweep": dict(grad_hold="resweep", grad_hold_gpu_groups=2),
               "pinned_bf16": dict(grad_hold="pinned_bf16", activations="pinned_host", grad_hold_gpu_groups=1),
               "host_bf16": dict(grad_hold="host_bf16", boundary_every=2),
               "stream_io": dict(grad_hold="gpu_bf16", stream_io=True)}
+# device-side updates: with several GPUs each updates its share of every group (engine/shards.py)
+DEVICE_UPDATES = {"device_gpu_bf16": dict(update_on="device", stream_copy="device", grad_hold="gpu_bf16"),
+                  "device_resweep": dict(update_on="device", stream_copy="device", grad_hold="resweep",
+                                         grad_hold_gpu_groups=2),
+                  "device_pinned_bf16": dict(update_on="device", stream_copy="device", grad_hold="pinned_bf16",
+                                             activations="pinned_host", grad_hold_gpu_groups=1),
+                  "device_int8": dict(update_on="device", stream_copy="device", grad_hold="gpu_bf16", moments="int8"),
+                  # an optax update over whole tensors: every GPU runs it alike (no shares)
+                  "device_adafactor": dict(update_on="device", stream_copy="device", grad_hold="resweep",
+                                           grad_hold_gpu_groups=2, optimizer="adafactor")}
 
 
-def run(devices, steps: int = STEPS, options: dict | None = None):
+def run(devices, steps: int = STEPS, options: dict | None = None, shares: list | None = None):
     """Five steps of a tiny Llama through the streamed engine on ``devices``; (losses, grad norms,
-    final fp32 parameters as one flat vector)."""
+    final fp32 parameters as one flat vector). ``options["moments"]``: the AdamW moments; ``shares`` gets whether
+    each GPU updated its share of the groups (device-side updates over several GPUs)."""
     import numpy as np
 
     from megatrain_jax.config import ModelConfig, OptimConfig, ScheduleConfig
@@ -32,12 +43,17 @@ def run(devices, steps: int = STEPS, options: dict | None = None):
 
     cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       intermediate_size=48, tie_embeddings=False)
-    ocfg = OptimConfig(lr=1e-3, b2=0.95, weight_decay=0.1, clip_norm=1.0,
-                       schedule=ScheduleConfig(kind="warmup_cosine", warmup_steps=2))
+    options = dict(options or {})
+    name = options.pop("optimizer", "adamw")
+    ocfg = OptimConfig(name=name, lr=1e-3 if name == "adamw" else 0.1, weight_decay=0.1, clip_norm=1.0, moments=options.pop("moments", "float32"),
+                       schedule=ScheduleConfig(kind="warmup_cosine", warmup_steps=2),
+                       **({"b2": 0.95} if name == "adamw" else {}))
     parts, store = init_host_store(cfg, 0, bf16_stream=False)
     st = StreamedTrainer(parts, build_host_optimizer(ocfg, steps), compute_dtype="float32", micro_batches=2,
                          clip_norm=1.0, loss_chunk=40, store=store, skip_nonfinite=True, devices=devices,
-                         **(options or {}))
+                         **options)
+    if shares is not None:
+        shares.append(getattr(st.updates, "shards", None) is not None)
     rng = np.random.default_rng(3)
     batches = []
     for _ in range(2):  # two batches in turn: the loss on each falls as it trains
@@ -81,6 +97,12 @@ def main() -> None:
             for n in (1, 2, 4):
                 losses, norms, flat = run(jax.devices()[:n], options=opts)
                 out[f"losses_{name}_{n}"], out[f"norms_{name}_{n}"], out[f"params_{name}_{n}"] = losses, norms, flat
+        for name, opts in DEVICE_UPDATES.items():
+            for n in (1, 2, 4):
+                shares = []
+                losses, norms, flat = run(jax.devices()[:n], options=opts, shares=shares)
+                out[f"losses_{name}_{n}"], out[f"norms_{name}_{n}"], out[f"params_{name}_{n}"] = losses, norms, flat
+                out[f"shares_{name}_{n}"] = np.asarray(shares)
         np.savez(args.out, **out)
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -70,6 +70,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.parametrize("placement", ["device_gpu_bf16", "device_resweep", "device_pinned_bf16", "device_int8",
+                                       "device_adafactor"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_device_side_updates_over_several_gpus_train_what_one_device_trains(local_runs, placement, n):
+    """``update_on=device`` with several GPUs (issue 45): the fused AdamW splits each group between them (each its
+    share: reduce-scattered gradient, its share of master and state over its own link, the update gathered), with
+    the gradient held on the GPUs, in pinned host memory or made again by a resweep, fp32 or int8 moments (padded
+    shares of whole int8 blocks); an optax update (Adafactor) runs on every GPU alike. Each equals its one-device
+    run over 5 clipped steps."""
+    r = local_runs
+    split = placement != "device_adafactor"
+    assert r[f"shares_{placement}_{n}"].tolist() == [split] and r[f"shares_{placement}_1"].tolist() == [False]
+    np.testing.assert_allclose(r[f"losses_{placement}_{n}"], r[f"losses_{placement}_1"], rtol=RTOL)
+    np.testing.assert_allclose(r[f"norms_{placement}_{n}"], r[f"norms_{placement}_1"], rtol=RTOL)
+    assert _rel(r[f"params_{placement}_{n}"], r[f"params_{placement}_1"]) < RTOL
+    assert r[f"losses_{placement}_1"][-1] < r[f"losses_{placement}_1"][0]
+
+
 def test_two_processes_through_jax_distributed_train_what_one_process_trains(local_runs, tmp_path):
     """Two real processes (one CPU device each, gloo collectives): both end with the same
     parameters (each applied the same update to its own replica), equal to the one-device run."""

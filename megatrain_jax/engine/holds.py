@@ -97,6 +97,8 @@ class PinnedHeld:
         return part.view(np.uint16) if bits else widen_bf16(part, self.scratch(hi - lo))
 
     def to_device(self) -> jax.Array:
+        if not self.arr.sharding.is_fully_replicated:  # each GPU's share (shards.py): back to its GPU
+            return jax.device_put(self.arr, self.arr.sharding.with_memory_kind(self.xfer.device_sharding.memory_kind))
         return jax.device_put(self.arr, self.xfer.device_sharding)
 
 
@@ -353,7 +355,11 @@ class PinnedHold:
     def put(self, name: str, grad: jax.Array, n: int, after: Future | None = None) -> PinnedHeld:
         if self.to_bf16 is not None:
             grad = self.to_bf16(grad)
-        held = PinnedHeld(self.xfer.to_host(local_shard(grad)), self.xfer, self.scratch)
+        if not grad.sharding.is_fully_replicated:  # each GPU's share (shards.py) into pinned memory over its link
+            held = PinnedHeld(jax.device_put(grad, grad.sharding.with_memory_kind("pinned_host")), self.xfer,
+                              self.scratch)
+        else:
+            held = PinnedHeld(self.xfer.to_host(local_shard(grad)), self.xfer, self.scratch)
         self.trace("d2h", name, held.arr)
         return held
 

@@ -116,6 +116,7 @@ class Kernels:
                                  donate_argnums=(6, 7))
         self.embed_bwd = jax.jit(smap(embed_bwd, (rep, dat, dat, dat), dat), donate_argnums=(3,))
         self.reduce = jax.jit(smap(lambda g: jax.lax.psum(g, "data"), (dat,), rep)) if multi else None
+        self._reduce_scatters: dict[int, Callable] = {}
         self._aux_total = None
         if aux_loss is not None:
             def aux_total(acc):  # the step's summed statistics -> (aux loss, its gradient w.r.t. them)
@@ -147,6 +148,19 @@ class Kernels:
         """A new step: dropout keys are (updates done before it, layer, micro-batch)."""
         self.rng_step = step
         self.stats.acc = self.stats.ct = None
+
+    def reduce_scatter(self, g: jax.Array, total: int) -> jax.Array:
+        """The devices' partial sums of a group's gradient summed, each device receiving only its share of the
+        group padded to ``total`` values (``shards.py``: several GPUs updating on the device)."""
+        fn = self._reduce_scatters.get(total)
+        if fn is None:
+            def scatter(a):
+                return jax.lax.psum_scatter(jnp.pad(a, (0, total - a.shape[0])), "data", scatter_dimension=0,
+                                            tiled=True)
+            fn = jax.jit(named("grad_reduce_scatter", self._smap(scatter, (P("data"),), P("data"))),
+                         compiler_options=NO_AUTOTUNE)
+            self._reduce_scatters[total] = fn
+        return fn(g)
 
     def zeros(self, size: int) -> jax.Array:
         """A gradient accumulator: ``size`` fp32 values per device."""

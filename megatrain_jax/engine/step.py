@@ -276,10 +276,9 @@ class StreamedTrainer:
         """A group's gradient is complete on the devices: summed over them (one collective per
         group), its squared norm taken in fp32, then held for the norm or sent to be applied (with
         ``scale``: the resweep's second sweep)."""
-        if self.kernels.reduce is not None:
-            g = self.kernels.reduce(g)
-        sq = self.kernels.sqnorm(g)
         name = self.weights.groups.names[key]
+        g = self.updates.reduce(name, g)  # summed over the devices (several GPUs updating on the device: each its share)
+        sq = self.kernels.sqnorm(g)
         if scale is None:
             self.updates.gradient(name, g)
         else:

@@ -29,10 +29,12 @@ import numpy as np
 
 from megatrain_jax.engine.holds import HELD_ON_HOST, HostArray, HoldEnv, PageableHold, make_hold
 from megatrain_jax.engine.kernels import F32, Kernels, local_shard
+from megatrain_jax.engine.shards import Shards
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
+from megatrain_jax.optim.device_adamw import BLOCK
 from megatrain_jax.optim.host import HostOptimizer
-from megatrain_jax.placements import RESWEEP, STREAM_COPY_DEVICE, UPDATE_DEVICE, UPDATE_HOST
+from megatrain_jax.placements import HOST_BF16, HOST_FP32, RESWEEP, STREAM_COPY_DEVICE, UPDATE_DEVICE, UPDATE_HOST
 from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT, WRITEBACKS_IN_FLIGHT, EngineOptions
 from megatrain_jax.transfer import Transfers
 
@@ -84,6 +86,10 @@ class _Updates:
 
     def register(self, g: Any) -> None:
         """Group ``g``'s host buffers that cross PCIe besides its streaming copy (none here)."""
+
+    def reduce(self, name: str, g: jax.Array) -> jax.Array:
+        """Group ``name``'s gradient from the devices' partial sums: summed over them, on every device."""
+        return self.k.reduce(g) if self.k.reduce is not None else g
 
     def done(self, name: str) -> bool:
         fut = self.pending.get(name)
@@ -450,6 +456,29 @@ class DeviceUpdates(_Updates):
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h-writeback")
         self._writing: deque[Future] = deque()  # write-backs in flight, oldest first (WRITEBACKS_IN_FLIGHT)
         self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")  # stream_io's groups
+        # several GPUs: each updates its share of every group (shards.py) where the update is elementwise; an
+        # update over whole tensors (optax) runs on every GPU alike, and one GPU's result goes back to the host
+        self.shards = self._shards() if self.k.num_devices > 1 and getattr(self.opt, "shards_on_device", False) \
+            else None
+        if self.k.num_devices > 1 and jax.process_count() > 1:
+            raise UserError("train.update_on", f"{UPDATE_DEVICE} with several processes is not built yet (each "
+                            "would write its GPUs' results into its own replica of the host store)",
+                            f"set train.update_on={UPDATE_HOST} (or auto)")
+
+    def _shards(self) -> Shards:
+        if self.placement in (HOST_FP32, HOST_BF16):
+            raise UserError("train.grad_hold", f"{self.placement.name} keeps whole gradients in pageable host "
+                            f"memory, and with several GPUs updating on the device each holds only its share",
+                            "set train.grad_hold to gpu_bf16, pinned_bf16 or resweep (or auto)")
+        device_kind = self.xfer.device_sharding.memory_kind
+        host_kind = "pinned_host" if self.xfer.host_shardings else None
+        return Shards(self.k.mesh, BLOCK, device_kind, host_kind)
+
+    def reduce(self, name: str, g: jax.Array) -> jax.Array:
+        """Several GPUs: reduce-scattered, each GPU receiving the sum of its share only (its update's input)."""
+        if self.shards is None:
+            return super().reduce(name, g)
+        return self.k.reduce_scatter(g, self.shards.padded(self.store[name].size))
 
     def register(self, g: Any) -> None:
         for k, a in self.opt.state_to_arrays(g.opt_state).items():  # the optimizer state crosses PCIe too
@@ -514,19 +543,33 @@ class DeviceUpdates(_Updates):
         g = self.store[name]
         host_state = self.opt.state_to_arrays(g.opt_state)
         p = self._resident.pop(name, None)
-        if p is None:
-            p = self.xfer.to_device(name, g.master)
-            self._trace("h2d", name, p)
-        state = {k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
+        fetched = p is None
         if isinstance(grad, HELD_ON_HOST):
             grad = grad.to_device()
+        if self.shards is not None:  # each GPU its share, over its own link
+            sh, total = self.shards, self.shards.padded(g.size)
+            p = sh.to_device(g.master, total) if fetched else sh.shard(p, total)
+            state = {k: sh.to_device(a, sh.padded_like(a.shape[0], g.size)) for k, a in host_state.items()}
+            grad = sh.shard(grad, total)
+        else:
+            if fetched:
+                p = self.xfer.to_device(name, g.master)
+            state = {k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
+        if fetched:
+            self._trace("h2d", name, p)
         return DeviceUpdate(name, p, grad, state, host_state, self.opt.device_scalars(count, scale), count)
 
     def dispatch(self, u: DeviceUpdate) -> jax.Array:
         """Dispatch the update (the new master is the weights the block uses) and queue its write-back."""
         g = self.store[u.name]
-        p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk,
-                                            unflatten=g.layout.unflatten)  # the group's tree (optax: shapes)
+        if self.shards is None:
+            p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk,
+                                                unflatten=g.layout.unflatten)  # the group's tree (optax: shapes)
+            w = p_new
+        else:  # each GPU updates its share; the block computes with the whole, gathered over NVLink
+            p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk,
+                                                mesh=self.k.mesh)
+            w = self.shards.gather(p_new, g.size)
         self._trace("compute", f"update {u.name}", p_new)  # runs on the compute stream
         targets = [(u.name, p_new, g.master)] + [(f"{u.name}/{k}", state[k], u.host_state[k]) for k in u.host_state]
         self.pending[u.name] = fut = self._writer.submit(self._write_back, u.name, u.count, targets,
@@ -536,7 +579,7 @@ class DeviceUpdates(_Updates):
             t0 = time.perf_counter()
             self._writing.popleft().result()
             self.wait_s += time.perf_counter() - t0
-        return p_new
+        return w
 
     def queued(self) -> list[str]:
         """Groups whose update is queued and not yet applied."""
@@ -551,7 +594,10 @@ class DeviceUpdates(_Updates):
                 self.before_update(name, count)
             t0 = time.perf_counter()
             for buf_name, x, dst in targets:
-                self.xfer.copy_into(x, dst)
+                if self.shards is not None:
+                    self.shards.copy_into(x, dst)
+                else:  # (several GPUs updating alike: the group's own GPU's copy, spreading the links' load)
+                    self.xfer.copy_into(local_shard(x, self.groups.pos[name]), dst)
                 self.xfer.host_written(buf_name, dst)
             if self.tracer is not None:
                 self.tracer.interval("d2h", f"{name} state", t0, time.perf_counter())

@@ -52,10 +52,14 @@ on a GPU and stay bit-exact on the CPU.
 """
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import megatrain_jax.optim.compact_adamw as _ca
 
@@ -186,19 +190,34 @@ def _chunked(step):
     return run
 
 
+_STEPS = {"float32": _step_f32, "bfloat16": _step_bf16, "int8": _step_int8}
 # elementwise over whole groups: not autotuned (the autotuner's redzone copies of a 2 GB group: engine/kernels.py)
-_JITS = {mode: jax.jit(_chunked(fn), donate_argnums=(0, 2), static_argnums=(4,),
-                       compiler_options={"xla_gpu_autotune_level": 0})
-         for mode, fn in (("float32", _step_f32), ("bfloat16", _step_bf16), ("int8", _step_int8))}
+_NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
+_JITS = {mode: jax.jit(_chunked(fn), donate_argnums=(0, 2), static_argnums=(4,), compiler_options=_NO_AUTOTUNE)
+         for mode, fn in _STEPS.items()}
 
 
-def device_adamw_step(moments: str, param, grad, state: dict, scalars, chunk: int | None = None
-                      ) -> tuple[jax.Array, dict]:
+@functools.lru_cache(maxsize=None)
+def _sharded_jit(moments: str, mesh: Any, chunk: int, keys: tuple[str, ...]):
+    """The same step on each device's share of a group (``engine/shards.py``): elementwise and blockwise, so
+    every device updates its whole blocks alone, with no collective."""
+    step, dat = _chunked(_STEPS[moments]), P("data")
+    body = jax.shard_map(lambda p, g, st, s: step(p, g, st, s, chunk), mesh=mesh,
+                         in_specs=(dat, dat, {k: dat for k in keys}, P()), out_specs=(dat, {k: dat for k in keys}),
+                         check_vma=False)
+    return jax.jit(body, donate_argnums=(0, 2), compiler_options=_NO_AUTOTUNE)
+
+
+def device_adamw_step(moments: str, param, grad, state: dict, scalars, chunk: int | None = None,
+                      mesh: Any = None) -> tuple[jax.Array, dict]:
     """moments: 'float32' | 'bfloat16' | 'int8'. param: f32 (n,) device array; grad f32/bf16 (n,);
     state: dict of device arrays with the keys above; scalars: the 11-tuple from compact_adamw.adamw_scalars (numpy f32).
     Returns (new param f32 (n,), new state dict with the same keys, dtypes, shapes).
 
     ``chunk``: values per slice (default ``CHUNK``; the plan's ``device_update_chunk``), whole blocks.
+
+    ``mesh``: the arrays are split over its devices in equal shares of whole blocks (``engine/shards.py``), and
+    each device updates its own share.
 
     ``param`` and the state arrays are donated: do not use them after the call."""
     chunk = CHUNK if chunk is None else int(chunk)
@@ -216,4 +235,6 @@ def device_adamw_step(moments: str, param, grad, state: dict, scalars, chunk: in
         raise ValueError(f"scalars: the 11 values of compact_adamw.adamw_scalars, got {len(scalars)}")
     s = np.array([*scalars, 0.0], np.float32)  # the zero: see ``_update``
     with jax.enable_x64(True):  # float64 / and sqrt inside; thread-local
+        if mesh is not None:
+            return _sharded_jit(moments, mesh, chunk, tuple(sorted(state)))(param, grad, dict(state), s)
         return _JITS[moments](param, grad, dict(state), s, chunk)

@@ -174,14 +174,17 @@ class FusedAdamW:
     bf16_grads = True  # ``update`` takes a bf16 gradient's bits (uint16): the kernels widen as they read
     runs_on_device = True  # ``train.update_on=device``: ``device_step`` runs this update on the accelerator
 
+    shards_on_device = True  # elementwise: with several GPUs each updates its share of a group (engine/shards.py)
+
     def device_step(self, param, grad, state: dict, scalars: tuple, chunk: int | None = None,
-                    unflatten: Unflatten | None = None):
+                    unflatten: Unflatten | None = None, mesh: Any = None):
         """This update on the accelerator (``optim/device_adamw.py``, ``chunk`` values per slice):
         (new param, new state); the param and state arrays are donated. ``scalars``:
-        ``device_scalars(count, grad_scale)``; ``unflatten`` (the group's layout) is not needed here."""
+        ``device_scalars(count, grad_scale)``; ``unflatten`` (the group's layout) is not needed here;
+        ``mesh``: the arrays are split over its devices, each updating its share."""
         from megatrain_jax.optim.device_adamw import device_adamw_step
 
-        return device_adamw_step(self.moments, param, grad, state, scalars, chunk)
+        return device_adamw_step(self.moments, param, grad, state, scalars, chunk, mesh=mesh)
 
     def device_scalars(self, count: int, grad_scale: float = 1.0) -> tuple:
         """The step's float32 scalars as the host kernels round them, for the device-side update

@@ -210,7 +210,10 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     update_on, moment_bytes, shapes = _update_on_rule(cfg, shapes, lim, bf16)
     asked_keep = 0 if train.keep_residuals == "auto" else min(int(train.keep_residuals), shapes.layers - 1)
     check_one_device(lim.n_dev, update_on=update_on, keep_residuals=asked_keep)
-    if train.update_on == "auto" and lim.on_gpu and lim.n_dev == 1 and _device_update_runs(cfg, bf16):
+    if update_on == "device" and lim.n_dev > 1:
+        _check_device_update(cfg, lim.n_dev)
+    if train.update_on == "auto" and lim.on_gpu and _device_update_runs(cfg, bf16) \
+            and (lim.n_dev == 1 or _device_update_several(cfg)):
         return _both_updates(cfg, update_on, lim.machine, devices, attention)
     stream_copy = _stream_copy(cfg, shapes, lim, update_on, moment_bytes, bf16)
     device_cast = bf16 and stream_copy == "device"
@@ -228,6 +231,30 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     slabs, rows = _slabs_and_host_rows(cfg, costs, lim, placed)
     return _assemble(cfg, costs, lim, found, attn_info, rows=rows, gpu_rows=gpu_rows, slabs=slabs, n_keep=n_keep,
                      stream_copy=stream_copy, notes=notes)
+
+
+def _update_shards(cfg: Config) -> bool:
+    """With several GPUs a device-side update splits each group between them (each its share: engine/shards.py)
+    where it is elementwise (the fused AdamW); an optax transformation works on whole tensors: every GPU runs it
+    alike."""
+    return cfg.optim.kernel == "fused"
+
+
+def _device_update_several(cfg: Config) -> bool:
+    """``update_on=auto`` may plan a device-side update over several GPUs: one process, and no pageable hold asked
+    for where the update is split (``_check_device_update``)."""
+    return process_count() == 1 and not (_update_shards(cfg) and cfg.train.grad_hold in ("host_fp32", "host_bf16"))
+
+
+def _check_device_update(cfg: Config, n_dev: int) -> None:
+    """``update_on=device`` with several GPUs: the same refusals as the engine's (engine/updaters.DeviceUpdates)."""
+    if _update_shards(cfg) and cfg.train.grad_hold in ("host_fp32", "host_bf16"):
+        raise UserError("train.grad_hold", f"{cfg.train.grad_hold} keeps whole gradients in pageable host memory, and "
+                        f"with {n_dev} GPUs updating on the device each holds only its share",
+                        "set train.grad_hold to gpu_bf16, pinned_bf16 or resweep (or auto)")
+    if process_count() > 1:
+        raise UserError("train.update_on", "device with several processes is not built yet (each would write its "
+                        "GPUs' results into its own replica of the host store)", "set train.update_on=host (or auto)")
 
 
 def _huge_group_headroom(shapes: Shapes, lim: _Limits, notes: list[str]) -> float:
@@ -259,7 +286,8 @@ def _update_on_rule(cfg: Config, shapes: Shapes, lim: _Limits, bf16: bool) -> tu
         moment_bytes = cost.host_state
         shapes = dataclasses.replace(shapes, update_temp=cost.device_temp, update_chunked=cost.chunked)
         if train.update_on == "auto":
-            update_on = auto_update_on(cost, on_gpu=lim.on_gpu, devices=lim.n_dev, moments=optim.moments,
+            several = lim.n_dev if (lim.n_dev == 1 or not _device_update_several(cfg)) else 1  # (every GPU alike)
+            update_on = auto_update_on(cost, on_gpu=lim.on_gpu, devices=several, moments=optim.moments,
                                        bf16_host_copy=bf16 and train.stream_copy == "host")
     return update_on, moment_bytes, shapes
 
@@ -309,9 +337,10 @@ def _search_placement(cfg: Config, costs: PlacementCosts, lim: _Limits,
     ctx = search.Context(
         stream_bytes=costs.stream_bytes, device_cast=device_cast, attn=attn_extra,
         update_state_bytes=costs.moment_bytes if costs.update_on == "device" else None, gpu_usable=lim.gpu_usable,
-        host_usable=lim.host_usable, host_of=costs.host_of, step_of=costs.step_of)
+        host_usable=lim.host_usable, host_of=costs.host_of, step_of=costs.step_of,
+        update_shards=lim.n_dev if (costs.update_on == "device" and _update_shards(cfg)) else 1)
     axes = search.axes_of(train, micro_candidates, on_gpu=lim.on_gpu, cpu_only=cpu_only, update_on=costs.update_on,
-                          devices=lim.n_dev)
+                          devices=lim.n_dev, shares=_update_shards(cfg))
     return search.search(shapes, axes, ctx), attn_info
 
 

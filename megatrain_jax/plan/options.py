@@ -28,11 +28,9 @@ HOLD_COPIES_IN_FLIGHT = 1  # gradients on the GPU waiting for their copy into a 
 
 
 def check_one_device(devices: int, *, update_on: str, keep_residuals: int) -> None:
-    """Device-side updates and kept residuals run on one GPU: the one place this rule is checked (the
-    plan calls it with the resolved device count, ``EngineOptions`` with its own)."""
-    if devices > 1 and update_on == UPDATE_DEVICE:
-        raise UserError("train.update_on", f"device runs on one GPU, and this run uses {devices}",
-                        "set train.update_on=host (or auto) for data parallel, or train.devices=1")
+    """Kept residuals run on one GPU: the one place this rule is checked (the plan calls it with the resolved
+    device count, ``EngineOptions`` with its own). Device-side updates run on any number: each GPU updates
+    its share of every group (``engine/shards.py``)."""
     if devices > 1 and keep_residuals:
         raise UserError("train.keep_residuals", f"kept residuals run on one GPU, and this run uses {devices}",
                         "set train.keep_residuals=auto (or 0) for data parallel")

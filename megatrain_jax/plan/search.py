@@ -53,7 +53,7 @@ class Axes:
 
 
 def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, update_on: str = "host",
-            devices: int = 1) -> Axes:
+            devices: int = 1, shares: bool = False) -> Axes:
     """The search's axes from the config's settings. On the CPU backend the device memory is host
     memory: without a budget nothing is placed elsewhere; with one, only the placements of a GPU run
     that need no pinned slabs or streamed embedding (those are GPU mechanisms) are tried. Every hold is a
@@ -61,6 +61,8 @@ def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, updat
     sweep) and whatever the number of GPUs (data parallel runs every hold, boundary_every and stream_io:
     tests/test_data_parallel.py); a split of the activations (their last blocks on the GPU) is one GPU's."""
     holds = GRAD_HOLDS if train.grad_hold == "auto" else (train.grad_hold,)
+    if update_on == "device" and devices > 1 and shares:  # each GPU updates its share: no whole gradient in pageable
+        holds = tuple(h for h in holds if h not in ("host_fp32", "host_bf16")) or holds  # memory
     acts = ACTIVATIONS if train.activations == "auto" else (train.activations,)
     boundary = BOUNDARY_EVERY if train.boundary_every == "auto" else (int(train.boundary_every),)
     io = (False, True) if train.stream_io == "auto" else (bool(train.stream_io),)
@@ -96,6 +98,7 @@ class Context:
     host_of: Callable[[Placement], tuple[float, float]]  # the candidate's host need (build.py: the plan's host
     #                                      rows) and the part of it the order compares (without XLA's GPU pool table)
     step_of: Callable[[Placement], dict]  # the candidate's predicted step (step_model.predicted_step)
+    update_shards: int = 1  # GPUs sharing each group's device-side update (sizes.PhaseInputs.update_shards)
 
 
 @dataclass
@@ -160,7 +163,7 @@ def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k
         hold_bytes=GPU_HOLD_BYTES[hold], loss_chunk=chunk, deferred=True, attn=ctx.attn,
         update_state_bytes=ctx.update_state_bytes, boundary_every=k, stream_io=io,
         grad_hold_gpu_bytes=group_bytes(shapes, groups, io), resweep=hold == "resweep",
-        activations_gpu_blocks=activations_gpu_blocks), want=want_rows)
+        activations_gpu_blocks=activations_gpu_blocks, update_shards=ctx.update_shards), want=want_rows)
     need = max(phases.values())
     p = Placement(micro, act, hold, phases, rows, need, False, seq_tile=shapes.seq_tile, boundary_every=k,
                   stream_io=io, grad_hold_gpu_groups=groups, grad_hold_gpu_params=group_params(shapes, groups, io),

@@ -225,6 +225,8 @@ class PhaseInputs:
     grad_hold_gpu_bytes: float = 0.0  # the bf16 share of a split hold (``grad_hold_gpu_groups``)
     resweep: bool = False  # no hold; the activations stay for a second backward sweep
     activations_gpu_blocks: int = 0  # pinned activations split: the last this-many blocks keep their inputs on the GPU
+    update_shards: int = 1  # GPUs sharing each group's device-side update (engine/shards.py): each holds and updates
+    #                         its 1/N share of the held gradients, the state in flight and the write-back
 
 
 def gpu_phases(shapes: Shapes, x: PhaseInputs, want: bool = True) -> tuple[dict[str, float], list[Row]]:
@@ -247,7 +249,7 @@ def gpu_phases(shapes: Shapes, x: PhaseInputs, want: bool = True) -> tuple[dict[
     _add(out, Row("gpu", "step inputs and the blocks' aux (rotary tables)", inputs, "for the whole step"))
     fixed = resident + inflight + inputs
     update = _device_update(shapes, x, out)
-    head_hold = shapes.head * (x.hold_bytes or 0) if (x.deferred and not x.stream_io) else 0
+    head_hold = shapes.head * (x.hold_bytes or 0) / x.update_shards if (x.deferred and not x.stream_io) else 0
     # resweep with stream_io: the first sweep keeps the top cotangents for the second (the streamed head is not
     # run again), a layer of activations on the GPU from the loss to the second sweep's start
     top = act.layer if (x.resweep and x.stream_io) else 0
@@ -392,11 +394,13 @@ def _held_gradients(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> f
     on_gpu_params = shapes.params - (shapes.embed + shapes.head if x.stream_io else 0)
     held = (on_gpu_params * x.hold_bytes) if (x.deferred and x.hold_bytes) else 0
     held += x.grad_hold_gpu_bytes if x.deferred else 0.0
+    held /= x.update_shards  # (several GPUs updating on the device: each holds its share)
     if x.deferred:
         _add(rows, Row("gpu", "gradients held for clipping", held,
-                       "none: a second backward sweep (resweep)" if x.resweep else
-                       {4: "fp32", 2: "bf16"}.get(x.hold_bytes or 0, "in host memory")
-                       + (", the first groups in bf16 on the GPU" if x.grad_hold_gpu_bytes else "")))
+                       ("none: a second backward sweep (resweep)" if x.resweep else
+                        {4: "fp32", 2: "bf16"}.get(x.hold_bytes or 0, "in host memory")
+                        + (", the first groups in bf16 on the GPU" if x.grad_hold_gpu_bytes else ""))
+                       + (f"; each GPU its 1/{x.update_shards}" if x.update_shards > 1 and held else "")))
     return held
 
 
@@ -410,10 +414,11 @@ def _device_update(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> fl
     # (stream_io: the embedding and head update on the host: blocks only)
     big = shapes.block if x.stream_io else max(shapes.embed, shapes.head)
     largest = shapes.block if x.stream_io else max(shapes.embed, shapes.head, shapes.block)
-    update = s * (2 * shapes.block + big) + (4 + s) * WRITEBACKS_IN_FLIGHT * shapes.block \
-        + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, largest) if shapes.update_chunked else largest)
+    n = x.update_shards  # several GPUs: each its share of every group (engine/shards.py)
+    update = (s * (2 * shapes.block + big) + (4 + s) * WRITEBACKS_IN_FLIGHT * shapes.block) / n \
+        + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, largest / n) if shapes.update_chunked else largest / n)
     _add(rows, Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
-                   "train.update_on=device"))
+                   "train.update_on=device" + (f"; each GPU updates its 1/{n} of every group" if n > 1 else "")))
     return update
 
 

@@ -69,6 +69,9 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     k = p.boundary_every if p else 1
     hold = p.grad_hold if p else "gpu_fp32"
     io = bool(p and p.stream_io)
+    # GPUs sharing each group's device-side update (the elementwise fused AdamW: engine/shards.py); an optax update
+    # runs on every GPU alike
+    shares = n_dev if (update_on == "device" and optim.kernel == "fused") else 1
     tokens = train.batch_size * cfg.data.seq_len
     non_emb = model.non_embedding_params()
     attn = 12.0 * model.num_layers * model.num_heads * model.dim_per_head * cfg.data.seq_len if attention else 0.0
@@ -120,9 +123,9 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     host_params = io_params if update_on == "device" else 0
     if hold in HOST_HOLD_BYTES:
         held = HOST_HOLD_BYTES[hold] * (shapes.params - io_params - (p.grad_hold_gpu_params if p else 0))
-        if update_on == "device":  # out for the norm, back for the update
-            extra_d2h += held
-            extra_h2d += held
+        if update_on == "device":  # out for the norm, back for the update (several GPUs: each its share)
+            extra_d2h += held / shares
+            extra_h2d += held / shares
         elif hold in BF16_HOLDS:  # the held part leaves in bf16
             grad_d2h -= held
         if hold not in PINNED_HOLDS:  # the copier moves each landed slab into the pageable hold
@@ -136,8 +139,12 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
             "gpu_memory_s": memory_s}
     if update_on == "device":  # the state crosses PCIe both ways instead of the gradient; the host kernel only
         dev_params = shapes.params - host_params  # for what stays in host memory (stream_io's embedding, head)
-        step["h2d_s"] = (h2d_bytes + moment_bytes * dev_params + extra_h2d) / rates["h2d"]
-        step["d2h_s"] = ((4 + moment_bytes) * dev_params + 4.0 * host_params + extra_d2h) / rates["d2h"]
+        # (several GPUs: each receives its 1/N share of the state over its link and sends its share back, and the
+        # updated weights are gathered over NVLink: engine/shards.py)
+        step["h2d_s"] = max((h2d_bytes + moment_bytes * dev_params / shares + extra_h2d) / rates["h2d"],
+                            n_dev * (h2d_bytes + moment_bytes * dev_params / shares) / rates["host_read"])
+        # (every GPU updating alike: each group's result goes back from one of them, the groups spread over the links)
+        step["d2h_s"] = ((4 + moment_bytes) * dev_params / n_dev + 4.0 * host_params + extra_d2h) / rates["d2h"]
         step["optimizer_s"] = host_params / opt_rate
         if optim.kernel == "optax":  # its update runs on the compute stream (Muon: Newton-Schulz matmuls)
             cost = _optax_cost(cfg)
