@@ -301,9 +301,10 @@ def _both_updates(cfg: Config, rule: str, machine: Machine, devices: int | None,
     other = "host" if rule == "device" else "device"
     mine = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=rule)), machine,
                       devices, attention)
-    if rule == "host" and optim.kernel == "fused" and optim.moments == "float32" and mine.found.best.fits:
-        return mine  # fp32 moments on the GPU: 16 bytes/param more over PCIe, not measured to pay; tried where
-        #              the host update does not fit
+    if rule == "host" and optim.kernel == "fused" and optim.moments == "float32" and mine.found.best.fits \
+            and mine.settings.devices == 1:
+        return mine  # fp32 moments on one GPU: 16 bytes/param more over PCIe, not measured to pay; tried where
+        #              the host update does not fit (several GPUs split it: each link carries its share)
     alt = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=other)), machine,
                      devices, attention)
     return _faster_update(mine, alt)
