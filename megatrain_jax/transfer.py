@@ -60,6 +60,7 @@ class Transfers:
         self._lock = threading.Lock()
         self.fallback_reason: str | None = None
         self._direct: Any = None  # _DirectCopy once made (False: unavailable)
+        self._directs: dict[int, Any] = {}  # per device id, for one device's share (``direct_into``)
 
     # ------------------------------------------------------------------ host buffers -> device
 
@@ -136,6 +137,27 @@ class Transfers:
         src = self.host_view(self.to_host(x) if self.on_gpu else x)
         np.copyto(dst, src.reshape(dst.shape).view(dst.dtype))
 
+    def direct_into(self, x: jax.Array, dst: np.ndarray) -> bool:
+        """The first ``dst.size`` values of ``x`` (on one device) into ``dst`` by a direct device->host DMA on that
+        device, where ``dst`` lies in a registered buffer; False (nothing copied) where it cannot (``copy_into``'s
+        path for one GPU's share of a group, ``engine/shards.py``)."""
+        if not self.on_gpu or self.mode != "dma_map" or not self._is_mapped(dst):
+            return False
+        (dev,) = x.devices()
+        direct = self._directs.get(dev.id)
+        if direct is None:
+            try:
+                direct = _DirectCopy(dev.local_hardware_id)
+            except Exception as e:  # noqa: BLE001 - no driver library: the pinned path serves
+                direct = False
+                self.fallback_reason = f"direct device->host copy unavailable ({type(e).__name__}: {str(e)[:120]})"
+            self._directs[dev.id] = direct
+        if not direct:
+            return False
+        x.block_until_ready()
+        direct.copy(dst.ctypes.data, x.unsafe_buffer_pointer(), dst.nbytes)
+        return True
+
     def _is_mapped(self, buf: np.ndarray) -> bool:
         lo, n = buf.ctypes.data, buf.nbytes
         return any(p <= lo and lo + n <= p + size for p, size in self._mapped)
@@ -210,8 +232,9 @@ class _DirectCopy:
     def copy(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
         c, lib = self._c, self._lib
         s = getattr(self._streams, "s", None)
+        # (current on every call: one thread may copy from several devices, each its own context)
+        self._check(lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         if s is None:
-            self._check(lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
             s = c.c_void_p()
             self._check(lib.cuStreamCreate(c.byref(s), 1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
             self._streams.s = s

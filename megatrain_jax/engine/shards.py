@@ -37,8 +37,12 @@ def _zeros(n: int, dtype) -> Callable[[], jax.Array]:
 class Shards:
     """Flat arrays of the host store as equal padded shares of the mesh's devices, and back."""
 
-    def __init__(self, mesh: Mesh, align: int, device_kind: str | None, host_kind: str | None):
+    def __init__(self, mesh: Mesh, align: int, device_kind: str | None, host_kind: str | None,
+                 direct_into: Callable[[jax.Array, np.ndarray], bool] | None = None):
+        """``direct_into(share, dst)``: one device's share into its registered host slice by a direct DMA, or False
+        (then through pinned memory: ``transfer.Transfers.direct_into``)."""
         self.mesh, self.align = mesh, int(align)
+        self.direct_into = direct_into
         self.n_dev = mesh.devices.size
         self.sharded = NamedSharding(mesh, P("data"), memory_kind=device_kind)
         self.replicated = NamedSharding(mesh, P(), memory_kind=device_kind)
@@ -94,6 +98,9 @@ class Shards:
             lo = s.index[0].start or 0
             if lo >= n:
                 continue
+            hi = min(lo + s.data.shape[0], n)
+            if self.direct_into is not None and self.direct_into(s.data, dst[lo:hi]):
+                continue  # (a direct DMA into the registered store: no pinned staging)
             h = jax.device_put(s.data, self._host_one[s.device]) if self._host_one else s.data
             landing.append((lo, min(lo + s.data.shape[0], n), h))
         for lo, hi, h in landing:

@@ -472,7 +472,7 @@ class DeviceUpdates(_Updates):
                             "set train.grad_hold to gpu_bf16, pinned_bf16 or resweep (or auto)")
         device_kind = self.xfer.device_sharding.memory_kind
         host_kind = "pinned_host" if self.xfer.host_shardings else None
-        return Shards(self.k.mesh, BLOCK, device_kind, host_kind)
+        return Shards(self.k.mesh, BLOCK, device_kind, host_kind, direct_into=self.xfer.direct_into)
 
     def reduce(self, name: str, g: jax.Array) -> jax.Array:
         """Several GPUs: reduce-scattered, each GPU receiving the sum of its share only (its update's input)."""
