@@ -281,7 +281,7 @@ class Config:
 
 def lora_from_dict(d: dict) -> LoraConfig:
     """``model.lora`` as written in YAML: unknown keys refused (its fields are checked with the rest of the
-    config: ``validate.validate_lora``)."""
+    config: ``config/lora.py``)."""
     known = {f.name for f in dataclasses.fields(LoraConfig)}
     for key in d:
         if key not in known:

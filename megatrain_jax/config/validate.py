@@ -5,33 +5,14 @@ from __future__ import annotations
 import inspect
 import math
 
-from megatrain_jax.config.schema import (GRAD_HOLDS, LORA_BASE_DTYPES, LORA_TARGETS, OPTIMIZER_FIELDS, Config,
-                                         DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig)
+from megatrain_jax.config.lora import check_lora_model, check_lora_run
+from megatrain_jax.config.schema import (GRAD_HOLDS, OPTIMIZER_FIELDS, Config, DataConfig, ModelConfig, OptimConfig,
+                                         TrainConfig)
 from megatrain_jax.errors import UserError
 from megatrain_jax.families import get_family
 
 MOE_IMPLS = ("dense", "sorted")  # model.moe_impl: models/moe.py's two expert computations
 OPTAX_FIX = "name an optax optimizer function, e.g. lion, adafactor, adabelief"  # the fix of every optim.optax_name error; public: optim/named.py refuses with it too
-
-
-def validate_lora(lora: LoraConfig) -> None:
-    """The adapter's own fields (the family's part: ``validate_model``)."""
-    r = lora.rank
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise UserError("model.lora.rank", f"must be an integer >= 1, got {r!r}", "set model.lora.rank, e.g. 16")
-    for name, v, ok, rule in (("alpha", lora.alpha, lambda x: x > 0, "> 0"),
-                              ("dropout", lora.dropout, lambda x: 0 <= x < 1, "in [0, 1)")):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
-            raise UserError(f"model.lora.{name}", f"must be a number {rule}, got {v!r}",
-                            f"set model.lora.{name} to a number {rule}")
-    t = lora.targets
-    if (not isinstance(t, (list, tuple)) or not t or any(x not in LORA_TARGETS for x in t)
-            or len(set(t)) != len(t)):
-        raise UserError("model.lora.targets", f"must be a non-empty list of distinct names from "
-                        f"{', '.join(LORA_TARGETS)}, got {t!r}", "e.g. targets: [q, k, v, o, gate, up, down]")
-    if lora.base_dtype not in LORA_BASE_DTYPES:
-        raise UserError("model.lora.base_dtype", f"{lora.base_dtype!r} is not supported",
-                        f"use one of: {', '.join(LORA_BASE_DTYPES)}")
 
 
 def validate(cfg: Config) -> None:
@@ -128,8 +109,8 @@ def _validate_choices(m: ModelConfig, t: TrainConfig, o: OptimConfig) -> None:
 
 def _validate_engine(cfg: Config) -> None:
     """The micro-batches divide the batch; the compute dtype and the engine are known; the reference
-    engine takes no LoRA, no timeline and no export."""
-    m, t = cfg.model, cfg.train
+    engine takes no LoRA (``config/lora.py``), no timeline and no export."""
+    t = cfg.train
     if t.micro_batches != "auto" and t.batch_size % t.micro_batches:
         raise UserError("train.micro_batches", f"batch_size {t.batch_size} does not divide into {t.micro_batches} micro-batches",
                         "make train.batch_size a multiple of train.micro_batches")
@@ -137,11 +118,7 @@ def _validate_engine(cfg: Config) -> None:
         raise UserError("train.compute_dtype", f"{t.compute_dtype!r} is not supported", "use bfloat16 or float32")
     if t.engine not in ("streamed", "reference"):
         raise UserError("train.engine", f"{t.engine!r} is not an engine", "use streamed or reference")
-    if m.lora is not None and t.engine == "reference":
-        raise UserError("train.engine", "the reference engine trains every weight, not LoRA adapters",
-                        "set train.engine=streamed, or model.lora: null")
-    if m.lora is not None:
-        _validate_lora_run(cfg)
+    check_lora_run(cfg)
     for name, value in (("train.trace_step", t.trace_step), ("train.export", t.export)):
         if t.engine == "reference" and value:  # the reference keeps no host store and no per-layer timeline
             raise UserError(name, "is not available with train.engine=reference",
@@ -265,20 +242,6 @@ def _validate_optimizer(o: OptimConfig) -> None:
         check_optax(o)
 
 
-def _validate_lora_run(cfg: Config) -> None:
-    """What LoRA training (engine/lora.py: optax on the GPU; data parallel over one process's GPUs) does not do."""
-    m, o, t = cfg.model, cfg.optim, cfg.train
-    if o.moments != "float32":
-        raise UserError("optim.moments", f"{o.moments} moments are the host kernel's; LoRA keeps its optimizer state "
-                        "on the GPU in float32", "set optim.moments=float32")
-    if m.router_aux_loss_coef:
-        raise UserError("model.router_aux_loss_coef", "LoRA training freezes the router and adds no load-balancing loss",
-                        "set model.router_aux_loss_coef=0")
-    if m.lora.dropout > 0 and m.seq_tile_tokens > 0:
-        raise UserError("model.lora.dropout", "adapter dropout over sequence tiles would repeat one mask per tile",
-                        "set model.lora.dropout=0, or model.seq_tile=0")
-
-
 def check_optax(o: OptimConfig) -> None:
     """``optim.name=optax``: ``optax_name`` names an optax optimizer taking ``learning_rate``;
     ``optax_kwargs`` are its arguments; a weight decay needs a function that takes one."""
@@ -342,15 +305,7 @@ def validate_model(m: ModelConfig) -> None:
     _validate_moe(m, fam)
     if fam.validate is not None:
         fam.validate(m)
-    if m.lora is not None:
-        validate_lora(m.lora)
-        if fam.block.__dict__.get("FUSED") or getattr(fam.block, "FUSED", False):
-            raise UserError("model.lora", f"the {m.family} family's fused qkv_proj / gate_up_proj take no adapters yet",
-                            "set model.lora: null, or use a family with separate projections (llama, qwen3, gemma)")
-        mlp = sorted(set(m.lora.targets) & {"gate", "up", "down"})
-        if fam.extra.get("moe") and mlp:
-            raise UserError("model.lora.targets", f"the {m.family} family's experts take no adapters ({', '.join(mlp)})",
-                            "target the attention projections only: targets: [q, k, v, o]")
+    check_lora_model(m, fam)
 
 
 def _validate_moe(m: ModelConfig, fam) -> None:

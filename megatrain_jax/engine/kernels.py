@@ -166,6 +166,10 @@ class Kernels:
         """A gradient accumulator: ``size`` fp32 values per device."""
         return self._zeros_fn(size)
 
+    def block_zeros(self, i: int) -> jax.Array:
+        """Layer ``i``'s gradient accumulator: its group's size, fp32 per device."""
+        return self.zeros(self.store[f"block_{i}"].size)
+
     def rng(self, layer: int, micro: int) -> jax.Array | None:
         """The dropout key of (this step, layer, micro-batch); None for blocks without randomness."""
         if self._rng_fn is None:

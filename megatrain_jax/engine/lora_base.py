@@ -7,11 +7,13 @@ Each group (``embed``, ``block_i``, ``head``) is kept in ``model.lora.base_dtype
 - ``int8`` (blocks only; the embedding and head stay bfloat16): every matrix leaf ``(..., in, out)``
   is quantised per output channel, symmetric: ``scale = max|W[..., :, j]| / 127``,
   ``q = round(W / scale)`` in [-127, 127]; its scales (fp32) and the vector leaves (norm scales,
-  biases, fp32) share a second small buffer. Both cross PCIe; the device dequantises
-  ``q * scale`` in fp32 and casts to the compute dtype. Error per weight: at most ``scale / 2``,
-  i.e. ``max|W[:, j]| / 254`` (0.39% of the column's largest magnitude); about 1 byte/param.
+  biases, fp32) come first in the group's one byte buffer, the int8 values after them. The buffer
+  crosses PCIe whole; the device reinterprets its two parts and dequantises ``q * scale`` in fp32,
+  then casts to the compute dtype. Error per weight: at most ``scale / 2``, i.e.
+  ``max|W[:, j]| / 254`` (0.39% of the column's largest magnitude); about 1 byte/param.
 
-Buffers are page-aligned (``alloc_aligned``) so that ``Transfers.register`` can DMA-map them.
+Every group is one page-aligned buffer (``alloc_aligned``; ``stream_view``), as a ``HostStore``
+group's streaming copy is: the engine's ``WeightStream`` registers and streams it the same way.
 """
 from __future__ import annotations
 
@@ -62,15 +64,23 @@ class FrozenGroup:
                 qmap[lf.path] = _QLeaf(False, soff, lf.size, lf.shape)
                 soff += lf.size
         self.qleaves = [qmap[lf.path] for lf in layout.leaves]
-        self.q, self.side, self.flat = alloc_aligned(max(qoff, 1), np.int8), alloc_aligned(max(soff, 1), np.float32), None
+        # one buffer: the fp32 side part first (4-byte aligned at the page's start), the int8 values after it
+        self.side_bytes = 4 * soff
+        self.packed, self.flat = alloc_aligned(self.side_bytes + qoff, np.uint8), None
+        self.side = self.packed[:self.side_bytes].view(np.float32)
+        self.q = self.packed[self.side_bytes:self.side_bytes + qoff].view(np.int8)
 
     # ------------------------------------------------------------------ host side
 
-    def buffers(self) -> tuple[np.ndarray, ...]:
-        """The host buffers that cross PCIe, in ``dequantise``'s argument order."""
+    def stream_view(self) -> np.ndarray:
+        """The one host buffer that crosses PCIe (the weights ``dequantise`` reads on the device)."""
         if self.dtype == "int8":
-            return self.q, self.side
-        return (self.flat.view(BF16),) if self.dtype == "bfloat16" else (self.flat,)
+            return self.packed
+        return self.flat.view(BF16) if self.dtype == "bfloat16" else self.flat
+
+    def buffers(self) -> tuple[np.ndarray, ...]:
+        """The host buffers that cross PCIe, in ``dequantise``'s argument order (one: ``stream_view``)."""
+        return (self.stream_view(),)
 
     @property
     def nbytes(self) -> int:
@@ -117,10 +127,12 @@ class FrozenGroup:
     # ------------------------------------------------------------------ device side (traced)
 
     def dequantise(self, bufs: tuple, dtype) -> Any:
-        """The group's pytree in ``dtype`` from its device buffers (inside a jit)."""
+        """The group's pytree in ``dtype`` from its device buffers (``buffers()``' order; inside a jit)."""
         if self.dtype != "int8":
             return self.layout.unflatten(bufs[0].astype(dtype))
-        q, side = bufs
+        (packed,) = bufs
+        side = jax.lax.bitcast_convert_type(packed[:self.side_bytes].reshape(-1, 4), jnp.float32)
+        q = jax.lax.bitcast_convert_type(packed[self.side_bytes:], jnp.int8)
         leaves = []
         for lf, ql in zip(self.layout.leaves, self.qleaves):
             if ql.quantised:

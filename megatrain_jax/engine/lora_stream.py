@@ -204,7 +204,7 @@ class LoraStreamTrainer:
         """A ``models.common.Decoder``: ``LoraModel`` of its config with ``lora`` (targets: q .. down)."""
         import dataclasses
 
-        from megatrain_jax.config.validate import validate_lora
+        from megatrain_jax.config.lora import validate_lora
         from megatrain_jax.engine.lora import LoraModel
         from megatrain_jax.models.common import streamed_parts
 

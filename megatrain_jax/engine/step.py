@@ -21,6 +21,11 @@ already in flight.
 
 The machinery sits behind small objects: ``WeightStream`` and ``Boundaries`` (``weights.py``), the
 updater (``updaters.py``) and the jitted kernels with one variant per layer (``kernels.py``).
+
+LoRA is this same step with other pieces (``engine/lora.py``: ``LoraEngine`` makes them in the
+``_make_*`` methods): the frozen base is what streams, every layer is adapted (its "weight gradient" is
+its adapters'), the embedding and head stay resident and make no gradient, and the adapter updater
+(``adapters.py``) keeps the adapters and their optax state on the device.
 """
 from __future__ import annotations
 
@@ -120,16 +125,11 @@ class StreamedTrainer:
         self.store = store or HostStore.from_trees(parts.host_trees(), bf16_stream=self.dtype == jnp.bfloat16)
         self.num_layers = self.store.num_blocks
         self.xfer = Transfers(self.local_devices, options.transfer_mode, mesh=self.mesh)
-        self.kernels = Kernels(parts, self.store, self.mesh, self.dtype, options.loss_chunk,
-                               options.keep_residuals)
-        self.kernels.rng_seed = options.rng_seed
+        self.kernels = self._make_kernels()
         groups = Groups(self.num_layers)
-        self.updates = make_updates(self.store, host_opt, self.xfer, self.kernels, options, groups, tracer)
+        self.updates = self._make_updates(groups, tracer)
         for g in self.store:
-            if g.opt_state is None:
-                g.opt_state = host_opt.init_state(g.master, g.layout.unflatten)
-            self.xfer.register(g.name, g.stream_view())
-            self.updates.register(g)
+            self._register(g)
         self.weights = WeightStream(self.store, self.xfer, self.updates, groups, tracer)
         self.pace = Pace(options.blocks_queued)  # the dispatching thread stays this many blocks ahead of the device
         self.boundaries = Boundaries(self.xfer, options.activations == ACT_PINNED_HOST
@@ -137,13 +137,38 @@ class StreamedTrainer:
                                      keep_from=self.num_layers - self.kernels.keep_residuals,
                                      gpu_from=self.num_layers - int(options.activations_gpu_blocks))
         # the embedding and head: resident, or streamed (``stream_io``: io.py)
-        self.io = make_io(IOParts(parts=self.parts, options=self.options, kernels=self.kernels, xfer=self.xfer,
-                                  updates=self.updates, weights=self.weights, store=self.store,
-                                  deliver=self._gradient))
+        self.io = self._make_io(IOParts(parts=self.parts, options=self.options, kernels=self.kernels, xfer=self.xfer,
+                                        updates=self.updates, weights=self.weights, store=self.store,
+                                        deliver=self._gradient))
         # the head goes in flight during the last two blocks; with device-side updates during the
         # last only, so that block L-1's update does not wait for its transfer
         self._head_from = self.num_layers - (1 if self.updates.on_device else 2)
         self.last_step_info: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------ the pieces
+    # Full training's; the LoRA variant (engine/lora.py: ``LoraEngine``) makes its own here and runs the same step
+
+    def _make_kernels(self) -> Kernels:
+        """The jitted pieces, one variant per layer (``kernels.py``)."""
+        o = self.options
+        k = Kernels(self.parts, self.store, self.mesh, self.dtype, o.loss_chunk, o.keep_residuals)
+        k.rng_seed = o.rng_seed
+        return k
+
+    def _make_updates(self, groups: Groups, tracer: Any) -> Any:
+        """The update path the options ask for (``updaters.py``)."""
+        return make_updates(self.store, self.opt, self.xfer, self.kernels, self.options, groups, tracer)
+
+    def _register(self, g: Any) -> None:
+        """Group ``g`` of the store: its optimizer state (made on first use), its buffers registered for transfer."""
+        if g.opt_state is None:
+            g.opt_state = self.opt.init_state(g.master, g.layout.unflatten)
+        self.xfer.register(g.name, g.stream_view())
+        self.updates.register(g)
+
+    def _make_io(self, io: IOParts) -> Any:
+        """The embedding and head: resident, or streamed (``io.py``)."""
+        return make_io(io)
 
     # ------------------------------------------------------------------------------ the step
 
@@ -266,7 +291,7 @@ class StreamedTrainer:
         """Block ``i``'s VJP for every micro-batch: ``dhs`` becomes the inputs' cotangents, and the
         weight gradient accumulates over the micro-batches in fp32. ``again`` (the resweep's second
         sweep): kept residuals were spent by the first, so such a block recomputes."""
-        layer, g = self.kernels.layers[i], self.kernels.zeros(self.store[f"block_{i}"].size)
+        layer, g = self.kernels.layers[i], self.kernels.block_zeros(i)
         backward = partial(Recompute.backward, layer) if again and isinstance(layer, KeepResiduals) else layer.backward
         for m, mb in enumerate(mbs):
             dhs[m], g = backward(w, acts[m], mb.aux, m, dhs[m], g)

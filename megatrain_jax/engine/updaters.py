@@ -27,6 +27,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from megatrain_jax.engine.adapters import UPDATE_ADAPTERS, AdapterUpdates
 from megatrain_jax.engine.holds import HELD_ON_HOST, HostArray, HoldEnv, PageableHold, make_hold
 from megatrain_jax.engine.kernels import F32, Kernels, local_shard
 from megatrain_jax.engine.shards import Shards
@@ -635,4 +636,5 @@ def make_updates(store: HostStore, opt: HostOptimizer, xfer: Transfers, kernels:
     return UPDATERS[options.update_on](store, opt, xfer, kernels, options, groups, tracer)
 
 
-UPDATERS = {UPDATE_HOST: HostUpdates, UPDATE_DEVICE: DeviceUpdates}  # each update placement's engine part
+UPDATERS = {UPDATE_HOST: HostUpdates, UPDATE_DEVICE: DeviceUpdates,  # each update placement's engine part
+            UPDATE_ADAPTERS: AdapterUpdates}  # (the LoRA variant's: engine/lora.py picks it; no config names it)
