@@ -211,7 +211,6 @@ def test_no_file_names_the_design_notes_outside_the_repository():
 # Imports of another module's ``_private`` names left in place because the home module is being rewritten by
 # others (the plan's placement vocabulary, the engine's gradient holds): (importing file, module.name).
 PRIVATE_IMPORTS_ALLOWED = {
-    ("megatrain_jax/engine/weights.py", "megatrain_jax.engine.updaters._Updates"),  # engine/updaters.py
     ("megatrain_jax/plan/__init__.py", "megatrain_jax.plan.machine._jax_backend_ready"),  # plan/
     ("megatrain_jax/plan/build.py", "megatrain_jax.plan.step_model._optax_cost"),  # plan/
     ("megatrain_jax/plan/build.py", "megatrain_jax.plan.step_model._step_basis"),  # plan/

@@ -78,6 +78,10 @@ class AdapterUpdates:
 
     # ---- the step's calls
 
+    def reduce(self, name: str, grad: Any) -> Any:
+        """Block ``name``'s adapter gradient as the backward made it: summed over the devices inside it already."""
+        return grad
+
     def gradient(self, name: str, grad: Any) -> None:
         """Block ``name``'s adapter gradient is complete: held for the norm."""
         self._held[name] = grad

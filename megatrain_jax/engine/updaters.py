@@ -19,138 +19,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import numpy as np
 
 from megatrain_jax.engine.adapters import UPDATE_ADAPTERS, AdapterUpdates
-from megatrain_jax.engine.holds import HELD_ON_HOST, HostArray, HoldEnv, PageableHold, make_hold
+from megatrain_jax.engine.device_updates import DeviceUpdate, DeviceUpdates  # noqa: F401 (the device path)
+from megatrain_jax.engine.holds import HELD_ON_HOST, HostArray
 from megatrain_jax.engine.kernels import F32, Kernels, local_shard
-from megatrain_jax.engine.shards import Shards
-from megatrain_jax.errors import UserError
+from megatrain_jax.engine.updates_base import EMBED, HEAD, Groups, Updates  # noqa: F401 (the paths' common part)
 from megatrain_jax.hoststore import HostStore
-from megatrain_jax.optim.device_adamw import BLOCK
 from megatrain_jax.optim.host import HostOptimizer
-from megatrain_jax.placements import HOST_BF16, HOST_FP32, RESWEEP, STREAM_COPY_DEVICE, UPDATE_DEVICE, UPDATE_HOST
-from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT, WRITEBACKS_IN_FLIGHT, EngineOptions
+from megatrain_jax.placements import UPDATE_DEVICE, UPDATE_HOST
+from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT, EngineOptions
 from megatrain_jax.transfer import Transfers
-
-
-class Groups:
-    """The store's groups by key (``EMBED``, block index, ``HEAD``), in the order a forward needs them."""
-
-    def __init__(self, num_layers: int):
-        self.names: dict[Any, str] = {EMBED: "embed", **{i: f"block_{i}" for i in range(num_layers)}, HEAD: "head"}
-        self.order = list(self.names.values())  # forward order: deferred updates run in this order
-        self.pos = {n: j for j, n in enumerate(self.order)}
-
-
-EMBED, HEAD = "embed", "head"
-
-
-class _Updates:
-    """What both paths share: held gradients, the pending futures a fetch waits for, the step count."""
-
-    on_device = False
-
-    def __init__(self, store: HostStore, opt: HostOptimizer, xfer: Transfers, kernels: Kernels,
-                 options: EngineOptions, groups: Groups, tracer: Any):
-        self.store, self.opt, self.xfer, self.k, self.o, self.groups = store, opt, xfer, kernels, options, groups
-        self.tracer = tracer
-        # updates wait for the whole gradient when it must be clipped or checked for NaN first
-        self.deferred = options.clip_norm is not None or options.skip_nonfinite or options.update_on == UPDATE_DEVICE
-        self.count = 0  # optimizer steps taken
-        self.pending: dict[str, Future] = {}  # per group: the host buffers are rewritten when this completes
-        self.wait_s = 0.0  # time the dispatching thread spent waiting for updates
-        self.update_error: BaseException | None = None  # the first update that raised
-        # called on the updating thread as ``before_update(name, count)`` just before update ``count``
-        # writes group ``name`` in place (a background checkpoint holds back writes it has not saved)
-        self.before_update: Callable[[str, int], None] | None = None
-        self._held: dict[str, Any] = {}  # deferred gradients waiting for the norm
-        # the pinned gradient slabs: a fixed pool shared by every copy of a gradient to host memory
-        self.slabs = threading.Semaphore(options.grad_slabs)
-        self.placement = options.grad_hold_placement  # where deferred gradients wait (the name resolved once)
-        # no hold: a second backward sweep once the norm is known (``send``); only where it is needed
-        self.resweep = self.placement is RESWEEP and (options.clip_norm is not None or options.skip_nonfinite)
-        # a resweep's first ``grad_hold_gpu_groups`` groups (embedding, block 0, ...: the backward's last) wait on
-        # the GPU in bf16, and its second sweep stops above them (never the head: it is the second sweep's first)
-        self.resweep_held = min(int(options.grad_hold_gpu_groups), len(groups.order) - 1) if self.resweep else 0
-        # the hold's engine part (holds.HOLD_PARTS), where ``hold`` puts each deferred gradient
-        self.held_in = make_hold(self.placement, HoldEnv(xfer, self.slabs, options.grad_slab_elems, kernels.to_bf16,
-                                                         register=self.on_device, trace=self._trace)) \
-            if self.deferred else None
-        self.pageable = self.held_in if isinstance(self.held_in, PageableHold) else None  # (its buffers: tests)
-
-    def register(self, g: Any) -> None:
-        """Group ``g``'s host buffers that cross PCIe besides its streaming copy (none here)."""
-
-    def reduce(self, name: str, g: jax.Array) -> jax.Array:
-        """Group ``name``'s gradient from the devices' partial sums: summed over them, on every device."""
-        return self.k.reduce(g) if self.k.reduce is not None else g
-
-    def done(self, name: str) -> bool:
-        fut = self.pending.get(name)
-        return fut is None or fut.done()
-
-    def _settle(self, names) -> None:
-        """``finish``: wait for these groups' pending updates, in this order."""
-        for name in list(names):
-            fut = self.pending.pop(name, None)
-            if fut is not None:
-                fut.result()
-
-    def wait(self, name: str) -> None:
-        """Before a group's host buffers are read again: its pending update has written them."""
-        fut = self.pending.pop(name, None)
-        if fut is not None:
-            self.issue_through(self.groups.pos[name])
-            t0 = time.perf_counter()
-            fut.result()
-            self.wait_s += time.perf_counter() - t0
-
-    def load(self, name: str) -> Any:
-        """A queued device-side update of ``name`` put in flight, or None (none on this path)."""
-        return None
-
-    def issue_ahead(self, i: int) -> None:
-        """The forward is at block ``i``: issue queued gradient copies a few groups ahead (none here)."""
-
-    def issue_through(self, pos: int, wait: bool = True) -> None:
-        """Issue queued gradient copies up to forward position ``pos`` (none here)."""
-
-    def hold(self, name: str, grad: jax.Array) -> None:
-        """A deferred gradient waits for the norm where its hold's engine part puts it (``held_in``; with a
-        split hold the first ``grad_hold_gpu_groups`` groups of the forward stay on the GPU in bf16 instead).
-        Host copies are issued here, before the next block's backward, which they then overlap. A
-        numpy gradient (``stream_io``'s embedding and head) waits where it is."""
-        pos = self.groups.pos[name]
-        if self.resweep and pos >= self.resweep_held:
-            return  # dropped: the second sweep recomputes it once the norm is known
-        if isinstance(grad, np.ndarray):  # complete in host memory already (stream_io): it waits there
-            grad = HostArray(grad, self.xfer)
-        elif self.held_in.split and pos < self.o.grad_hold_gpu_groups:
-            grad = self.k.to_bf16(grad)  # the norm was taken in fp32
-        else:  # (a pageable buffer's last reader, a device-side update, goes first: ``after``)
-            grad = self.held_in.put(name, grad, self.store[name].size, after=self.pending.get(name))
-        self._held[name] = grad
-
-    def _close_hold(self) -> None:
-        if self.held_in is not None:
-            self.held_in.close()
-
-    def _trace(self, lane: str, label: str, arr: Any) -> None:
-        if self.tracer is not None:
-            self.tracer.watch(lane, label, arr)
-
-    def pending_updates(self) -> dict[str, Future]:
-        return dict(self.pending)
-
-    def close(self) -> None:
-        self.finish()
 
 
 # ------------------------------------------------------------------------------------------ host
@@ -241,7 +125,7 @@ class GradOut:
                     up.slabs.release()
 
 
-class HostUpdates(_Updates):
+class HostUpdates(Updates):
     """Gradients to host memory in slabs; the host optimizer thread updates each group in place."""
 
     LOOKAHEAD = 3  # during a forward, deferred gradient copies run this many blocks ahead of it
@@ -417,217 +301,6 @@ class HostUpdates(_Updates):
         self.finish()
         self._close_hold()
         self._pool.shutdown()
-
-
-# ------------------------------------------------------------------------------------------ device
-
-
-@dataclass
-class DeviceUpdate:
-    """A group whose update runs on the device: its master and state in flight."""
-
-    name: str
-    param: jax.Array
-    grad: jax.Array
-    state: dict
-    host_state: dict  # the host arrays the new state is written back into
-    scalars: tuple
-    count: int
-
-
-class DeviceUpdates(_Updates):
-    """``update_on=device``: each group's update is applied on the accelerator when the next forward
-    fetches it (``optim/device_adamw.py``); the new master and state go back straight into the host
-    store on a write-back thread while the block computes. Updates are always deferred."""
-
-    on_device = True
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        if not getattr(self.opt, "runs_on_device", False):
-            raise UserError("train.update_on",
-                            f"{UPDATE_DEVICE} needs an optimizer that runs there, not {type(self.opt).__name__}",
-                            f"use a FusedAdamW or an optax optimizer (or train.update_on={UPDATE_HOST})")
-        if any(g.stream_bits is not None for g in self.store):
-            raise ValueError(f"update_on={UPDATE_DEVICE} needs a store without a bf16 streaming copy "
-                             f"(train.stream_copy={STREAM_COPY_DEVICE}, or float32 compute)")
-        self._queued: dict[str, tuple[Any, float, int]] = {}  # per group: (gradient, clip scale, count)
-        self._done: dict[str, Future] = {}  # per group: its queued update is in the store
-        self._resident: dict[str, jax.Array] = {}  # current weights already on the device
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h-writeback")
-        self._writing: deque[Future] = deque()  # write-backs in flight, oldest first (WRITEBACKS_IN_FLIGHT)
-        self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")  # stream_io's groups
-        # several GPUs: each updates its share of every group (shards.py) where the update is elementwise; an
-        # update over whole tensors (optax) runs on every GPU alike, and one GPU's result goes back to the host
-        self.shards = self._shards() if self.k.num_devices > 1 and getattr(self.opt, "shards_on_device", False) \
-            else None
-        if self.k.num_devices > 1 and jax.process_count() > 1:
-            raise UserError("train.update_on", f"{UPDATE_DEVICE} with several processes is not built yet (each "
-                            "would write its GPUs' results into its own replica of the host store)",
-                            f"set train.update_on={UPDATE_HOST} (or auto)")
-
-    def _shards(self) -> Shards:
-        if self.placement in (HOST_FP32, HOST_BF16):
-            raise UserError("train.grad_hold", f"{self.placement.name} keeps whole gradients in pageable host "
-                            f"memory, and with several GPUs updating on the device each holds only its share",
-                            "set train.grad_hold to gpu_bf16, pinned_bf16 or resweep (or auto)")
-        device_kind = self.xfer.device_sharding.memory_kind
-        host_kind = "pinned_host" if self.xfer.host_shardings else None
-        return Shards(self.k.mesh, BLOCK, device_kind, host_kind, direct_into=self.xfer.direct_into)
-
-    def reduce(self, name: str, g: jax.Array) -> jax.Array:
-        """Several GPUs: reduce-scattered, each GPU receiving the sum of its share only (its update's input)."""
-        if self.shards is None:
-            return super().reduce(name, g)
-        return self.k.reduce_scatter(g, self.shards.padded(self.store[name].size))
-
-    def register(self, g: Any) -> None:
-        for k, a in self.opt.state_to_arrays(g.opt_state).items():  # the optimizer state crosses PCIe too
-            self.xfer.register(f"{g.name}/{k}", a)
-
-    def gradient(self, name: str, grad: jax.Array) -> None:
-        if self.placement is RESWEEP and not self.resweep:
-            return self.send(name, grad)  # no norm to wait for: updated now, nothing held
-        self.hold(name, grad)
-
-    def send(self, name: str, grad: jax.Array, scale: float = 1.0) -> None:
-        """The resweep's second sweep: the update runs now, on the device, with the clip scale known
-        (the next forward then fetches the updated weights from the host store)."""
-        if name == HEAD:
-            self.count += 1
-        if isinstance(grad, np.ndarray):  # complete in host memory (stream_io): updated there
-            self.pending[name] = self._host.submit(self._host_update, name, HostArray(grad, self.xfer), scale,
-                                                   self.count)
-            return
-        self._queued[name] = (grad, scale, self.count)
-        self._done[name] = Future()
-        self.dispatch(self.load(name))
-
-    def apply(self, scale: float | None, resident: dict[str, jax.Array]) -> None:
-        """Queue each group's update, applied when the next forward fetches the group. The current
-        weights of the groups needed first and last are on the device already: their updates start
-        from these instead of crossing PCIe again (the step's first transfers are exposed)."""
-        held, self._held = self._held, {}
-        if scale is None or not held:
-            return
-        if not self.resweep:  # (a resweep's second sweep counted the step as it sent the head)
-            self.count += 1
-        for name in [n for n in self.groups.order if n in held]:  # (a resweep holds only its first groups)
-            grad = held.pop(name)
-            if isinstance(grad, HostArray):  # complete in host memory (stream_io): updated there, now
-                self.pending[name] = self._host.submit(self._host_update, name, grad, scale, self.count)
-                continue
-            self._queued[name] = (grad, scale, self.count)
-            self._done[name] = Future()  # set once this update is back in the host store
-        self._resident = dict(resident)
-
-    def _host_update(self, name: str, grad: HostArray, scale: float, count: int) -> None:
-        """On the host-optimizer thread: a group whose gradient is in host memory, updated in place by the
-        optimizer's host kernel (the same step as its device one: tests compare both with the reference)."""
-        g = self.store[name]
-        if self.before_update is not None:
-            self.before_update(name, count)
-        t0 = time.perf_counter()
-        self.opt.update(g.master, grad.read(0, g.size), g.opt_state, count, scale, g.stream_bits, g.layout.unflatten)
-        self.xfer.host_written(name, g.stream_view())
-        if self.tracer is not None:
-            self.tracer.interval("optimizer", name, t0, time.perf_counter())
-
-    def load(self, name: str) -> DeviceUpdate | None:
-        """Put the group's fp32 master and optimizer state in flight to the device; the update itself
-        is dispatched by ``dispatch`` when the weights are first used (dispatched now it would run
-        before the block being computed, and hold it back until this transfer lands)."""
-        pend = self._queued.pop(name, None)
-        if pend is None:
-            return None
-        grad, scale, count = pend
-        g = self.store[name]
-        host_state = self.opt.state_to_arrays(g.opt_state)
-        p = self._resident.pop(name, None)
-        fetched = p is None
-        if isinstance(grad, HELD_ON_HOST):
-            grad = grad.to_device()
-        if self.shards is not None:  # each GPU its share, over its own link
-            sh, total = self.shards, self.shards.padded(g.size)
-            p = sh.to_device(g.master, total) if fetched else sh.shard(p, total)
-            state = {k: sh.to_device(a, sh.padded_like(a.shape[0], g.size)) for k, a in host_state.items()}
-            grad = sh.shard(grad, total)
-        else:
-            if fetched:
-                p = self.xfer.to_device(name, g.master)
-            state = {k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
-        if fetched:
-            self._trace("h2d", name, p)
-        return DeviceUpdate(name, p, grad, state, host_state, self.opt.device_scalars(count, scale), count)
-
-    def dispatch(self, u: DeviceUpdate) -> jax.Array:
-        """Dispatch the update (the new master is the weights the block uses) and queue its write-back."""
-        g = self.store[u.name]
-        if self.shards is None:
-            p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk,
-                                                unflatten=g.layout.unflatten)  # the group's tree (optax: shapes)
-            w = p_new
-        else:  # each GPU updates its share; the block computes with the whole, gathered over NVLink
-            p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk,
-                                                mesh=self.k.mesh)
-            w = self.shards.gather(p_new, g.size)
-        self._trace("compute", f"update {u.name}", p_new)  # runs on the compute stream
-        targets = [(u.name, p_new, g.master)] + [(f"{u.name}/{k}", state[k], u.host_state[k]) for k in u.host_state]
-        self.pending[u.name] = fut = self._writer.submit(self._write_back, u.name, u.count, targets,
-                                                         self._done.pop(u.name, None))
-        self._writing.append(fut)
-        while len(self._writing) > WRITEBACKS_IN_FLIGHT:  # the updated blocks the GPU holds: what the plan counts
-            t0 = time.perf_counter()
-            self._writing.popleft().result()
-            self.wait_s += time.perf_counter() - t0
-        return w
-
-    def queued(self) -> list[str]:
-        """Groups whose update is queued and not yet applied."""
-        return list(self._queued)
-
-    def _write_back(self, name: str, count: int, targets: list[tuple[str, jax.Array, np.ndarray]],
-                    done: Future | None) -> None:
-        """On the write-back thread: the updated master and state into the host store, in place;
-        then ``done`` (the future a background checkpoint may wait on) completes."""
-        try:
-            if self.before_update is not None:
-                self.before_update(name, count)
-            t0 = time.perf_counter()
-            for buf_name, x, dst in targets:
-                if self.shards is not None:
-                    self.shards.copy_into(x, dst)
-                else:  # (several GPUs updating alike: the group's own GPU's copy, spreading the links' load)
-                    self.xfer.copy_into(local_shard(x, self.groups.pos[name]), dst)
-                self.xfer.host_written(buf_name, dst)
-            if self.tracer is not None:
-                self.tracer.interval("d2h", f"{name} state", t0, time.perf_counter())
-        except BaseException as e:
-            if done is not None:
-                done.set_exception(e)
-            raise
-        if done is not None:
-            done.set_result(None)
-
-    def pending_updates(self) -> dict[str, Future]:
-        """Per group, a future that completes once the update queued last is in the host store (a
-        background checkpoint waits for these): write-backs in flight, and updates not yet applied."""
-        return {**self.pending, **self._done}
-
-    def finish(self) -> None:
-        """Apply the queued updates now (in forward order), then wait for every write-back."""
-        for name in self.groups.order:
-            if name in self._queued:
-                self.wait(name)
-                self.dispatch(self.load(name))
-        self._settle(self.groups.order)
-        self._settle(self.pending)
-
-    def close(self) -> None:
-        self.finish()
-        self._close_hold()
-        self._writer.shutdown()
-        self._host.shutdown()
 
 
 def make_updates(store: HostStore, opt: HostOptimizer, xfer: Transfers, kernels: Kernels, options: EngineOptions,

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 import jax
 
-from megatrain_jax.engine.updaters import DeviceUpdate, Groups, _Updates
+from megatrain_jax.engine.device_updates import DeviceUpdate
+from megatrain_jax.engine.updates_base import Groups, Updates
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.plan.sizes import PINNED_ACT_LAYERS_ON_GPU
 from megatrain_jax.transfer import Transfers
@@ -47,7 +48,7 @@ class WeightStream:
     and ``take`` dispatches the update: its output is the weights the block computes with.
     """
 
-    def __init__(self, store: HostStore, xfer: Transfers, updates: _Updates, groups: Groups, tracer: Any):
+    def __init__(self, store: HostStore, xfer: Transfers, updates: Updates, groups: Groups, tracer: Any):
         self.store, self.xfer, self.updates, self.groups, self.tracer = store, xfer, updates, groups, tracer
         self._inflight: dict[Any, Any] = {}  # key -> device array, or a DeviceUpdate in flight
 

@@ -1,0 +1,231 @@
+"""``update_on=device``: each group's update runs on the accelerator (``updaters.py`` says how the paths differ)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from megatrain_jax.engine.holds import HELD_ON_HOST, HostArray
+from megatrain_jax.engine.kernels import local_shard
+from megatrain_jax.engine.shards import Shards
+from megatrain_jax.engine.updates_base import HEAD, Updates
+from megatrain_jax.errors import UserError
+from megatrain_jax.optim.device_adamw import BLOCK
+from megatrain_jax.placements import HOST_BF16, HOST_FP32, RESWEEP, STREAM_COPY_DEVICE, UPDATE_DEVICE, UPDATE_HOST
+from megatrain_jax.plan.options import WRITEBACKS_IN_FLIGHT
+
+
+# ------------------------------------------------------------------------------------------ device
+
+
+@dataclass
+class DeviceUpdate:
+    """A group whose update runs on the device: its master and state in flight."""
+
+    name: str
+    param: jax.Array
+    grad: jax.Array
+    state: dict
+    host_state: dict  # the host arrays the new state is written back into
+    scalars: tuple
+    count: int
+
+
+class DeviceUpdates(Updates):
+    """``update_on=device``: each group's update is applied on the accelerator when the next forward
+    fetches it (``optim/device_adamw.py``); the new master and state go back straight into the host
+    store on a write-back thread while the block computes. Updates are always deferred."""
+
+    on_device = True
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        if not getattr(self.opt, "runs_on_device", False):
+            raise UserError("train.update_on",
+                            f"{UPDATE_DEVICE} needs an optimizer that runs there, not {type(self.opt).__name__}",
+                            f"use a FusedAdamW or an optax optimizer (or train.update_on={UPDATE_HOST})")
+        if any(g.stream_bits is not None for g in self.store):
+            raise ValueError(f"update_on={UPDATE_DEVICE} needs a store without a bf16 streaming copy "
+                             f"(train.stream_copy={STREAM_COPY_DEVICE}, or float32 compute)")
+        self._queued: dict[str, tuple[Any, float, int]] = {}  # per group: (gradient, clip scale, count)
+        self._done: dict[str, Future] = {}  # per group: its queued update is in the store
+        self._resident: dict[str, jax.Array] = {}  # current weights already on the device
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h-writeback")
+        self._writing: deque[Future] = deque()  # write-backs in flight, oldest first (WRITEBACKS_IN_FLIGHT)
+        self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")  # stream_io's groups
+        # several GPUs: each updates its share of every group (shards.py) where the update is elementwise; an
+        # update over whole tensors (optax) runs on every GPU alike, and one GPU's result goes back to the host
+        self.shards = self._shards() if self.k.num_devices > 1 and getattr(self.opt, "shards_on_device", False) \
+            else None
+        if self.k.num_devices > 1 and jax.process_count() > 1:
+            raise UserError("train.update_on", f"{UPDATE_DEVICE} with several processes is not built yet (each "
+                            "would write its GPUs' results into its own replica of the host store)",
+                            f"set train.update_on={UPDATE_HOST} (or auto)")
+
+    def _shards(self) -> Shards:
+        if self.placement in (HOST_FP32, HOST_BF16):
+            raise UserError("train.grad_hold", f"{self.placement.name} keeps whole gradients in pageable host "
+                            f"memory, and with several GPUs updating on the device each holds only its share",
+                            "set train.grad_hold to gpu_bf16, pinned_bf16 or resweep (or auto)")
+        device_kind = self.xfer.device_sharding.memory_kind
+        host_kind = "pinned_host" if self.xfer.host_shardings else None
+        return Shards(self.k.mesh, BLOCK, device_kind, host_kind, direct_into=self.xfer.direct_into)
+
+    def reduce(self, name: str, g: jax.Array) -> jax.Array:
+        """Several GPUs: reduce-scattered, each GPU receiving the sum of its share only (its update's input)."""
+        if self.shards is None:
+            return super().reduce(name, g)
+        return self.k.reduce_scatter(g, self.shards.padded(self.store[name].size))
+
+    def register(self, g: Any) -> None:
+        for k, a in self.opt.state_to_arrays(g.opt_state).items():  # the optimizer state crosses PCIe too
+            self.xfer.register(f"{g.name}/{k}", a)
+
+    def gradient(self, name: str, grad: jax.Array) -> None:
+        if self.placement is RESWEEP and not self.resweep:
+            return self.send(name, grad)  # no norm to wait for: updated now, nothing held
+        self.hold(name, grad)
+
+    def send(self, name: str, grad: jax.Array, scale: float = 1.0) -> None:
+        """The resweep's second sweep: the update runs now, on the device, with the clip scale known
+        (the next forward then fetches the updated weights from the host store)."""
+        if name == HEAD:
+            self.count += 1
+        if isinstance(grad, np.ndarray):  # complete in host memory (stream_io): updated there
+            self.pending[name] = self._host.submit(self._host_update, name, HostArray(grad, self.xfer), scale,
+                                                   self.count)
+            return
+        self._queued[name] = (grad, scale, self.count)
+        self._done[name] = Future()
+        self.dispatch(self.load(name))
+
+    def apply(self, scale: float | None, resident: dict[str, jax.Array]) -> None:
+        """Queue each group's update, applied when the next forward fetches the group. The current
+        weights of the groups needed first and last are on the device already: their updates start
+        from these instead of crossing PCIe again (the step's first transfers are exposed)."""
+        held, self._held = self._held, {}
+        if scale is None or not held:
+            return
+        if not self.resweep:  # (a resweep's second sweep counted the step as it sent the head)
+            self.count += 1
+        for name in [n for n in self.groups.order if n in held]:  # (a resweep holds only its first groups)
+            grad = held.pop(name)
+            if isinstance(grad, HostArray):  # complete in host memory (stream_io): updated there, now
+                self.pending[name] = self._host.submit(self._host_update, name, grad, scale, self.count)
+                continue
+            self._queued[name] = (grad, scale, self.count)
+            self._done[name] = Future()  # set once this update is back in the host store
+        self._resident = dict(resident)
+
+    def _host_update(self, name: str, grad: HostArray, scale: float, count: int) -> None:
+        """On the host-optimizer thread: a group whose gradient is in host memory, updated in place by the
+        optimizer's host kernel (the same step as its device one: tests compare both with the reference)."""
+        g = self.store[name]
+        if self.before_update is not None:
+            self.before_update(name, count)
+        t0 = time.perf_counter()
+        self.opt.update(g.master, grad.read(0, g.size), g.opt_state, count, scale, g.stream_bits, g.layout.unflatten)
+        self.xfer.host_written(name, g.stream_view())
+        if self.tracer is not None:
+            self.tracer.interval("optimizer", name, t0, time.perf_counter())
+
+    def load(self, name: str) -> DeviceUpdate | None:
+        """Put the group's fp32 master and optimizer state in flight to the device; the update itself
+        is dispatched by ``dispatch`` when the weights are first used (dispatched now it would run
+        before the block being computed, and hold it back until this transfer lands)."""
+        pend = self._queued.pop(name, None)
+        if pend is None:
+            return None
+        grad, scale, count = pend
+        g = self.store[name]
+        host_state = self.opt.state_to_arrays(g.opt_state)
+        p = self._resident.pop(name, None)
+        fetched = p is None
+        if isinstance(grad, HELD_ON_HOST):
+            grad = grad.to_device()
+        if self.shards is not None:  # each GPU its share, over its own link
+            sh, total = self.shards, self.shards.padded(g.size)
+            p = sh.to_device(g.master, total) if fetched else sh.shard(p, total)
+            state = {k: sh.to_device(a, sh.padded_like(a.shape[0], g.size)) for k, a in host_state.items()}
+            grad = sh.shard(grad, total)
+        else:
+            if fetched:
+                p = self.xfer.to_device(name, g.master)
+            state = {k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
+        if fetched:
+            self._trace("h2d", name, p)
+        return DeviceUpdate(name, p, grad, state, host_state, self.opt.device_scalars(count, scale), count)
+
+    def dispatch(self, u: DeviceUpdate) -> jax.Array:
+        """Dispatch the update (the new master is the weights the block uses) and queue its write-back."""
+        g = self.store[u.name]
+        if self.shards is None:
+            p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk,
+                                                unflatten=g.layout.unflatten)  # the group's tree (optax: shapes)
+            w = p_new
+        else:  # each GPU updates its share; the block computes with the whole, gathered over NVLink
+            p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk,
+                                                mesh=self.k.mesh)
+            w = self.shards.gather(p_new, g.size)
+        self._trace("compute", f"update {u.name}", p_new)  # runs on the compute stream
+        targets = [(u.name, p_new, g.master)] + [(f"{u.name}/{k}", state[k], u.host_state[k]) for k in u.host_state]
+        self.pending[u.name] = fut = self._writer.submit(self._write_back, u.name, u.count, targets,
+                                                         self._done.pop(u.name, None))
+        self._writing.append(fut)
+        while len(self._writing) > WRITEBACKS_IN_FLIGHT:  # the updated blocks the GPU holds: what the plan counts
+            t0 = time.perf_counter()
+            self._writing.popleft().result()
+            self.wait_s += time.perf_counter() - t0
+        return w
+
+    def queued(self) -> list[str]:
+        """Groups whose update is queued and not yet applied."""
+        return list(self._queued)
+
+    def _write_back(self, name: str, count: int, targets: list[tuple[str, jax.Array, np.ndarray]],
+                    done: Future | None) -> None:
+        """On the write-back thread: the updated master and state into the host store, in place;
+        then ``done`` (the future a background checkpoint may wait on) completes."""
+        try:
+            if self.before_update is not None:
+                self.before_update(name, count)
+            t0 = time.perf_counter()
+            for buf_name, x, dst in targets:
+                if self.shards is not None:
+                    self.shards.copy_into(x, dst)
+                else:  # (several GPUs updating alike: the group's own GPU's copy, spreading the links' load)
+                    self.xfer.copy_into(local_shard(x, self.groups.pos[name]), dst)
+                self.xfer.host_written(buf_name, dst)
+            if self.tracer is not None:
+                self.tracer.interval("d2h", f"{name} state", t0, time.perf_counter())
+        except BaseException as e:
+            if done is not None:
+                done.set_exception(e)
+            raise
+        if done is not None:
+            done.set_result(None)
+
+    def pending_updates(self) -> dict[str, Future]:
+        """Per group, a future that completes once the update queued last is in the host store (a
+        background checkpoint waits for these): write-backs in flight, and updates not yet applied."""
+        return {**self.pending, **self._done}
+
+    def finish(self) -> None:
+        """Apply the queued updates now (in forward order), then wait for every write-back."""
+        for name in self.groups.order:
+            if name in self._queued:
+                self.wait(name)
+                self.dispatch(self.load(name))
+        self._settle(self.groups.order)
+        self._settle(self.pending)
+
+    def close(self) -> None:
+        self.finish()
+        self._close_hold()
+        self._writer.shutdown()
+        self._host.shutdown()

@@ -1,0 +1,132 @@
+"""What every update path shares (``updaters.py`` says what each path does): the store's groups in forward order, and
+``Updates``: held gradients, the pending futures a fetch waits for, the step count, the gradient hold's engine part."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from megatrain_jax.engine.holds import HostArray, HoldEnv, PageableHold, make_hold
+from megatrain_jax.engine.kernels import Kernels
+from megatrain_jax.hoststore import HostStore
+from megatrain_jax.optim.host import HostOptimizer
+from megatrain_jax.placements import RESWEEP, UPDATE_DEVICE
+from megatrain_jax.plan.options import EngineOptions
+from megatrain_jax.transfer import Transfers
+
+
+class Groups:
+    """The store's groups by key (``EMBED``, block index, ``HEAD``), in the order a forward needs them."""
+
+    def __init__(self, num_layers: int):
+        self.names: dict[Any, str] = {EMBED: "embed", **{i: f"block_{i}" for i in range(num_layers)}, HEAD: "head"}
+        self.order = list(self.names.values())  # forward order: deferred updates run in this order
+        self.pos = {n: j for j, n in enumerate(self.order)}
+
+
+EMBED, HEAD = "embed", "head"
+
+
+class Updates:
+    """What both paths share: held gradients, the pending futures a fetch waits for, the step count."""
+
+    on_device = False
+
+    def __init__(self, store: HostStore, opt: HostOptimizer, xfer: Transfers, kernels: Kernels,
+                 options: EngineOptions, groups: Groups, tracer: Any):
+        self.store, self.opt, self.xfer, self.k, self.o, self.groups = store, opt, xfer, kernels, options, groups
+        self.tracer = tracer
+        # updates wait for the whole gradient when it must be clipped or checked for NaN first
+        self.deferred = options.clip_norm is not None or options.skip_nonfinite or options.update_on == UPDATE_DEVICE
+        self.count = 0  # optimizer steps taken
+        self.pending: dict[str, Future] = {}  # per group: the host buffers are rewritten when this completes
+        self.wait_s = 0.0  # time the dispatching thread spent waiting for updates
+        self.update_error: BaseException | None = None  # the first update that raised
+        # called on the updating thread as ``before_update(name, count)`` just before update ``count``
+        # writes group ``name`` in place (a background checkpoint holds back writes it has not saved)
+        self.before_update: Callable[[str, int], None] | None = None
+        self._held: dict[str, Any] = {}  # deferred gradients waiting for the norm
+        # the pinned gradient slabs: a fixed pool shared by every copy of a gradient to host memory
+        self.slabs = threading.Semaphore(options.grad_slabs)
+        self.placement = options.grad_hold_placement  # where deferred gradients wait (the name resolved once)
+        # no hold: a second backward sweep once the norm is known (``send``); only where it is needed
+        self.resweep = self.placement is RESWEEP and (options.clip_norm is not None or options.skip_nonfinite)
+        # a resweep's first ``grad_hold_gpu_groups`` groups (embedding, block 0, ...: the backward's last) wait on
+        # the GPU in bf16, and its second sweep stops above them (never the head: it is the second sweep's first)
+        self.resweep_held = min(int(options.grad_hold_gpu_groups), len(groups.order) - 1) if self.resweep else 0
+        # the hold's engine part (holds.HOLD_PARTS), where ``hold`` puts each deferred gradient
+        self.held_in = make_hold(self.placement, HoldEnv(xfer, self.slabs, options.grad_slab_elems, kernels.to_bf16,
+                                                         register=self.on_device, trace=self._trace)) \
+            if self.deferred else None
+        self.pageable = self.held_in if isinstance(self.held_in, PageableHold) else None  # (its buffers: tests)
+
+    def register(self, g: Any) -> None:
+        """Group ``g``'s host buffers that cross PCIe besides its streaming copy (none here)."""
+
+    def reduce(self, name: str, g: jax.Array) -> jax.Array:
+        """Group ``name``'s gradient from the devices' partial sums: summed over them, on every device."""
+        return self.k.reduce(g) if self.k.reduce is not None else g
+
+    def done(self, name: str) -> bool:
+        fut = self.pending.get(name)
+        return fut is None or fut.done()
+
+    def _settle(self, names) -> None:
+        """``finish``: wait for these groups' pending updates, in this order."""
+        for name in list(names):
+            fut = self.pending.pop(name, None)
+            if fut is not None:
+                fut.result()
+
+    def wait(self, name: str) -> None:
+        """Before a group's host buffers are read again: its pending update has written them."""
+        fut = self.pending.pop(name, None)
+        if fut is not None:
+            self.issue_through(self.groups.pos[name])
+            t0 = time.perf_counter()
+            fut.result()
+            self.wait_s += time.perf_counter() - t0
+
+    def load(self, name: str) -> Any:
+        """A queued device-side update of ``name`` put in flight, or None (none on this path)."""
+        return None
+
+    def issue_ahead(self, i: int) -> None:
+        """The forward is at block ``i``: issue queued gradient copies a few groups ahead (none here)."""
+
+    def issue_through(self, pos: int, wait: bool = True) -> None:
+        """Issue queued gradient copies up to forward position ``pos`` (none here)."""
+
+    def hold(self, name: str, grad: jax.Array) -> None:
+        """A deferred gradient waits for the norm where its hold's engine part puts it (``held_in``; with a
+        split hold the first ``grad_hold_gpu_groups`` groups of the forward stay on the GPU in bf16 instead).
+        Host copies are issued here, before the next block's backward, which they then overlap. A
+        numpy gradient (``stream_io``'s embedding and head) waits where it is."""
+        pos = self.groups.pos[name]
+        if self.resweep and pos >= self.resweep_held:
+            return  # dropped: the second sweep recomputes it once the norm is known
+        if isinstance(grad, np.ndarray):  # complete in host memory already (stream_io): it waits there
+            grad = HostArray(grad, self.xfer)
+        elif self.held_in.split and pos < self.o.grad_hold_gpu_groups:
+            grad = self.k.to_bf16(grad)  # the norm was taken in fp32
+        else:  # (a pageable buffer's last reader, a device-side update, goes first: ``after``)
+            grad = self.held_in.put(name, grad, self.store[name].size, after=self.pending.get(name))
+        self._held[name] = grad
+
+    def _close_hold(self) -> None:
+        if self.held_in is not None:
+            self.held_in.close()
+
+    def _trace(self, lane: str, label: str, arr: Any) -> None:
+        if self.tracer is not None:
+            self.tracer.watch(lane, label, arr)
+
+    def pending_updates(self) -> dict[str, Future]:
+        return dict(self.pending)
+
+    def close(self) -> None:
+        self.finish()
