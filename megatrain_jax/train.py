@@ -51,6 +51,7 @@ from megatrain_jax.metrics import MetricsWriter, attention_flops_per_token, mode
 from megatrain_jax.plan import few_malloc_arenas, plan_or_refuse  # noqa: F401 - importable here too
 from megatrain_jax.signals import StopSignals, abort_line
 from megatrain_jax.trainer import Trainer
+from megatrain_jax.watchdog import StallWatchdog
 
 Log = Callable[[str], None]
 
@@ -102,13 +103,14 @@ class TrainHooks:
     the process after that step once the saves in flight are committed; ``kill_in_save``: SIGKILL it
     in the middle of the save of that step (``checkpoint.CheckpointSaver.kill_in_save``);
     ``sigint_after_step`` / ``sigint_in_save``: a Ctrl-C after that step / in the middle of its save
-    (``CheckpointSaver.sigint_in_save``)."""
+    (``CheckpointSaver.sigint_in_save``); ``hang_in_step``: that step never returns (``watchdog.py``)."""
 
     nan_steps: frozenset = frozenset()
     kill_after_step: int | None = None
     kill_in_save: int | None = None
     sigint_after_step: int | None = None  # SIGINT to the process once that step is logged (a first Ctrl-C)
     sigint_in_save: int | None = None  # SIGINT to the main thread in the middle of the save of that step
+    hang_in_step: int | None = None  # that step never ends (a device waiting in a collective): the watchdog's case
 
 
 class _Timeline:
@@ -376,10 +378,13 @@ class _Loop:
         t = self.cfg.train
         stop = StopSignals()
         aborted = False
+        # a step that stops making progress (a GPU failed inside a collective) ends the run instead of hanging it
+        watchdog = StallWatchdog(t.stall_timeout_s, t.out_dir, start_step=self.start.start_step)
         try:
             t0 = last = time.perf_counter()
             for s in range(self.start.start_step + 1, t.steps + 1):
                 res = self._step(s)
+                watchdog.beat(s)
                 now = time.perf_counter()
                 dt, last = now - last, now
                 self._count(s, res)
@@ -411,6 +416,7 @@ class _Loop:
             aborted = True
             raise _background_failure(e, t.out_dir, self.step_done) from None
         finally:
+            watchdog.close()
             try:
                 self._close(aborted)  # on an abort: the save in flight abandoned, its writer ended
             finally:
@@ -426,6 +432,8 @@ class _Loop:
         poisoned = engine.nan_forward() if s in self.hooks.nan_steps else contextlib.nullcontext()
         with poisoned, traced:
             res = self.trainer.step(batch)
+            while s == self.hooks.hang_in_step:  # test hook: a step that never returns
+                time.sleep(1.0)
         self.step_done = s
         self.losses.append(res.loss)
         return res

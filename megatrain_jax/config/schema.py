@@ -231,6 +231,9 @@ class TrainConfig:
     keep_last: int = 2
     keep_every: int = 0
     max_bad_steps: int = 5
+    stall_timeout_s: float | None = None  # a step running longer than this ends the run with an error instead of
+    #                                       hanging (watchdog.py; the first step may always take an hour): null
+    #                                       (auto: 20x the longest step, at least 10 minutes) | seconds | 0 (off)
     final_checkpoint: bool = True  # save a training checkpoint when the run ends (12 bytes/param on disk)
     export: str | None = None  # directory for a Hugging Face export at the end of training
     export_dtype: str = "bfloat16"

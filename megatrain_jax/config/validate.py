@@ -167,6 +167,7 @@ def _validate_numbers(m: ModelConfig, t: TrainConfig, o: OptimConfig) -> None:
         ("train.keep_every", t.keep_every, lambda x: x >= 0, ">= 0 (0: none extra)"),
         ("train.trace_step", t.trace_step, lambda x: x >= 0, ">= 0 (0: no timeline)"),
         ("train.max_bad_steps", t.max_bad_steps, lambda x: x >= 1, ">= 1"),
+        ("train.stall_timeout_s", t.stall_timeout_s, lambda x: x >= 0, ">= 0 (0: off; null: auto)"),
         ("train.host_memory_gb", t.host_memory_gb, lambda x: x > 0, "> 0 (or null)"),
         ("train.gpu_memory_gb", t.gpu_memory_gb, lambda x: x > 0, "> 0 (or null)"),
     ]:
