@@ -57,3 +57,7 @@ UPDATE_ON = (UPDATE_HOST, UPDATE_DEVICE)
 # what streams to the GPU with bf16 compute (train.stream_copy): a bf16 copy kept on the host, or the fp32 master
 STREAM_COPY_HOST, STREAM_COPY_DEVICE = "host", "device"
 STREAM_COPY = (STREAM_COPY_HOST, STREAM_COPY_DEVICE)
+# how each GPU of several gets a streamed block: the whole block over its own link, or its 1/N share over its link
+# and the rest from the others over NVLink (engine/shards.py; the choice is the user's until both are measured)
+FETCH_FULL, FETCH_SPLIT = "full", "split"
+FETCH = (FETCH_FULL, FETCH_SPLIT)

@@ -103,6 +103,11 @@ def main() -> None:
                 losses, norms, flat = run(jax.devices()[:n], options=opts, shares=shares)
                 out[f"losses_{name}_{n}"], out[f"norms_{name}_{n}"], out[f"params_{name}_{n}"] = losses, norms, flat
                 out[f"shares_{name}_{n}"] = np.asarray(shares)
+        # train.fetch=split: each device fetches its share of a block, gathered from the others (host and device updates)
+        for name, opts in {"split": {}, "split_device_int8": DEVICE_UPDATES["device_int8"]}.items():
+            for n in (2, 4):
+                losses, norms, flat = run(jax.devices()[:n], options=dict(opts, fetch="split"))
+                out[f"losses_{name}_{n}"], out[f"norms_{name}_{n}"], out[f"params_{name}_{n}"] = losses, norms, flat
         np.savez(args.out, **out)
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -257,6 +257,8 @@ class TrainConfig:
     grad_slabs: int | str = "auto"  # pinned 128 MiB gradient slabs: auto (24 where the host has room, down to 6)
     #                                 | N. More slabs keep the host optimizer fed (speed), fewer save host memory
     devices: int | str = "all"  # GPUs of this host to use: all | N
+    fetch: str = "full"  # with several GPUs, how each gets a streamed block: full (the whole block over its own
+    #                      link) | split (its 1/N share over its link, the rest gathered from the others over NVLink)
     update_on: str = "auto"  # where the optimizer step runs: host (numba kernels, the gradient crosses PCIe) |
     #                          device (the master and state cross PCIe, the GPU updates each block as the next
     #                          forward fetches it; needs stream_copy=device, the fused kernel, one GPU) | auto

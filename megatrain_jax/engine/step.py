@@ -41,12 +41,14 @@ from jax.sharding import Mesh
 
 from megatrain_jax.engine.io import IOParts, make_io
 from megatrain_jax.engine.kernels import F32, Kernels, KeepResiduals, Recompute, local_shard
+from megatrain_jax.engine.shards import Shards
 from megatrain_jax.engine.updaters import Groups, make_updates
 from megatrain_jax.engine.weights import Boundaries, Pace, WeightStream
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
+from megatrain_jax.optim.device_adamw import BLOCK
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
-from megatrain_jax.placements import ACT_PINNED_HOST
+from megatrain_jax.placements import ACT_PINNED_HOST, FETCH_SPLIT
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import StreamedModel
 from megatrain_jax.transfer import Transfers
@@ -130,7 +132,7 @@ class StreamedTrainer:
         self.updates = self._make_updates(groups, tracer)
         for g in self.store:
             self._register(g)
-        self.weights = WeightStream(self.store, self.xfer, self.updates, groups, tracer)
+        self.weights = WeightStream(self.store, self.xfer, self.updates, groups, tracer, shards=self._fetch_shards())
         self.pace = Pace(options.blocks_queued)  # the dispatching thread stays this many blocks ahead of the device
         self.boundaries = Boundaries(self.xfer, options.activations == ACT_PINNED_HOST
                                      and self.xfer.host_sharding is not None, options.boundary_every,
@@ -165,6 +167,13 @@ class StreamedTrainer:
             g.opt_state = self.opt.init_state(g.master, g.layout.unflatten)
         self.xfer.register(g.name, g.stream_view())
         self.updates.register(g)
+
+    def _fetch_shards(self) -> Shards | None:
+        """``train.fetch=split`` with several GPUs: each fetches its share of a block (``shards.py``)."""
+        if self.options.fetch != FETCH_SPLIT or self.num_devices < 2:
+            return None
+        host = "pinned_host" if self.xfer.host_shardings else None
+        return Shards(self.mesh, BLOCK, self.xfer.device_sharding.memory_kind, host, direct_into=self.xfer.direct_into)
 
     def _make_io(self, io: IOParts) -> Any:
         """The embedding and head: resident, or streamed (``io.py``)."""

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 
 from megatrain_jax.engine.device_updates import DeviceUpdate
+from megatrain_jax.engine.shards import Shards
 from megatrain_jax.engine.updates_base import Groups, Updates
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.plan.sizes import PINNED_ACT_LAYERS_ON_GPU
@@ -48,8 +49,12 @@ class WeightStream:
     and ``take`` dispatches the update: its output is the weights the block computes with.
     """
 
-    def __init__(self, store: HostStore, xfer: Transfers, updates: Updates, groups: Groups, tracer: Any):
+    def __init__(self, store: HostStore, xfer: Transfers, updates: Updates, groups: Groups, tracer: Any,
+                 shards: Shards | None = None):
+        """``shards`` (``train.fetch=split``, several GPUs): each GPU fetches its share of a block over its own link
+        and the block is gathered over NVLink; None: each fetches the whole block."""
         self.store, self.xfer, self.updates, self.groups, self.tracer = store, xfer, updates, groups, tracer
+        self.shards = shards
         self._inflight: dict[Any, Any] = {}  # key -> device array, or a DeviceUpdate in flight
 
     def prefetch(self, key: Any, *, wait: bool = True) -> None:
@@ -78,7 +83,12 @@ class WeightStream:
         pending = self.updates.load(name)
         if pending is not None:
             return pending
-        w = self.xfer.to_device(name, self.store[name].stream_view())
+        view = self.store[name].stream_view()
+        if self.shards is not None:
+            sh = self.shards
+            w = sh.gather(sh.to_device(view, sh.padded(view.shape[0])), view.shape[0])
+        else:
+            w = self.xfer.to_device(name, view)
         if self.tracer is not None:
             self.tracer.watch("h2d", name, w)
         return w

@@ -58,7 +58,7 @@ class Plan:
         """Every decision as a dict (the JSON output and older callers; the engine reads ``options``)."""
         o, r = self.options, self.settings
         return {"micro_batches": o.micro_batches, "activations": o.activations, "grad_hold": o.grad_hold,
-                "stream_copy": o.stream_copy, "update_on": o.update_on, "attention": r.attention,
+                "stream_copy": o.stream_copy, "update_on": o.update_on, "fetch": o.fetch, "attention": r.attention,
                 "attention_summary": r.attention_summary, "moments": r.moments, "devices": r.devices,
                 "grad_slab_elems": o.grad_slab_elems, "grad_slabs": o.grad_slabs,
                 "pinned_pool_bytes": r.pinned_pool_bytes, "pinned_limit_bytes": r.pinned_limit_bytes,
@@ -432,7 +432,7 @@ def _assemble(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
                             loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
                             activations=placed.activations, grad_hold=placed.grad_hold, grad_slabs=slabs,
                             grad_slab_elems=GRAD_SLAB_ELEMS if costs.chunked else None, stream_copy=stream_copy,
-                            update_on=costs.update_on, keep_residuals=n_keep, devices=train.devices,
+                            update_on=costs.update_on, fetch=train.fetch, keep_residuals=n_keep, devices=train.devices,
                             device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile,
                             grad_hold_gpu_groups=placed.grad_hold_gpu_groups, stream_io=placed.stream_io,
                             activations_gpu_blocks=placed.activations_gpu_blocks,

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from megatrain_jax.errors import UserError
-from megatrain_jax.placements import (ACT_DEVICE, ACTIVATIONS, GPU_FP32, GRAD_HOLD, GRAD_HOLDS, STREAM_COPY,
-                                      STREAM_COPY_HOST, UPDATE_DEVICE, UPDATE_HOST, UPDATE_ON, GradHold)
+from megatrain_jax.placements import (ACT_DEVICE, ACTIVATIONS, FETCH, FETCH_FULL, GPU_FP32, GRAD_HOLD, GRAD_HOLDS,
+                                      STREAM_COPY, STREAM_COPY_HOST, UPDATE_DEVICE, UPDATE_HOST, UPDATE_ON, GradHold)
 
 GRAD_SLAB_ELEMS = 32 << 20  # a pinned gradient slab: 32M fp32 values (128 MiB)
 DEFAULT_GRAD_SLABS = 8  # pinned gradient slabs of an engine built without a plan (the plan chooses its own count
@@ -57,6 +57,7 @@ class EngineOptions:
     stream_copy: str = STREAM_COPY_HOST  # the bf16 streaming copy lives on the host, or the GPU casts fp32
     #                            (placements.STREAM_COPY)
     update_on: str = UPDATE_HOST  # where each group's optimizer step runs (placements.UPDATE_ON)
+    fetch: str = FETCH_FULL  # several GPUs: each fetches whole blocks, or its share of each (placements.FETCH)
     keep_residuals: int = 0  # the last N blocks keep their VJP residuals (no recompute)
     devices: int | Literal["all"] = 1  # data parallel: devices per process (distributed.run_devices)
     device_update_chunk: int = DEVICE_UPDATE_CHUNK
@@ -104,6 +105,8 @@ class EngineOptions:
             bad("train.boundary_every", f"must be >= 1, got {self.boundary_every}", "set 1 (keep every input) or more")
         if self.stream_copy not in STREAM_COPY:
             bad("train.stream_copy", f"{self.stream_copy!r}", "use " + " or ".join(STREAM_COPY))
+        if self.fetch not in FETCH:
+            bad("train.fetch", f"{self.fetch!r}", "use " + " or ".join(FETCH))
         if self.update_on not in UPDATE_ON:
             bad("train.update_on", f"{self.update_on!r}", "use " + " or ".join(UPDATE_ON))
         if int(self.grad_slabs) < 1:

@@ -106,8 +106,10 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # (stream_io's head chunks cross in the compute dtype: the host's gather casts them)
     io_bytes = 2 * shapes.dtype_bytes * out_matrix + 4 * tokens // n_dev * shapes.hidden if io \
         else 4 * (shapes.embed + shapes.head)
-    h2d_bytes = 2 * shapes.layers * shapes.block * stream_bytes + io_bytes
-    h2d_bytes += shapes.layers * shapes.block * stream_bytes * again
+    # (train.fetch=split: each GPU's link carries its 1/N share of each block; the rest comes over NVLink)
+    per_link = n_dev if (train.fetch == "split" and n_dev > 1) else 1
+    h2d_bytes = 2 * shapes.layers * shapes.block * stream_bytes / per_link + io_bytes
+    h2d_bytes += shapes.layers * shapes.block * stream_bytes * again / per_link
     opt_rate = RATES["adamw_elems"]["optax" if optim.kernel == "optax" else optim.moments] * min(cpu_cores, 16) / 16
     copy_rate = max(HOST_COPY_RATE, HOST_COPY_PARALLEL_RATE * min(cpu_cores, 16) / 16)
     h2d_s = max(h2d_bytes / rates["h2d"], n_dev * h2d_bytes / rates["host_read"])
