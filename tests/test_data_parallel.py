@@ -194,9 +194,10 @@ def test_plan_predicts_1_2_4_8_gpus_without_them():
     from megatrain_jax.plan import GiB, Machine, make_plan, scaling_table
 
     m = Machine("gpu", 256 * GiB, 250 * GiB, "MemTotal", 141 * 10 ** 9, "sim", 2, "H200", 32, {})
-    # no kept residuals: with them (one GPU only) the single-GPU step recomputes less than 1/N of it
+    # no kept residuals: with them (one GPU only) the single-GPU step recomputes less than 1/N of it; the host update
+    # (auto may take the device-side one with several GPUs, whose state crosses each link 1/N: tested below)
     cfg = load_config(os.path.join(os.path.dirname(HERE), "configs/7b.yaml"),
-                      ["train.batch_size=32", "train.keep_residuals=0"])
+                      ["train.batch_size=32", "train.keep_residuals=0", "train.update_on=host"])
     plans = {n: make_plan(cfg, m, devices=n) for n in (1, 2, 4, 8)}
     for n in (2, 4, 8):
         assert plans[n].decisions["devices"] == n
@@ -209,6 +210,11 @@ def test_plan_predicts_1_2_4_8_gpus_without_them():
     k = one.decisions["keep_residuals"]
     assert k > 0 and two.decisions["keep_residuals"] == 0  # the 141 GB GPU has room; two GPUs keep none
     assert one.step["compute_s"] < plans[1].step["compute_s"]  # k blocks' recompute is saved
+    dev = load_config(os.path.join(os.path.dirname(HERE), "configs/7b.yaml"),
+                      ["train.batch_size=32", "train.keep_residuals=0", "train.update_on=device"])
+    d1, d4 = make_plan(dev, m, devices=1), make_plan(dev, m, devices=4)
+    assert d4.decisions["update_on"] == "device"  # split: each link carries 1/4 of the state both ways
+    assert d4.step["d2h_s"] < d1.step["d2h_s"] / 3
     table = scaling_table(cfg, m)
     assert "predictions" in table and all(f"\n{n:>4} |" in table for n in (1, 2, 4, 8))
     # train.devices=all counts every GPU of the host
