@@ -108,6 +108,12 @@ def main() -> None:
             for n in (2, 4):
                 losses, norms, flat = run(jax.devices()[:n], options=dict(opts, fetch="split"))
                 out[f"losses_{name}_{n}"], out[f"norms_{name}_{n}"], out[f"params_{name}_{n}"] = losses, norms, flat
+        # a pageable hold cannot take a split update's shares: refused by the engine in one line, naming the field
+        try:
+            run(jax.devices()[:2], options=dict(DEVICE_UPDATES["device_gpu_bf16"], grad_hold="host_bf16"))
+            out["pageable_split_refused"] = np.asarray("")
+        except Exception as e:  # noqa: BLE001 - recorded for the test to check
+            out["pageable_split_refused"] = np.asarray(f"{type(e).__name__}|{getattr(e, 'field', '')}")
         np.savez(args.out, **out)
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -88,6 +88,12 @@ def test_device_side_updates_over_several_gpus_train_what_one_device_trains(loca
     assert r[f"losses_{placement}_1"][-1] < r[f"losses_{placement}_1"][0]
 
 
+def test_a_split_update_refuses_a_pageable_hold_naming_the_field(local_runs):
+    """The engine's own check (beside the plan's, tests/test_device_update.py): a whole gradient in pageable memory
+    cannot feed each GPU's share."""
+    assert str(local_runs["pageable_split_refused"]) == "UserError|train.grad_hold"
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_a_split_fetch_trains_what_the_full_fetch_trains_bit_for_bit(local_runs, n):
     """``train.fetch=split`` (issue 45): each device fetches its share of a block and the block is gathered from the

@@ -172,6 +172,8 @@ class StreamedTrainer:
         """``train.fetch=split`` with several GPUs: each fetches its share of a block (``shards.py``)."""
         if self.options.fetch != FETCH_SPLIT or self.num_devices < 2:
             return None
+        if getattr(self.updates, "shards", None) is not None:  # (a split device-side update's: the same shares)
+            return self.updates.shards
         host = "pinned_host" if self.xfer.host_shardings else None
         return Shards(self.mesh, BLOCK, self.xfer.device_sharding.memory_kind, host, direct_into=self.xfer.direct_into)
 
