@@ -53,6 +53,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_jax import checkpoint as ck  # noqa: E402
+
+from megatrain_jax import checkpoint_read as ckr  # noqa: E402
 from megatrain_jax.config import load_config  # noqa: E402
 
 
@@ -264,7 +266,7 @@ def main(argv=None) -> int:
     before_restore = rss_gb()
     mon.reset()
     t = time.perf_counter()
-    ck.restore_into(path, trainer.store, trainer.opt)
+    ckr.restore_into(path, trainer.store, trainer.opt)
     restore_s = time.perf_counter() - t
     restore_extra = mon.peak - before_restore
     print(f"restore: {restore_s:.1f}s ({size / 1e9 / restore_s:.2f} GB/s), peak RSS +{restore_extra:.2f} GB",

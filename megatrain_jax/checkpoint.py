@@ -58,10 +58,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+import megatrain_jax.checkpoint_shards as shards
 from megatrain_jax.errors import UserError
 from megatrain_jax.orbax_io import checkpointer, restore_array  # noqa: F401 - the orbax glue (export uses it)
 
 FORMAT = 1
+BLOCK_ALIGN = 2048  # values per block of per-block state (int8 moments' scales: optim.device_adamw.BLOCK)
 CKPT_SUBDIR = "checkpoints"
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -234,11 +236,18 @@ class CheckpointSaver:
         self._ckptr_ready.start()  # importing orbax takes a second: not while groups are held
         self.history: list[SaveStats] = []
         self.last_path: str | None = None
+        # a sharded store (train.host_state=sharded) over several processes: each saves its own values
+        self.shard = shards.shard_of_process()
+        self.sharded = getattr(trainer.store, "owned", None) is not None and self.shard[1] > 1
         os.makedirs(root, exist_ok=True)
-        for path in leftovers(root):
+        for path in leftovers(root) if self.shard[0] == 0 else ():  # (process 0's to clean up)
             log(f"checkpoint: removing {path} (left by an interrupted save)")
             shutil.rmtree(path, ignore_errors=True)
         trainer.before_update = self._before_update
+
+    def _own_dir(self, step_tmp: str) -> str:
+        """Where this process writes a save: the step's directory, or its shard of it."""
+        return shards.shard_dir(step_tmp, self.shard[0]) if self.sharded else step_tmp
 
     def _make_checkpointer(self) -> None:
         try:
@@ -275,7 +284,7 @@ class CheckpointSaver:
             self.last_path = final
             return final
         tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(self._own_dir(tmp), ignore_errors=True)  # (sharded: only this process's shard)
         tr = self.trainer
         order = [g.name for g in tr.store]  # the order the forward fetches the groups
         # update K of each group, maybe still running (or, for device-side updates, not yet started)
@@ -367,7 +376,8 @@ class CheckpointSaver:
             if self._ckptr is None:
                 self._ckptr = checkpointer()
             store, opt = self.trainer.store, self.trainer.opt
-            os.makedirs(os.path.join(job.tmp, "groups"))
+            base = self._own_dir(job.tmp)
+            os.makedirs(os.path.join(base, "groups"))
             groups: dict[str, Any] = {}
             for name in job.order:
                 if job.abandoned:
@@ -381,13 +391,19 @@ class CheckpointSaver:
                 opt_names = sorted(state_arrays)
                 item = {"master": g.master}
                 item.update({f"opt_{i}": np.asarray(state_arrays[k]) for i, k in enumerate(opt_names)})
+                per_block = {k for k, a in item.items() if a.shape[0] != g.size}
+                if self.sharded:  # this process's values only
+                    item = shards.owned_slices(g, item, store.owned[name], store.align)
                 crcs = self._crc_pool.submit(lambda it=item: {k: crc32(a) for k, a in it.items()})
-                self._ckptr.save(os.path.join(job.tmp, "groups", name), item)
+                self._ckptr.save(os.path.join(base, "groups", name), item)
                 crc = crcs.result()
                 job.released[name].set()  # from here the next update may write this group
                 groups[name] = {"arrays": {k: {"dtype": a.dtype.name, "shape": list(a.shape), "crc32": crc[k],
-                                               **({"name": opt_names[int(k[4:])]} if k != "master" else {})}
+                                               **({"name": opt_names[int(k[4:])]} if k != "master" else {}),
+                                               **({"per_block": True} if k in per_block else {})}
                                            for k, a in item.items()}}
+                if self.sharded:
+                    groups[name].update(range=list(store.owned[name]), size=g.size)
                 st.nbytes += sum(a.nbytes for a in item.values())
                 st.group_s[name] = time.perf_counter() - t0
                 del item, state_arrays
@@ -400,10 +416,18 @@ class CheckpointSaver:
             meta = dict(job.meta)
             meta.update(format=FORMAT, step=job.step, count=job.count, layouts=store_layouts(store),
                         optimizer=getattr(opt, "label", type(opt).__name__), saved_at=time.time())
+            top = {"format": FORMAT, "step": job.step, "count": job.count, "groups": groups, "order": job.order,
+                   "nbytes": st.nbytes}
+            if self.sharded:  # this shard's manifest; process 0 commits once every shard has written its own
+                write_json(os.path.join(base, MANIFEST), dict(top, shard=self.shard[0], shards=self.shard[1]))
+                fsync_dir(base)
+                if self.shard[0] != 0:
+                    return
+                top = {"format": FORMAT, "step": job.step, "count": job.count, "order": job.order,
+                       "shards": self.shard[1], "nbytes": st.nbytes,
+                       "shard_crc32": shards.wait_for_shards(job.tmp, self.shard[1], lambda: job.abandoned, MANIFEST)}
             state_bytes = write_json(os.path.join(job.tmp, STATE), meta)
-            write_json(os.path.join(job.tmp, MANIFEST), {
-                "format": FORMAT, "step": job.step, "count": job.count, "groups": groups,
-                "order": job.order, "state_crc32": zlib.crc32(state_bytes), "nbytes": st.nbytes})
+            write_json(os.path.join(job.tmp, MANIFEST), dict(top, state_crc32=zlib.crc32(state_bytes)))
             fsync_dir(job.tmp)
             if job.abandoned:  # groups were released early: what was written may be torn
                 raise RuntimeError("abandoned")
@@ -415,171 +439,10 @@ class CheckpointSaver:
                          f"keep_every={self.keep_every})")
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             job.error = e
-            shutil.rmtree(job.tmp, ignore_errors=True)
+            # (sharded: process 0 gives up the whole save; another process only its own shard)
+            shutil.rmtree(job.tmp if self.shard[0] == 0 else self._own_dir(job.tmp), ignore_errors=True)
         finally:
             for ev in job.released.values():
                 ev.set()  # never leave the training waiting on a failed save
             self._active = None
             job.done.set()
-
-
-# ------------------------------------------------------------------------------------- loading
-
-
-def read_checkpoint_meta(path: str) -> tuple[dict, dict]:
-    """``(manifest, state)`` of a committed checkpoint; ``CorruptCheckpoint`` when unreadable."""
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
-            manifest = json.loads(f.read())
-        with open(os.path.join(path, STATE), "rb") as f:
-            state_bytes = f.read()
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"cannot read its metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CorruptCheckpoint(f"manifest format {manifest.get('format') if isinstance(manifest, dict) else '?'} "
-                                f"is not {FORMAT}")
-    if zlib.crc32(state_bytes) != manifest.get("state_crc32"):
-        raise CorruptCheckpoint(f"{STATE} fails its checksum")
-    try:
-        state = json.loads(state_bytes)
-    except ValueError as e:
-        raise CorruptCheckpoint(f"{STATE} is not valid JSON ({e})") from None
-    return manifest, state
-
-
-def load_group_array(ckptr, path: str, name: str, key: str, info: dict) -> np.ndarray:
-    """One array of a saved group, checked against the manifest (``CorruptCheckpoint`` if not as recorded).
-    Public: ``hf export`` reads checkpoint groups with it."""
-    where = f"group {name} array {info.get('name', key)}"
-    try:
-        arr = restore_array(ckptr, os.path.join(path, "groups", name), key)
-    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds on damaged files
-        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        raise CorruptCheckpoint(f"{where} cannot be read ({type(e).__name__}: {msg})") from None
-    if arr.dtype.name != info["dtype"] or list(arr.shape) != info["shape"]:
-        raise CorruptCheckpoint(f"{where} is {arr.dtype} {arr.shape}, the manifest says {info['dtype']} {info['shape']}")
-    if crc32(arr) != info["crc32"]:
-        raise CorruptCheckpoint(f"{where} fails its crc32 checksum")
-    return arr
-
-
-def check_compatible(state: dict, store, path: str) -> None:
-    """The checkpoint's groups and leaf shapes must be the store's (else: a different model)."""
-    saved = state.get("layouts", {})
-    have = store_layouts(store)
-    if set(saved) != set(have):
-        raise UserError("model", f"checkpoint {path} holds groups {list(saved)[:4]}... but the configured model has "
-                        f"{list(have)[:4]}... ({len(saved)} vs {len(have)} groups)",
-                        "resume with the model config the run was started with (see config.yaml in train.out_dir)")
-    for name in have:
-        if [x[:2] for x in saved[name]] != [x[:2] for x in have[name]]:
-            diff = next((a, b) for a, b in zip(saved[name] + [None] * 99, have[name] + [None] * 99)
-                        if a is None or b is None or a[:2] != b[:2])
-            raise UserError("model", f"checkpoint {path} group {name} has {diff[0] and diff[0][:2]}, the configured "
-                            f"model has {diff[1] and diff[1][:2]}",
-                            "resume with the model config the run was started with (see config.yaml in train.out_dir)")
-
-
-def restore_into(path: str, store, host_opt) -> dict:
-    """Load a checkpoint into ``store`` (master, bf16 copy, optimizer state); returns its state.json.
-
-    Array by array, each checked against its crc32 (peak extra memory: about two arrays). Raises
-    ``CorruptCheckpoint`` for damaged files (the store is then partly overwritten: restore another
-    checkpoint over it) and ``UserError`` for a checkpoint of another model or optimizer.
-    """
-    manifest, state = read_checkpoint_meta(path)
-    check_compatible(state, store, path)
-    ckptr = checkpointer()
-
-    def incompatible(detail: str) -> UserError:
-        return UserError("optim", f"checkpoint {path} holds {state.get('optimizer')} state that the configured "
-                         f"{getattr(host_opt, 'label', type(host_opt).__name__)} cannot take ({detail})",
-                         "resume with the optim settings the run was started with (see config.yaml in train.out_dir)")
-
-    for g in store:
-        entry = manifest.get("groups", {}).get(g.name)
-        if entry is None:
-            raise CorruptCheckpoint(f"group {g.name} is missing from the manifest")
-        live = _live_state_arrays(host_opt, g)
-        saved_names = {info["name"] for key, info in entry["arrays"].items() if key != "master"}
-        if live is not None and set(live) != saved_names:
-            raise incompatible(f"state arrays {sorted(saved_names)}, expected {sorted(live)}")
-        opt_arrays = {}
-        for key, info in entry["arrays"].items():
-            arr = load_group_array(ckptr, path, g.name, key, info)
-            if key == "master":
-                g.master[:] = arr
-            elif live is not None:  # straight into the optimizer's own buffers: no second state
-                dst = live[info["name"]]
-                if dst.shape != arr.shape or dst.dtype != arr.dtype:
-                    raise incompatible(f"{info['name']} is {arr.dtype} {arr.shape}, expected {dst.dtype} {dst.shape}")
-                dst[...] = arr
-            else:
-                opt_arrays[info["name"]] = arr
-            del arr
-        g.sync_stream()
-        if live is None:
-            try:
-                g.opt_state = host_opt.state_from_arrays(opt_arrays, g.master, g.layout.unflatten)
-            except (ValueError, KeyError, TypeError) as e:
-                raise incompatible(str(e)) from None
-        del opt_arrays
-    return state
-
-
-def _live_state_arrays(host_opt, g) -> dict[str, np.ndarray] | None:
-    """The group's optimizer-state arrays when ``state_to_arrays`` hands out the state's own
-    buffers (``FusedAdamW``): restoring writes into them, one array at a time. ``None`` when it
-    gives copies (then ``state_from_arrays`` builds a new state)."""
-    if g.opt_state is None:
-        g.opt_state = host_opt.init_state(g.master, g.layout.unflatten)  # zero pages, untouched until written
-    arrays = host_opt.state_to_arrays(g.opt_state)
-    state = g.opt_state
-    if isinstance(state, dict) and all(isinstance(a, np.ndarray) and a.flags.writeable and state.get(k) is a
-                                       for k, a in arrays.items()):
-        return arrays
-    return None
-
-
-def restore_latest(root: str, store, host_opt, log: Log = print) -> tuple[str, dict]:
-    """Restore the newest checkpoint that passes its checks; corrupted ones are moved aside.
-
-    Returns ``(path, state)``. ``UserError`` when there is none (or none usable).
-    """
-    cks = list_checkpoints(root)
-    for path in leftovers(root):
-        log(f"checkpoint: ignoring {path} (an interrupted save; the checkpoints before it are intact)")
-    if not cks:
-        raise UserError("--resume", f"no complete checkpoint in {root}",
-                        "train without --resume to start a new run, or set train.out_dir to the run to continue")
-    bad = []
-    for c in reversed(cks):
-        try:
-            state = restore_into(c.path, store, host_opt)
-        except CorruptCheckpoint as e:
-            aside = f"{c.path}.corrupt"
-            if os.path.exists(aside):
-                aside = f"{aside}-{int(time.time())}"
-            os.replace(c.path, aside)
-            bad.append(c.path)
-            log(f"checkpoint: {c.path} is corrupted: {e}; moved it to {aside} and "
-                f"{'falling back to the previous checkpoint' if c is not cks[0] else 'no older checkpoint is left'}")
-            continue
-        if bad:
-            log(f"checkpoint: resuming from {c.path} (step {c.step}) instead of the corrupted {', '.join(bad)}")
-        return c.path, state
-    raise UserError("--resume", f"every checkpoint in {root} is corrupted ({', '.join(bad)}; moved aside as .corrupt)",
-                    "start a new run without --resume (or in another train.out_dir), or restore the checkpoint "
-                    "files from a backup")
-
-
-def load_checkpoint_arrays(path: str) -> tuple[dict[str, dict[str, np.ndarray]], dict]:
-    """Every array of a checkpoint, checked: ``({group: {"master": ..., <opt name>: ...}}, state)``.
-    Holds the whole model in memory: for tests and small models."""
-    manifest, state = read_checkpoint_meta(path)
-    ckptr = checkpointer()
-    out = {}
-    for name, entry in manifest["groups"].items():
-        out[name] = {info.get("name", key): load_group_array(ckptr, path, name, key, info)
-                     for key, info in entry["arrays"].items()}
-    return out, state

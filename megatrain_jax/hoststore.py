@@ -14,7 +14,7 @@ head (see ``engine/``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -23,7 +23,7 @@ import numba
 from numba import njit, prange
 
 from megatrain_jax.optim.fused_adamw import launch, to_bf16_bits_
-from megatrain_jax.optim.host import alloc_aligned
+from megatrain_jax.optim.host import alloc_aligned, release_outside
 
 from megatrain_jax.templates import Layout
 
@@ -91,6 +91,8 @@ class HostStore:
 
     def __init__(self, layouts: dict[str, Layout], bf16_stream: bool):
         self.bf16_stream = bf16_stream
+        self.owned: dict[str, tuple[int, int]] | None = None  # sharded: the values this process backs (``own``)
+        self.align = 1
         self.groups: dict[str, Group] = {}
         for name, layout in layouts.items():
             master = alloc_aligned(layout.size, np.float32)
@@ -112,6 +114,48 @@ class HostStore:
         g = self.groups[name]
         g.layout.flatten_into(tree, g.master)
         g.sync_stream()
+        self.release(name)
+
+    # ------------------------------------------------------------------ train.host_state=sharded
+
+    def own(self, bounds: Callable[[int], tuple[int, int]], align: int) -> None:
+        """From now on this process backs only its own values of each group, ``bounds(size)`` (``[lo, hi)``): the
+        pages outside them are given back (``release``), so its memory for the store falls as 1/N of N processes.
+        The rest of each buffer keeps its place (every index stays the group's own) and reads as zeros: nothing
+        but this process's shares may be read (``engine/shards.py`` reads and writes only those)."""
+        self.owned = {g.name: bounds(g.size) for g in self}
+        self.align = int(align)
+        for g in self:
+            self.release(g.name)
+
+    def release(self, name: str) -> int:
+        """Group ``name``'s pages outside its owned values given back (master, bf16 copy, optimizer state arrays:
+        elementwise, or one value per ``align`` block); 0 where the store is not sharded."""
+        if self.owned is None:
+            return 0
+        g, (lo, hi) = self.groups[name], self.owned[name]
+        arrays = [g.master] + ([g.stream_bits] if g.stream_bits is not None else [])
+        if isinstance(g.opt_state, dict):
+            arrays += [a for a in g.opt_state.values() if isinstance(a, np.ndarray) and a.ndim == 1]
+        freed = 0
+        for a in arrays:
+            if a.shape[0] == g.size:
+                freed += release_outside(a, lo, hi)
+            elif a.shape[0] == -(-g.size // self.align):  # per block (int8 moments' scales)
+                freed += release_outside(a, lo // self.align, -(-hi // self.align))
+        return freed
+
+    def resident_bytes(self) -> int:
+        """Bytes of the store's buffers backed by memory now (``mincore``): what a sharded store saves."""
+        from megatrain_jax.optim.host import resident_bytes
+
+        total = 0
+        for g in self:
+            arrays = [g.master] + ([g.stream_bits] if g.stream_bits is not None else [])
+            if isinstance(g.opt_state, dict):
+                arrays += [a for a in g.opt_state.values() if isinstance(a, np.ndarray)]
+            total += sum(resident_bytes(a) for a in arrays)
+        return total
 
     def fill_fast(self, seed: int, std: float) -> None:
         """Random weights in seconds (``model.init: fast``): matrices uniform with standard deviation
@@ -120,6 +164,7 @@ class HostStore:
         for gi, g in enumerate(self):
             fill_fast_group(g.layout, gi, seed, std, g.master)
             g.sync_stream()
+            self.release(g.name)  # (sharded: one group at a time is whole in memory)
 
     def __getitem__(self, name: str) -> Group:
         return self.groups[name]

@@ -39,12 +39,44 @@ def checkpointer():
     # multi-process run only process 0 saves, and orbax's default cross-process barriers would wait
     # for the others forever
     me = jax.process_index()
-    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+    as_me = 0 if me else me  # (process p > 0 saves as process 0: _AsProcessZero)
+    alone = ocp.options.MultiprocessingOptions(primary_host=as_me, active_processes={as_me},
                                                barrier_sync_key_prefix=f"megatrain_p{me}")
     if "multiprocessing_options" in params:
         handler_kwargs["multiprocessing_options"] = alone
     handler = ocp.PyTreeCheckpointHandler(**handler_kwargs)
-    return ocp.Checkpointer(handler, multiprocessing_options=alone)
+    ckptr = ocp.Checkpointer(handler, multiprocessing_options=alone)
+    return ckptr if me == 0 else _AsProcessZero(ckptr)
+
+
+class _AsProcessZero:
+    """A checkpointer for process p > 0 of a sharded store (``checkpoint_shards.py``), which saves its own values.
+    orbax's numpy handler writes only where ``process_index() == 0`` (it takes numpy arrays to be replicas): during
+    this process's saves, into its own directory, orbax is told it is process 0. Only the checkpoint writer's thread
+    calls orbax while training runs, one save at a time."""
+
+    def __init__(self, ckptr):
+        self._ckptr = ckptr
+
+    def save(self, *args, **kwargs):
+        return self._as_zero(self._ckptr.save, *args, **kwargs)
+
+    def restore(self, *args, **kwargs):
+        return self._as_zero(self._ckptr.restore, *args, **kwargs)
+
+    @staticmethod
+    def _as_zero(fn, *args, **kwargs):
+        from orbax.checkpoint._src.multihost import multihost
+
+        real = multihost.process_index
+        multihost.process_index = lambda: 0
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            multihost.process_index = real
+
+    def __getattr__(self, name):
+        return getattr(self._ckptr, name)
 
 
 def restore_array(ckptr, path: str, key: str) -> np.ndarray:

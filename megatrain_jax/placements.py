@@ -61,3 +61,7 @@ STREAM_COPY = (STREAM_COPY_HOST, STREAM_COPY_DEVICE)
 # and the rest from the others over NVLink (engine/shards.py; the choice is the user's until both are measured)
 FETCH_FULL, FETCH_SPLIT = "full", "split"
 FETCH = (FETCH_FULL, FETCH_SPLIT)
+# where the host state lives with several processes (train.host_state): a whole replica in each, or each process
+# backing only its GPUs' shares of every group (hoststore.HostStore.own; its GPUs update and fetch only those)
+HOST_STATE_REPLICATED, HOST_STATE_SHARDED = "replicated", "sharded"
+HOST_STATE = (HOST_STATE_REPLICATED, HOST_STATE_SHARDED)

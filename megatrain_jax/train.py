@@ -44,6 +44,7 @@ from megatrain_jax.atomic import check_train_outputs
 from megatrain_jax.atomic import check_writable as check_out_dir  # train.out_dir's write probe
 from megatrain_jax.config import Config
 from megatrain_jax.distributed import is_main
+from megatrain_jax.placements import HOST_STATE_SHARDED
 from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan import memory_snapshot
@@ -360,8 +361,10 @@ class _Loop:
             self.bad_streak = 0  # that run stopped on it; the user has had a chance to change something
         self.last_good = int(loop.get("last_good_step", start.start_step))
         self.rng = _rng_state(cfg)
+        # process 0 writes the checkpoints; with a sharded host state every process writes its own shares
+        sharded = start.plan is not None and start.plan.options.host_state == HOST_STATE_SHARDED
         self.saver = self.trainer.saver(start.root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
-            if main else None  # None too where the trainer writes no checkpoints (the reference engine)
+            if main or sharded else None  # None too where the trainer writes no checkpoints (the reference engine)
         if self.saver is not None and hooks.kill_in_save is not None:
             self.saver.kill_in_save = hooks.kill_in_save
         if self.saver is not None and hooks.sigint_in_save is not None:

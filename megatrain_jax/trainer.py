@@ -25,6 +25,8 @@ import numpy as np
 import optax
 
 from megatrain_jax import checkpoint as ck
+
+from megatrain_jax import checkpoint_read as ckr
 from megatrain_jax.config import Config, OptimConfig
 from megatrain_jax.distributed import run_devices
 from megatrain_jax.engine import Batch, StepResult, StreamedTrainer
@@ -167,9 +169,9 @@ class Trainer:
         elif cfg.model.from_hf:
             from megatrain_jax.hf import load_hf_into_store
 
-            parts, store = load_hf_into_store(cfg.model, bf16_stream=bf16)
+            parts, store = load_hf_into_store(cfg.model, bf16_stream=bf16)  # (sharded: whole, then given back)
         else:
-            parts, store = init_host_store(cfg.model, cfg.train.seed, bf16_stream=bf16)
+            parts, store = init_host_store(cfg.model, cfg.train.seed, bf16_stream=bf16, own=_owned(plan.options))
         return cls._of_config(parts, store, build_host_optimizer(cfg.optim, cfg.train.steps), cfg, plan)
 
     @classmethod
@@ -191,8 +193,10 @@ class Trainer:
         cfg = with_plan_tile(cfg, plan)  # the blocks run the working set the plan counted
         parts = streamed_parts(abstract_model(cfg.model))
         store = HostStore({n: Layout(tr) for n, tr in parts.host_trees().items()}, plan.options.host_bf16_copy)
+        if _owned(plan.options) is not None:
+            store.own(*_owned(plan.options))  # restored share by share: never whole in this process
         host_opt = build_host_optimizer(cfg.optim, cfg.train.steps)
-        path, state = ck.restore_latest(root, store, host_opt, log)
+        path, state = ckr.restore_latest(root, store, host_opt, log)
         self = cls._of_config(parts, store, host_opt, cfg, plan)
         self.engine.count = int(state["count"])
         return self, path, state
@@ -282,7 +286,7 @@ class Trainer:
         """Load the newest usable checkpoint in ``directory`` (weights, optimizer state, step count:
         dropout keys and schedules continue where they were). Returns its state.json."""
         self.engine.finish()
-        _, state = ck.restore_latest(directory, self.engine.store, self.opt, log)
+        _, state = ckr.restore_latest(directory, self.engine.store, self.opt, log)
         for g in self.engine.store:
             self.engine.xfer.host_written(g.name, g.stream_view())
         self.engine.count = int(state["count"])
@@ -352,3 +356,16 @@ def with_plan_tile(cfg: Config, plan) -> Config:
     if plan is None or plan.options is None or cfg.model.seq_tile_tokens == plan.options.seq_tile:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_tile=plan.options.seq_tile))
+
+
+def _owned(options) -> tuple | None:
+    """``train.host_state=sharded``: the values of each group this process backs (``HostStore.own``'s arguments),
+    its devices' shares; None for a replicated store."""
+    from megatrain_jax.engine.shards import process_bounds
+    from megatrain_jax.optim.device_adamw import BLOCK
+    from megatrain_jax.placements import HOST_STATE_SHARDED
+
+    if options.host_state != HOST_STATE_SHARDED:
+        return None
+    devices = run_devices(options.devices)
+    return (lambda n: process_bounds(n, devices, BLOCK)), BLOCK

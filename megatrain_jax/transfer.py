@@ -64,16 +64,24 @@ class Transfers:
 
     # ------------------------------------------------------------------ host buffers -> device
 
-    def register(self, name: str, buf: np.ndarray, pin_fallback: bool = True) -> None:
+    def register(self, name: str, buf: np.ndarray, pin_fallback: bool = True,
+                 span: tuple[int, int] | None = None) -> None:
         """Make a host buffer a fast transfer source (DMA registration, or a pinned copy).
 
         A buffer that cannot be registered falls back alone; the others keep their direct DMA.
         Without ``pin_fallback`` it then stays a plain (staged) source: no pinned copy of it is made.
+        ``span`` (values ``[lo, hi)``, a sharded store's own): only the pages holding them are registered (pinning
+        the rest would back them with memory), and a buffer that cannot be stays a plain source.
         """
         if self.mode == "dma_map":
+            addr, nbytes = buf.ctypes.data, buf.nbytes
+            if span is not None:
+                addr, nbytes = page_span(addr, span[0] * buf.itemsize, span[1] * buf.itemsize)
+                pin_fallback = False
             try:
-                self.device.client.dma_map(buf.ctypes.data, buf.nbytes)
-                self._mapped.append((buf.ctypes.data, buf.nbytes))
+                if nbytes:
+                    self.device.client.dma_map(addr, nbytes)
+                    self._mapped.append((addr, nbytes))
                 return
             except Exception as e:  # noqa: BLE001 - any failure means: use the fallback for this buffer
                 self.fallback_reason = f"{name}: dma_map failed ({type(e).__name__}: {str(e)[:120]})"
@@ -240,3 +248,14 @@ class _DirectCopy:
             self._streams.s = s
         self._check(lib.cuMemcpyDtoHAsync_v2(dst_ptr, src_ptr, nbytes, s), "cuMemcpyDtoHAsync")
         self._check(lib.cuStreamSynchronize(s), "cuStreamSynchronize")
+
+
+def page_span(addr: int, lo: int, hi: int) -> tuple[int, int]:
+    """(start, length) of the whole pages that hold bytes ``[lo, hi)`` of a buffer at ``addr``."""
+    import mmap
+
+    if hi <= lo:
+        return addr, 0
+    page = mmap.PAGESIZE
+    start = (addr + lo) // page * page
+    return start, -(-(addr + hi) // page) * page - start

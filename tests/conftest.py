@@ -59,7 +59,7 @@ SLOW_MODULES = {"test_seq_tiling", "test_stream", "test_train", "test_engine", "
                 "test_stream_io", "test_boundary_every", "test_families", "test_hf", "test_trainer",
                 "test_templates", "test_checkpoint", "test_device_update", "test_compact_adamw", "test_finetune_hf",
                 "test_chat", "test_attention", "test_long_context", "test_constraints", "test_lora_trainer",
-                "test_lora_export", "test_lora_dp"}
+                "test_lora_export", "test_lora_dp", "test_sharded_state"}
 # every module that takes more than a few seconds, costliest first: the order the workers get them in (the rest
 # follow, in xdist's order). Measured as each module's CPU seconds alone with an empty compilation cache
 # (`/usr/bin/time pytest tests/<module>.py`, this 2-core machine, 2026-11-27): seq_tiling 107, engine 106,
@@ -69,7 +69,7 @@ SLOW_MODULES = {"test_seq_tiling", "test_stream", "test_train", "test_engine", "
 # device_adamw 18, cli 16, plan_fixes 14, checkpoint 12, finetune_hf 12, optim 11; the LoRA modules and grad_hold
 # where a clean-clone run's durations put them (test_lora: its transformers reference, the costliest)
 COST_ORDER = ["test_lora", "test_seq_tiling", "test_engine", "test_stream_io", "test_train", "test_device_optax",
-              "test_data_parallel", "test_plan_properties", "test_hf", "test_stream", "test_moe",
+              "test_data_parallel", "test_plan_properties", "test_sharded_state", "test_hf", "test_stream", "test_moe",
               "test_named_optimizers", "test_long_context", "test_lora_dp", "test_lora_trainer", "test_families",
               "test_boundary_every", "test_grad_hold", "test_device_update", "test_plan_search", "test_trainer",
               "test_cli_properties", "test_lora_export", "test_compact_adamw", "test_attention", "test_chat",

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from megatrain_jax import checkpoint as ck
+
+from megatrain_jax import checkpoint_read as ckr
 from megatrain_jax.cli import main as cli_main
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
@@ -147,7 +149,7 @@ def test_background_save_is_consistent_while_training_continues(tmp_path, monkey
     loop_s = time.perf_counter() - t0
     stats = saver.wait()
     tr.finish()
-    arrays, state = ck.load_checkpoint_arrays(path)
+    arrays, state = ckr.load_checkpoint_arrays(path)
     assert_state(arrays, expected(base, 2))  # exactly update 2, although 3 and 4 ran meanwhile
     assert state["count"] == 2 and state["step"] == 2
     assert_state(snapshot(store), expected(base, 4))  # and no update was lost
@@ -169,7 +171,7 @@ def test_restore_roundtrip_into_an_empty_store(tmp_path):
     tr.finish()
     saver.save(1, MODEL_META, wait=True)
     fresh = HostStore({n: Layout(t) for n, t in TREES.items()}, bf16_stream=True)
-    path, state = ck.restore_latest(str(tmp_path), fresh, opt)
+    path, state = ckr.restore_latest(str(tmp_path), fresh, opt)
     assert path.endswith("step_00000001") and state["count"] == 1
     for g, h in zip(store, fresh):
         assert np.array_equal(g.master, h.master) and np.array_equal(g.stream_bits, h.stream_bits)
@@ -245,7 +247,7 @@ def test_damaged_newest_checkpoint_is_reported_and_skipped(tmp_path, how):
     _damage(newest, how)
     fresh, _ = make_store(seed=1)
     logs = []
-    path, state = ck.restore_latest(str(tmp_path), fresh, opt, log=logs.append)
+    path, state = ckr.restore_latest(str(tmp_path), fresh, opt, log=logs.append)
     assert path.endswith("step_00000001") and state["step"] == 1
     assert_state(snapshot(fresh), expected(base, 1))
     assert any("step_00000002 is corrupted" in x and "falling back to the previous checkpoint" in x for x in logs)
@@ -256,7 +258,7 @@ def test_damaged_newest_checkpoint_is_reported_and_skipped(tmp_path, how):
 def test_all_corrupted_or_none_is_a_user_error(tmp_path):
     store, opt = make_store()
     with pytest.raises(UserError) as e:
-        ck.restore_latest(str(tmp_path / "nothing"), store, opt)
+        ckr.restore_latest(str(tmp_path / "nothing"), store, opt)
     assert e.value.field == "--resume" and "no complete checkpoint" in e.value.problem
     tr = FakeTrainer(store, opt)
     saver, _ = _saver(tr, tmp_path)
@@ -264,7 +266,7 @@ def test_all_corrupted_or_none_is_a_user_error(tmp_path):
     saver.close()
     _damage(os.path.join(tmp_path, "step_00000001"), "flip_all")  # (one flipped byte may land in unchecked bytes)
     with pytest.raises(UserError) as e:
-        ck.restore_latest(str(tmp_path), store, opt, log=lambda s: None)
+        ckr.restore_latest(str(tmp_path), store, opt, log=lambda s: None)
     assert "every checkpoint" in e.value.problem and "corrupted" in e.value.problem and e.value.fix
 
 
@@ -277,7 +279,7 @@ def test_checkpoint_of_another_model_is_a_user_error(tmp_path):
     other = {**TREES, "head": {"lm_head": np.zeros((H, 128), np.float32)}}
     store2, _ = make_store(trees=other)
     with pytest.raises(UserError) as e:
-        ck.restore_latest(str(tmp_path), store2, opt)
+        ckr.restore_latest(str(tmp_path), store2, opt)
     assert e.value.field == "model" and "head" in e.value.problem
     assert ck.list_checkpoints(str(tmp_path))  # not moved aside: it is fine, the config is not
 
@@ -564,13 +566,13 @@ def test_optax_optimizer_state_roundtrip(tmp_path):
     saver.save(1, MODEL_META, wait=True)
     saver.close()
     fresh = HostStore({n: Layout(t) for n, t in TREES.items()}, bf16_stream=True)
-    ck.restore_latest(str(tmp_path), fresh, opt)
+    ckr.restore_latest(str(tmp_path), fresh, opt)
     for g, h in zip(store, fresh):
         assert np.array_equal(g.master, h.master) and np.array_equal(g.stream_bits, h.stream_bits)
         a, b = opt.state_to_arrays(g.opt_state), opt.state_to_arrays(h.opt_state)
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     with pytest.raises(UserError) as e:  # FusedAdamW cannot take optax's state
-        ck.restore_latest(str(tmp_path), make_store()[0], FusedAdamW(1e-3))
+        ckr.restore_latest(str(tmp_path), make_store()[0], FusedAdamW(1e-3))
     assert e.value.field == "optim"
 
 

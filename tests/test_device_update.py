@@ -218,6 +218,7 @@ def test_background_checkpoint_holds_the_state_after_its_step(tmp_path):
     update 3 runs while the save proceeds: the saver waits for the queued device updates
     (``pending_updates``), and update 3 is held until its group is saved."""
     from megatrain_jax import checkpoint as ck
+    from megatrain_jax import checkpoint_read as ckr
 
     ref, _ = _run("host", "int8", steps=2)
     ocfg = OptimConfig(lr=3e-3, b2=0.95, weight_decay=0.1, clip_norm=1.0, moments="int8",
@@ -234,7 +235,7 @@ def test_background_checkpoint_holds_the_state_after_its_step(tmp_path):
     dev.step(batches[2])  # applies update 2 (the saver waits for it), then queues update 3
     dev.finish()  # applies update 3: held back group by group until saved
     saver.wait()
-    arrays, state = ck.load_checkpoint_arrays(path)
+    arrays, state = ckr.load_checkpoint_arrays(path)
     assert state["count"] == 2
     got = {(name if k == "master" else f"{name}/{k}"): a for name, group in arrays.items() for k, a in group.items()}
     _assert_same(_state(ref), got)

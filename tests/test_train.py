@@ -16,6 +16,7 @@ import pytest
 
 from cli_runner import cli_command, sets
 from megatrain_jax import checkpoint as ck
+from megatrain_jax import checkpoint_read as ckr
 from megatrain_jax.cli import main as cli_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +82,7 @@ def _metrics(out_dir):
 
 
 def _final_arrays(out_dir, step):
-    arrays, state = ck.load_checkpoint_arrays(os.path.join(ck.checkpoint_root(out_dir), ck.step_dirname(step)))
+    arrays, state = ckr.load_checkpoint_arrays(os.path.join(ck.checkpoint_root(out_dir), ck.step_dirname(step)))
     return arrays, state
 
 

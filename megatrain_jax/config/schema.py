@@ -259,6 +259,10 @@ class TrainConfig:
     devices: int | str = "all"  # GPUs of this host to use: all | N
     fetch: str = "full"  # with several GPUs, how each gets a streamed block: full (the whole block over its own
     #                      link) | split (its 1/N share over its link, the rest gathered from the others over NVLink)
+    host_state: str = "replicated"  # several processes (hosts): each keeps a whole replica of the fp32 master and
+    #                                 optimizer state (replicated), or only its GPUs' 1/N shares of every group
+    #                                 (sharded: host memory per process falls as 1/N; its GPUs update and fetch
+    #                                 those shares: update_on=device, fetch=split, the fused AdamW, no stream_io)
     update_on: str = "auto"  # where the optimizer step runs: host (numba kernels, the gradient crosses PCIe) |
     #                          device (the master and state cross PCIe, the GPU updates each block as the next
     #                          forward fetches it; needs stream_copy=device, the fused kernel, one GPU) | auto

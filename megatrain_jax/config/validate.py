@@ -97,6 +97,7 @@ def _validate_choices(m: ModelConfig, t: TrainConfig, o: OptimConfig) -> None:
                                  ("model.init", m.init, ("normal", "fast")),
                                  ("train.stream_copy", t.stream_copy, ("auto", "host", "device")),
                                  ("train.fetch", t.fetch, ("full", "split")),
+                                 ("train.host_state", t.host_state, ("replicated", "sharded")),
                                  ("train.grad_hold", t.grad_hold, ("auto",) + GRAD_HOLDS),
                                  ("train.stream_io", t.stream_io, ("auto", True, False)),
                                  ("train.activations", t.activations, ("auto", "device", "pinned_host")),

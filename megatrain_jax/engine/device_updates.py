@@ -16,7 +16,8 @@ from megatrain_jax.engine.shards import Shards
 from megatrain_jax.engine.updates_base import HEAD, Updates
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim.device_adamw import BLOCK
-from megatrain_jax.placements import HOST_BF16, HOST_FP32, RESWEEP, STREAM_COPY_DEVICE, UPDATE_DEVICE, UPDATE_HOST
+from megatrain_jax.placements import (HOST_BF16, HOST_FP32, HOST_STATE_SHARDED, RESWEEP, STREAM_COPY_DEVICE,
+                                      UPDATE_DEVICE, UPDATE_HOST)
 from megatrain_jax.plan.options import WRITEBACKS_IN_FLIGHT
 
 
@@ -62,10 +63,16 @@ class DeviceUpdates(Updates):
         # update over whole tensors (optax) runs on every GPU alike, and one GPU's result goes back to the host
         self.shards = self._shards() if self.k.num_devices > 1 and getattr(self.opt, "shards_on_device", False) \
             else None
-        if self.k.num_devices > 1 and jax.process_count() > 1:
-            raise UserError("train.update_on", f"{UPDATE_DEVICE} with several processes is not built yet (each "
-                            "would write its GPUs' results into its own replica of the host store)",
-                            f"set train.update_on={UPDATE_HOST} (or auto)")
+        sharded = self.o.host_state == HOST_STATE_SHARDED
+        if self.k.num_devices > 1 and jax.process_count() > 1 and not sharded:
+            raise UserError("train.update_on", f"{UPDATE_DEVICE} with several processes needs train.host_state="
+                            f"{HOST_STATE_SHARDED} (with a replica in each, each process's GPUs would update only "
+                            "their shares of it)", f"set train.host_state={HOST_STATE_SHARDED}, or train.update_on="
+                            f"{UPDATE_HOST} (or auto)")
+        if sharded and self.k.num_devices > 1 and self.shards is None:
+            raise UserError("train.host_state", f"{HOST_STATE_SHARDED} needs an update split elementwise between the "
+                            f"GPUs, which {type(self.opt).__name__} is not", "use optim.name=adamw, or set "
+                            "train.host_state=replicated")
 
     def _shards(self) -> Shards:
         if self.placement in (HOST_FP32, HOST_BF16):
@@ -83,8 +90,10 @@ class DeviceUpdates(Updates):
         return self.k.reduce_scatter(g, self.shards.padded(self.store[name].size))
 
     def register(self, g: Any) -> None:
+        owned = self.store.owned[g.name] if self.store.owned else None
         for k, a in self.opt.state_to_arrays(g.opt_state).items():  # the optimizer state crosses PCIe too
-            self.xfer.register(f"{g.name}/{k}", a)
+            span = owned if owned is None or a.shape[0] == g.size else (owned[0] // BLOCK, -(-owned[1] // BLOCK))
+            self.xfer.register(f"{g.name}/{k}", a, span=span)
 
     def gradient(self, name: str, grad: jax.Array) -> None:
         if self.placement is RESWEEP and not self.resweep:

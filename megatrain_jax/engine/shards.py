@@ -34,6 +34,23 @@ def _zeros(n: int, dtype) -> Callable[[], jax.Array]:
     return jax.jit(named("shard_zeros", lambda: jnp.zeros((n,), dtype)))
 
 
+def share_bounds(n: int, n_dev: int, align: int, j: int) -> tuple[int, int]:
+    """The values of a group of ``n`` that device ``j`` of ``n_dev`` owns: ``[lo, hi)``, clipped to the group (a
+    share past its end is padding only: empty). The same arithmetic as ``Shards.padded`` and ``to_device``."""
+    unit = n_dev * align
+    share = -(-int(n) // unit) * unit // n_dev
+    return min(j * share, n), min((j + 1) * share, n)
+
+
+def process_bounds(n: int, devices: list, align: int) -> tuple[int, int]:
+    """The values of a group of ``n`` this process's devices own (``train.host_state=sharded``): one contiguous range,
+    the run's devices being in process order (``distributed.run_devices``)."""
+    mine = [j for j, d in enumerate(devices) if d.process_index == jax.process_index()]
+    if mine != list(range(mine[0], mine[-1] + 1)):
+        raise ValueError(f"this process's devices {mine} are not contiguous in the run's device order")
+    return share_bounds(n, len(devices), align, mine[0])[0], share_bounds(n, len(devices), align, mine[-1])[1]
+
+
 class Shards:
     """Flat arrays of the host store as equal padded shares of the mesh's devices, and back."""
 

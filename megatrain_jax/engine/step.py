@@ -41,14 +41,14 @@ from jax.sharding import Mesh
 
 from megatrain_jax.engine.io import IOParts, make_io
 from megatrain_jax.engine.kernels import F32, Kernels, KeepResiduals, Recompute, local_shard
-from megatrain_jax.engine.shards import Shards
+from megatrain_jax.engine.shards import Shards, process_bounds
 from megatrain_jax.engine.updaters import Groups, make_updates
 from megatrain_jax.engine.weights import Boundaries, Pace, WeightStream
 from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.device_adamw import BLOCK
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
-from megatrain_jax.placements import ACT_PINNED_HOST, FETCH_SPLIT
+from megatrain_jax.placements import ACT_PINNED_HOST, FETCH_SPLIT, HOST_STATE_SHARDED
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import StreamedModel
 from megatrain_jax.transfer import Transfers
@@ -130,6 +130,8 @@ class StreamedTrainer:
         self.kernels = self._make_kernels()
         groups = Groups(self.num_layers)
         self.updates = self._make_updates(groups, tracer)
+        if options.host_state == HOST_STATE_SHARDED and self.store.owned is None:
+            self.store.own(lambda n: process_bounds(n, devices, BLOCK), BLOCK)  # (a store filled whole: given back)
         for g in self.store:
             self._register(g)
         self.weights = WeightStream(self.store, self.xfer, self.updates, groups, tracer, shards=self._fetch_shards())
@@ -165,7 +167,8 @@ class StreamedTrainer:
         """Group ``g`` of the store: its optimizer state (made on first use), its buffers registered for transfer."""
         if g.opt_state is None:
             g.opt_state = self.opt.init_state(g.master, g.layout.unflatten)
-        self.xfer.register(g.name, g.stream_view())
+            self.store.release(g.name)
+        self.xfer.register(g.name, g.stream_view(), span=self.store.owned[g.name] if self.store.owned else None)
         self.updates.register(g)
 
     def _fetch_shards(self) -> Shards | None:

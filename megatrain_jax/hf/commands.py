@@ -19,6 +19,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from megatrain_jax import checkpoint as ck
+
+from megatrain_jax import checkpoint_read as ckr
 from megatrain_jax.atomic import check_output, output_dir, run_reason
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
@@ -83,7 +85,7 @@ def resolve_checkpoint(spec: str, log: Log = print) -> tuple[str, dict, dict]:
                         "give a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's train.out_dir")
     if os.path.isfile(os.path.join(spec, ck.MANIFEST)):
         try:
-            manifest, state = ck.read_checkpoint_meta(spec)
+            manifest, state = ckr.read_checkpoint_meta(spec)
         except ck.CorruptCheckpoint as e:
             raise UserError("CHECKPOINT", f"{spec} is corrupted: {e}", "export an earlier checkpoint") from None
         return spec, manifest, state
@@ -96,7 +98,7 @@ def resolve_checkpoint(spec: str, log: Log = print) -> tuple[str, dict, dict]:
                         "give a checkpoint (…/checkpoints/step_N), a checkpoints/ directory or a run's train.out_dir")
     for c in reversed(cks):
         try:
-            manifest, state = ck.read_checkpoint_meta(c.path)
+            manifest, state = ckr.read_checkpoint_meta(c.path)
         except ck.CorruptCheckpoint as e:
             log(f"export: skipping {c.path}: {e}")
             continue
@@ -108,11 +110,17 @@ def master_reader(path: str, manifest: dict) -> Callable[[str, np.ndarray], None
     """``read(group, flat)``: a committed checkpoint's fp32 master of one group into ``flat``,
     checked against its crc32 (``UserError`` naming the checkpoint when it fails). For exports."""
     ckptr = ck.checkpointer()
+    try:
+        parts = ckr.shard_parts(path, manifest)  # a sharded store's checkpoint: gathered group by group
+    except ck.CorruptCheckpoint as e:
+        raise UserError("CHECKPOINT", f"{path} is corrupted: {e}", "export an earlier checkpoint") from None
 
     def read(name: str, flat: np.ndarray) -> None:
-        info = manifest["groups"][name]["arrays"]["master"]
         try:
-            flat[:] = ck.load_group_array(ckptr, path, name, "master", info)
+            if parts is None:
+                flat[:] = ckr.load_group_array(ckptr, path, name, "master", manifest["groups"][name]["arrays"]["master"])
+            else:
+                flat[:] = ckr.group_arrays(ckptr, path, manifest, parts, name, align=ck.BLOCK_ALIGN)[1]["master"]
         except ck.CorruptCheckpoint as e:
             raise UserError("CHECKPOINT", f"{path} is corrupted: {e}", "export an earlier checkpoint") from None
 

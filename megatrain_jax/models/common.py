@@ -418,16 +418,19 @@ def streamed_parts(model: Decoder) -> "StreamedModel":
                          logit_softcap=cfg.final_softcap, pad_id=model.embed.pad_id)
 
 
-def init_host_store(cfg: ModelConfig, seed: int, bf16_stream: bool):
+def init_host_store(cfg: ModelConfig, seed: int, bf16_stream: bool, own=None):
     """Abstract parts plus a host store initialised part by part (peak memory: one part).
 
-    Returns ``(parts, store)``; equal to ``streamed_parts(init_model(cfg, seed))`` in value.
+    Returns ``(parts, store)``; equal to ``streamed_parts(init_model(cfg, seed))`` in value. ``own``: ``(bounds,
+    align)`` of a sharded store (``HostStore.own``), which then backs only its values, given back part by part.
     """
     from megatrain_jax.hoststore import HostStore
     from megatrain_jax.templates import Layout
 
     parts = streamed_parts(abstract_model(cfg))
     store = HostStore({n: Layout(t) for n, t in parts.host_trees().items()}, bf16_stream)
+    if own is not None:
+        store.own(*own)
     if cfg.init == "fast":
         store.fill_fast(seed, cfg.init_std)
         return parts, store

@@ -50,6 +50,23 @@ def alloc_aligned(n: int, dtype=np.float32, hugepages: bool = True) -> np.ndarra
     return np.frombuffer(buf, dtype=dtype, count=n)
 
 
+def release_outside(a: np.ndarray, lo: int, hi: int) -> int:
+    """Give back to the kernel the pages of ``a`` (an ``alloc_aligned`` array) wholly outside values ``[lo, hi)``:
+    they read as zeros afterwards and cost no memory until written (``train.host_state=sharded``: a process backs
+    only its own shares of the store). Returns the bytes released; 0 for an array of another origin."""
+    base = a.base.obj if isinstance(a.base, memoryview) else None
+    if not isinstance(base, mmap.mmap) or a.base.nbytes < a.nbytes:
+        return 0
+    page, size, step = mmap.PAGESIZE, len(base), a.dtype.itemsize
+    start, end = lo * step // page * page, -(-hi * step // page) * page  # every page holding a value of [lo, hi)
+    freed = 0
+    for a0, a1 in ((0, min(start, size)), (max(end, start), size)):
+        if a1 > a0:
+            base.madvise(mmap.MADV_DONTNEED, a0, a1 - a0)
+            freed += a1 - a0
+    return freed
+
+
 def global_norm_scale(sq_norm_sum: float, clip_norm: float | None) -> float:
     """The gradient factor that ``optax.clip_by_global_norm(clip_norm)`` applies.
 
@@ -302,3 +319,19 @@ def check_keys(arrays: dict, expected: set[str]) -> None:
     if missing or extra:
         raise ValueError(f"optimizer state keys do not match: missing {sorted(missing)}, "
                          f"unexpected {sorted(extra)}")
+
+
+def resident_bytes(a: np.ndarray) -> int:
+    """Bytes of ``a``'s pages backed by memory now (``mincore``; whole pages, so up to a page more than its data)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    addr = a.__array_interface__["data"][0]
+    start = addr - addr % page
+    length = addr + a.nbytes - start
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return int((np.frombuffer(vec, np.uint8) & 1).sum()) * page

@@ -58,7 +58,7 @@ class Plan:
         """Every decision as a dict (the JSON output and older callers; the engine reads ``options``)."""
         o, r = self.options, self.settings
         return {"micro_batches": o.micro_batches, "activations": o.activations, "grad_hold": o.grad_hold,
-                "stream_copy": o.stream_copy, "update_on": o.update_on, "fetch": o.fetch, "attention": r.attention,
+                "stream_copy": o.stream_copy, "update_on": o.update_on, "fetch": o.fetch, "host_state": o.host_state, "attention": r.attention,
                 "attention_summary": r.attention_summary, "moments": r.moments, "devices": r.devices,
                 "grad_slab_elems": o.grad_slab_elems, "grad_slabs": o.grad_slabs,
                 "pinned_pool_bytes": r.pinned_pool_bytes, "pinned_limit_bytes": r.pinned_limit_bytes,
@@ -198,6 +198,7 @@ def _limits_of(cfg: Config, machine: Machine | None, devices: int | None) -> _Li
 def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attention: bool = True) -> Plan:
     """The plan of ``cfg`` (its state mode and fix aside): the run's limits, where the update runs, what streams,
     the placement searched, the GPU's peak with kept residuals, the host rows with their slabs."""
+    cfg = _sharded_state(cfg)
     train = cfg.train
     lim = _limits_of(cfg, machine, devices)
     bf16 = train.compute_dtype == "bfloat16"
@@ -245,7 +246,8 @@ def _update_shards(cfg: Config) -> bool:
 def _device_update_several(cfg: Config) -> bool:
     """``update_on=auto`` may plan a device-side update over several GPUs: one process, and no pageable hold asked
     for where the update is split (``_check_device_update``)."""
-    return process_count() == 1 and not (_update_shards(cfg) and cfg.train.grad_hold in ("host_fp32", "host_bf16"))
+    return (process_count() == 1 or cfg.train.host_state == "sharded") \
+        and not (_update_shards(cfg) and cfg.train.grad_hold in ("host_fp32", "host_bf16"))
 
 
 def _check_device_update(cfg: Config, n_dev: int) -> None:
@@ -254,9 +256,33 @@ def _check_device_update(cfg: Config, n_dev: int) -> None:
         raise UserError("train.grad_hold", f"{cfg.train.grad_hold} keeps whole gradients in pageable host memory, and "
                         f"with {n_dev} GPUs updating on the device each holds only its share",
                         "set train.grad_hold to gpu_bf16, pinned_bf16 or resweep (or auto)")
-    if process_count() > 1:
-        raise UserError("train.update_on", "device with several processes is not built yet (each would write its "
-                        "GPUs' results into its own replica of the host store)", "set train.update_on=host (or auto)")
+    if process_count() > 1 and cfg.train.host_state != "sharded":
+        raise UserError("train.update_on", "device with several processes needs train.host_state=sharded (with a "
+                        "replica in each, each process's GPUs would update only their shares of it)",
+                        "set train.host_state=sharded, or train.update_on=host (or auto)")
+
+
+def _sharded_state(cfg: Config) -> Config:
+    """``train.host_state=sharded``: each process backs only its GPUs' shares of the store, so its GPUs must update
+    and fetch exactly those (update_on=device, fetch=split, no stream_io; the fused AdamW, whose update is
+    elementwise). Settings left auto are set so; a setting that contradicts it is refused in one line."""
+    t = cfg.train
+    if t.host_state != "sharded":
+        return cfg
+    fix = "or set train.host_state=replicated"
+    if t.update_on == "host":
+        raise UserError("train.update_on", "host cannot update a sharded host state (each process backs only its "
+                        "GPUs' shares, and they update them)", f"set train.update_on=device (or auto), {fix}")
+    if t.stream_io is True:
+        raise UserError("train.stream_io", "true makes the embedding's and head's gradients whole in host memory, and "
+                        "a sharded host state holds only this process's shares", f"set train.stream_io=auto, {fix}")
+    if cfg.optim.kernel != "fused":
+        raise UserError("train.host_state", f"sharded splits each update elementwise, which {cfg.optim.name} "
+                        f"(optim.kernel={cfg.optim.kernel}) is not", f"use optim.name=adamw, {fix}")
+    if cfg.model.lora is not None:
+        raise UserError("train.host_state", "sharded is for full training; LoRA's frozen base is streamed whole",
+                        "set train.host_state=replicated")
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, update_on="device", fetch="split", stream_io=False))
 
 
 def _split_update_headroom(shapes: Shapes, lim: _Limits, notes: list[str]) -> float:
@@ -432,7 +458,7 @@ def _assemble(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
                             loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
                             activations=placed.activations, grad_hold=placed.grad_hold, grad_slabs=slabs,
                             grad_slab_elems=GRAD_SLAB_ELEMS if costs.chunked else None, stream_copy=stream_copy,
-                            update_on=costs.update_on, fetch=train.fetch, keep_residuals=n_keep, devices=train.devices,
+                            update_on=costs.update_on, fetch=train.fetch, host_state=train.host_state, keep_residuals=n_keep, devices=train.devices,
                             device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile,
                             grad_hold_gpu_groups=placed.grad_hold_gpu_groups, stream_io=placed.stream_io,
                             activations_gpu_blocks=placed.activations_gpu_blocks,

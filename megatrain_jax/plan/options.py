@@ -11,8 +11,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from megatrain_jax.errors import UserError
-from megatrain_jax.placements import (ACT_DEVICE, ACTIVATIONS, FETCH, FETCH_FULL, GPU_FP32, GRAD_HOLD, GRAD_HOLDS,
-                                      STREAM_COPY, STREAM_COPY_HOST, UPDATE_DEVICE, UPDATE_HOST, UPDATE_ON, GradHold)
+from megatrain_jax.placements import (ACT_DEVICE, ACTIVATIONS, FETCH, FETCH_FULL, FETCH_SPLIT, GPU_FP32, GRAD_HOLD,
+                                      GRAD_HOLDS, HOST_STATE, HOST_STATE_REPLICATED, HOST_STATE_SHARDED, STREAM_COPY,
+                                      STREAM_COPY_HOST, UPDATE_DEVICE, UPDATE_HOST, UPDATE_ON, GradHold)
 
 GRAD_SLAB_ELEMS = 32 << 20  # a pinned gradient slab: 32M fp32 values (128 MiB)
 DEFAULT_GRAD_SLABS = 8  # pinned gradient slabs of an engine built without a plan (the plan chooses its own count
@@ -58,6 +59,7 @@ class EngineOptions:
     #                            (placements.STREAM_COPY)
     update_on: str = UPDATE_HOST  # where each group's optimizer step runs (placements.UPDATE_ON)
     fetch: str = FETCH_FULL  # several GPUs: each fetches whole blocks, or its share of each (placements.FETCH)
+    host_state: str = HOST_STATE_REPLICATED  # each process's host store: whole, or its GPUs' shares (HOST_STATE)
     keep_residuals: int = 0  # the last N blocks keep their VJP residuals (no recompute)
     devices: int | Literal["all"] = 1  # data parallel: devices per process (distributed.run_devices)
     device_update_chunk: int = DEVICE_UPDATE_CHUNK
@@ -107,6 +109,13 @@ class EngineOptions:
             bad("train.stream_copy", f"{self.stream_copy!r}", "use " + " or ".join(STREAM_COPY))
         if self.fetch not in FETCH:
             bad("train.fetch", f"{self.fetch!r}", "use " + " or ".join(FETCH))
+        if self.host_state not in HOST_STATE:
+            bad("train.host_state", f"{self.host_state!r}", "use " + " or ".join(HOST_STATE))
+        if self.host_state == HOST_STATE_SHARDED and (self.update_on != UPDATE_DEVICE or self.fetch != FETCH_SPLIT
+                                                      or self.stream_io):
+            bad("train.host_state", "sharded needs each GPU to update and fetch its own shares (update_on=device, "
+                f"fetch=split, no stream_io), got update_on={self.update_on}, fetch={self.fetch}, "
+                f"stream_io={self.stream_io}", "set train.host_state=replicated, or leave those auto")
         if self.update_on not in UPDATE_ON:
             bad("train.update_on", f"{self.update_on!r}", "use " + " or ".join(UPDATE_ON))
         if int(self.grad_slabs) < 1:

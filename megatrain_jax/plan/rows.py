@@ -10,7 +10,7 @@ from typing import Any
 from megatrain_jax.config import Config
 import megatrain_jax.plan.decisions as choose
 from megatrain_jax.placements import PAGEABLE_HOLDS, PINNED_HOLDS
-from megatrain_jax.plan.machine import Machine
+from megatrain_jax.plan.machine import Machine, process_count
 from megatrain_jax.plan.options import GRAD_SLAB_ELEMS
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_HOLD_BYTES,
                                       IO_VOCAB_CHUNK, PINNED_REUSED, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row,
@@ -75,7 +75,7 @@ class PlacementCosts:
                            f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)")
         rows = host_rows(self.cfg, shapes, self.moment_bytes, host_copy=self.host_copy, on_gpu=self.on_gpu,
                          n_dev=self.n_dev, placed=p, host_act_bytes=self.host_act_bytes, slab_row=slab_row,
-                         update_on=self.update_on, optax_group_bytes=self.optax_group)
+                         update_on=self.update_on, optax_group_bytes=self.optax_group, store_share=store_share(self.cfg))
         arrays = pinned_need(rows)
         in_use = pinned_in_use(rows, shapes, p.boundary_every, p.grad_hold_gpu_groups, arrays,
                                p.activations_gpu_blocks, HOST_HOLD_BYTES[p.grad_hold]) \
@@ -141,14 +141,22 @@ def _host_sums(rows: list[Row]) -> tuple[float, float]:
     return need, need - sum(r.bytes for r in rows if r.what.startswith("XLA's GPU allocator table"))
 
 
+def store_share(cfg: Config) -> float:
+    """The part of the store one process backs: 1/N of N processes with ``train.host_state=sharded``, else all."""
+    return 1.0 / process_count() if cfg.train.host_state == "sharded" else 1.0
+
+
 def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bool, on_gpu: bool, n_dev: int,
               placed: choose.Placement, host_act_bytes: float, slab_row: Row | None, update_on: str = "host",
-              optax_group_bytes: float = 0.0) -> list[Row]:
+              optax_group_bytes: float = 0.0, store_share: float = 1.0) -> list[Row]:
     """Host memory by component: the store, the pinned buffers the placement asks for, the checkpoint
-    writer, the data loader and the runtime (``slab_row``: the gradient slabs of a host update)."""
+    writer, the data loader and the runtime (``slab_row``: the gradient slabs of a host update; ``store_share``:
+    the part of the store this process backs, ``train.host_state=sharded``)."""
     train = cfg.train
-    rows = [Row("host", "fp32 master weights", 4.0 * shapes.params),
-            Row("host", f"optimizer state ({cfg.optim.moments} moments)", moment_bytes * shapes.params)]
+    part = f"this process's 1/{round(1 / store_share)} (train.host_state=sharded)" if store_share < 1 else ""
+    rows = [Row("host", "fp32 master weights", 4.0 * shapes.params * store_share, part),
+            Row("host", f"optimizer state ({cfg.optim.moments} moments)", moment_bytes * shapes.params * store_share,
+                part)]
     if host_copy:
         rows.append(Row("host", "bf16 streaming copy (blocks)", 2.0 * shapes.layers * shapes.block,
                         "train.stream_copy=device removes it"))
@@ -202,12 +210,14 @@ def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bo
         rows.append(Row("host", "host update's working set (optax on the CPU device, one group)",
                         optax_group_bytes * host_updated, "inputs, outputs and temporaries of its compiled step"))
     if train.final_checkpoint or train.ckpt_every:
-        rows.append(Row("host", "checkpoint writer (one group in flight)", shapes.largest_group * (4 + moment_bytes)))
+        rows.append(Row("host", "checkpoint writer (one group in flight)",
+                        shapes.largest_group * (4 + moment_bytes) * store_share))
     rows.append(Row("host", "data loader (one batch, index)",
                     float(train.batch_size * cfg.data.seq_len * 4 * 4 + 64e6)))
     if on_gpu:  # measured at 70B (H200 x4, session 17 call 1): RSS 472.2 GB against 470.7 planned without this row
         rows.append(Row("host", "bookkeeping that grows with the store (allocator, registration)",
-                        STORE_SLACK * (4.0 + moment_bytes) * shapes.params, f"{STORE_SLACK:.1%} of master + state"))
+                        STORE_SLACK * (4.0 + moment_bytes) * shapes.params * store_share,
+                        f"{STORE_SLACK:.1%} of master + state"))
     rows.append(Row("host", "runtime (Python, JAX" + (", CUDA context)" if on_gpu else ")"),
                     RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] * (n_dev if on_gpu else 1)))
     return rows

@@ -1,0 +1,142 @@
+"""``train.host_state=sharded`` (issue 46): each process backs only its GPUs' shares of the host store.
+
+Two real processes (one CPU device each, gloo) train what one process with two devices trains, bit for bit: the
+losses and every array of the final checkpoint (gathered from the two shards). Each process's store is backed by
+memory only for its half (``HostStore.own``: the other pages are given back). The sharded checkpoint resumes in two
+processes, and re-shards into one process, each bit for bit with the one-process run resumed alike.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cli_runner import cpu_xla_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETS = ["--set", "optim.schedule.warmup_steps=1", "--set", "train.batch_size=4", "--set", "data.seq_len=32",
+        "--set", "model.num_layers=2", "--set", "train.log_every=1", "--set", "train.update_on=device",
+        "--set", "train.fetch=split", "--set", "train.stream_copy=device", "--set", "train.grad_hold=gpu_fp32",
+        "--set", "train.steps=5"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int, **extra) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(devices), **extra)
+    env.pop("MEGATRAIN_TRANSFER_MODE", None)
+    return env
+
+
+def _train(out, processes: int, *extra: str) -> list[str]:
+    """``megatrain-jax train configs/tiny.yaml`` as ``processes`` processes of one device each (1: one process of
+    two devices); returns each process's output."""
+    args = [sys.executable, "-m", "megatrain_jax", "train", "configs/tiny.yaml", *SETS, "--set",
+            f"train.out_dir={out}", *extra]
+    if processes == 1:
+        envs = [_env(2)]
+    else:
+        port = _free_port()
+        envs = [_env(1, MEGATRAIN_COORDINATOR=f"localhost:{port}", MEGATRAIN_NUM_PROCESSES=str(processes),
+                     MEGATRAIN_PROCESS_ID=str(i)) for i in range(processes)]
+    procs = [subprocess.Popen(args, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for e in envs]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return logs
+
+
+def _result(out):
+    from megatrain_jax.checkpoint_read import load_checkpoint_arrays
+
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    arrays, _ = load_checkpoint_arrays(os.path.join(out, "checkpoints", "step_00000005"))
+    return losses, arrays
+
+
+def _assert_same(a, b):
+    assert a[0] == b[0]  # losses, bit for bit
+    assert sorted(a[1]) == sorted(b[1])
+    for g in b[1]:
+        for k in b[1][g]:
+            np.testing.assert_array_equal(a[1][g][k], b[1][g][k], err_msg=f"{g}/{k}")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """One process, two devices, a replicated store: 5 steps straight, and 3 then resumed to 5."""
+    straight, resumed = tmp_path_factory.mktemp("one") / "straight", tmp_path_factory.mktemp("one") / "resumed"
+    _train(straight, 1)
+    _train(resumed, 1, "--set", "train.steps=3")
+    _train(resumed, 1, "--resume")
+    return _result(straight), _result(resumed)
+
+
+def test_two_sharded_processes_train_what_one_process_trains_bit_for_bit(one_process, tmp_path):
+    out = tmp_path / "sharded"
+    _train(out, 2, "--set", "train.host_state=sharded")
+    ck = out / "checkpoints" / "step_00000005"
+    assert sorted(os.listdir(ck)) == ["manifest.json", "shard_0", "shard_1", "state.json"]  # each wrote its own
+    _assert_same(_result(out), one_process[0])
+
+
+def test_a_sharded_checkpoint_resumes_in_two_processes_and_reshards_into_one(one_process, tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    _train(two, 2, "--set", "train.host_state=sharded", "--set", "train.steps=3")
+    os.makedirs(one)  # the same step-3 state, resumed by one process of two devices
+    subprocess.run(["cp", "-r", str(two / "checkpoints"), str(two / "metrics.jsonl"), str(two / "config.yaml"),
+                    str(one)], check=True)
+    _train(two, 2, "--set", "train.host_state=sharded", "--resume")
+    _train(one, 1, "--resume")
+    _assert_same(_result(two), one_process[1])
+    _assert_same(_result(one), one_process[1])
+
+
+def test_a_sharded_store_backs_only_its_own_values():
+    """``HostStore.own``: the pages outside this process's values are given back (they read as zeros), its own keep
+    their values; the resident bytes fall to its share (mincore)."""
+    from megatrain_jax.hoststore import HostStore
+    from megatrain_jax.templates import Layout
+
+    n = 1 << 22
+    store = HostStore({"block_0": Layout({"w": np.zeros(n, np.float32)})}, bf16_stream=False)
+    g = store["block_0"]
+    g.master[:] = np.arange(n, dtype=np.float32)
+    whole = store.resident_bytes()
+    assert whole >= 4 * n
+    store.own(lambda size: (size // 2, size), 2048)
+    assert store.resident_bytes() <= whole // 2 + 2 * 4096
+    np.testing.assert_array_equal(g.master[n // 2:], np.arange(n // 2, n, dtype=np.float32))
+    assert not g.master[:n // 2].any()
+
+
+def test_a_sharded_host_state_refuses_what_cannot_run_it_in_one_line(tmp_path):
+    """The plan refuses a host update, stream_io and an optax optimizer with a sharded host state, naming the
+    field; an unknown value of train.host_state is refused by the config check."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.errors import UserError
+    from megatrain_jax.plan import make_plan
+
+    base = ["train.host_state=sharded", "model.num_layers=2", f"train.out_dir={tmp_path / 'o'}"]
+    for extra, field in [(["train.update_on=host"], "train.update_on"), (["train.stream_io=true"], "train.stream_io"),
+                         (["optim.name=lion"], "train.host_state")]:
+        cfg = load_config(os.path.join(REPO, "configs/tiny.yaml"), base + extra)
+        with pytest.raises(UserError) as e:
+            make_plan(cfg)
+        assert e.value.field == field, str(e.value)
+    with pytest.raises(UserError) as e:
+        load_config(os.path.join(REPO, "configs/tiny.yaml"), ["train.host_state=mirrored"])
+    assert e.value.field == "train.host_state"
