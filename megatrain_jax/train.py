@@ -362,7 +362,7 @@ class _Loop:
         self.last_good = int(loop.get("last_good_step", start.start_step))
         self.rng = _rng_state(cfg)
         # process 0 writes the checkpoints; with a sharded host state every process writes its own shares
-        sharded = start.plan is not None and start.plan.options.host_state == HOST_STATE_SHARDED
+        sharded = getattr(getattr(start.plan, "options", None), "host_state", None) == HOST_STATE_SHARDED  # (LoRA: none)
         self.saver = self.trainer.saver(start.root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
             if main or sharded else None  # None too where the trainer writes no checkpoints (the reference engine)
         if self.saver is not None and hooks.kill_in_save is not None:
