@@ -51,6 +51,7 @@ class PlacementCosts:
     host_act_bytes: float = field(init=False)  # every block's boundary activation, all GPUs
     _steps: dict[tuple, dict] = field(init=False, repr=False, default_factory=dict)
     _placed_sums: dict[tuple, float] = field(init=False, repr=False, default_factory=dict)
+    _gpu_side_sums: dict[float, tuple[float, float]] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         s = self.shapes
@@ -131,7 +132,10 @@ class PlacementCosts:
         fixed = self._placed_sums.get(key)
         if fixed is None:
             fixed = self._placed_sums[key] = sum(r.bytes for r in self.placement_rows(p, GRAD_SLABS_FEWEST))
-        need, placed = _host_sums(self.gpu_side_rows(p))
+        side = self._gpu_side_sums.get(p.gpu_need)  # (a function of the GPU need alone: candidates share it)
+        if side is None:
+            side = self._gpu_side_sums[p.gpu_need] = _host_sums(self.gpu_side_rows(p))
+        need, placed = side
         return fixed + need, fixed + placed
 
 
