@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.placements import GRAD_HOLD_LIST
@@ -204,10 +204,11 @@ def loss_working_set(shapes: Shapes, tokens_mb: int, loss_chunk: int) -> float:
 AttentionExtra = Callable[[int], "tuple[float, str]"]  # sequences per micro-batch -> (bytes, implementation)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PhaseInputs:
     """What a step's GPU phases depend on besides the model's shapes: one candidate of the placement search
-    (``search.evaluate``) with the plan's fixed choices (how blocks stream, where the update runs)."""
+    (``search.evaluate``) with the plan's fixed choices (how blocks stream, where the update runs). Read only
+    (not frozen: the search makes one per distinct candidate, and a frozen dataclass's ``__init__`` is slower)."""
 
     micro_batches: int
     stream_bytes: int  # bytes per streamed block parameter (2: the host's bf16 copy; 4: the fp32 master)
@@ -311,8 +312,7 @@ def _blocks_in_flight(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) ->
     return queued, inflight
 
 
-@dataclass(frozen=True)
-class _Activations:
+class _Activations(NamedTuple):  # (a tuple: made for every distinct candidate; a frozen dataclass is slower)
     layer: float  # one layer's boundary activation (the whole per-device batch)
     acts: float  # the kept boundary activations on the GPU
     segment: float  # the inputs of one segment, recomputed in the backward
@@ -469,6 +469,7 @@ def bfc_capacity(limit: float, chunk: float) -> int:
     return _bfc(limit, chunk)[0]
 
 
+@functools.lru_cache(maxsize=8192, typed=True)  # (pure; the search asks again with the same bytes)
 def _bfc(limit: float, chunk: float, stop: int | None = None) -> tuple[int, float]:
     """(arrays held, region bytes): how many arrays of ``chunk`` bytes XLA's growing BFC allocator holds under
     ``limit`` (up to ``stop`` of them), each request a new
@@ -495,6 +496,7 @@ def _bfc(limit: float, chunk: float, stop: int | None = None) -> tuple[int, floa
     return held, total
 
 
+@functools.lru_cache(maxsize=8192, typed=True)  # (pure; the search asks again with the same bytes)
 def pinned_limit(pinned: float, chunk: float = 0.0) -> float:
     """The pinned-host pool's limit the plan gives XLA (``apply_gpu_settings``), bytes, in whole GiB: room for
     fragmentation over what the plan puts there; where its arrays are large (``chunk``: the largest, more than
@@ -518,6 +520,7 @@ def residual_bytes_per_block(shapes: Shapes, head_dim: int) -> float:
     return float(shapes.batch * shapes.seq * per_token)
 
 
+@functools.lru_cache(maxsize=8192, typed=True)  # (pure; the search asks again with the same bytes)
 def grown_pool(need: float) -> float:
     """GPU bytes XLA's allocator holds once ``need`` is in use, growing on demand: each new region is
     twice the last (tsl's BFC allocator with allow_growth)."""
