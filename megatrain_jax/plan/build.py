@@ -220,13 +220,14 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         return _both_updates(cfg, update_on, lim.machine, devices, attention)
     stream_copy = _stream_copy(cfg, shapes, lim, update_on, moment_bytes, bf16)
     device_cast = bf16 and stream_copy == "device"
+    optax = _optax_cost(cfg) if cfg.optim.kernel == "optax" else None
     costs = PlacementCosts(cfg, shapes, lim.machine, lim.n_dev, lim.gpu_budget, update_on, moment_bytes,
                            stream_bytes=2 if (bf16 and not device_cast) else 4, host_copy=bf16 and not device_cast,
                            rates=lim.rates, attention=attention,
                            # an optax update on the host (every group, or with a device-side update the embedding
                            # and head that stream_io makes in host memory) runs on the jax CPU device: its group's
                            # inputs, outputs and temporaries in host memory
-                           optax_group=_optax_cost(cfg).device_group if cfg.optim.kernel == "optax" else 0.0)
+                           optax_group=optax.device_group if optax is not None else 0.0, optax_cost=optax)
     found, attn_info = _search_placement(cfg, costs, lim, device_cast)
     placed = found.best
     notes.extend(placed.notes)

@@ -45,12 +45,16 @@ class PlacementCosts:
     rates: dict[str, float]
     attention: bool
     optax_group: float = 0.0  # an optax host update's working set per parameter of its group (0: no optax update)
+    optax_cost: Any = None  # the optax update's cost (step_model._optax_cost, looked up once: its cache's key is the
+    #                         config's repr); None: the fused kernel
     on_gpu: bool = field(init=False)
     chunked: bool = field(init=False)  # the fused kernel takes the gradient in slabs of GRAD_SLAB_ELEMS values
     slab: int = field(init=False)  # bytes of one pinned gradient slab
     host_act_bytes: float = field(init=False)  # every block's boundary activation, all GPUs
+    non_emb: int = field(init=False)  # the model's non-embedding parameters (counted once for every step)
     _steps: dict[tuple, dict] = field(init=False, repr=False, default_factory=dict)
     _placed_sums: dict[tuple, float] = field(init=False, repr=False, default_factory=dict)
+    _gpu_side_sums: dict[float, tuple[float, float]] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         s = self.shapes
@@ -58,6 +62,7 @@ class PlacementCosts:
         self.chunked = self.cfg.optim.kernel == "fused"
         self.slab = (min(GRAD_SLAB_ELEMS, s.largest_group) if self.chunked else s.largest_group) * 4
         self.host_act_bytes = float(s.layers * s.batch * s.seq * s.hidden * s.dtype_bytes * self.n_dev)
+        self.non_emb = self.cfg.model.non_embedding_params()
 
     def has_slabs(self, p: choose.Placement) -> bool:
         return has_slabs(self.on_gpu, self.update_on, p)
@@ -121,7 +126,8 @@ class PlacementCosts:
         """The predicted step with placement ``p`` and ``n_keep`` blocks' residuals kept (step_model)."""
         return predicted_step(self.cfg, self.shapes, self.rates, n_dev=self.n_dev, n_keep=n_keep,
                               stream_bytes=self.stream_bytes, moment_bytes=self.moment_bytes, update_on=self.update_on,
-                              cpu_cores=self.machine.cpu_cores, attention=self.attention, placement=p)
+                              cpu_cores=self.machine.cpu_cores, attention=self.attention, placement=p,
+                              non_emb=self.non_emb, optax_cost=self.optax_cost)
 
     def host_of(self, p: choose.Placement) -> tuple[float, float]:
         """The candidate's host need with the fewest slabs, and the same without XLA's GPU pool table (what the
@@ -131,7 +137,10 @@ class PlacementCosts:
         fixed = self._placed_sums.get(key)
         if fixed is None:
             fixed = self._placed_sums[key] = sum(r.bytes for r in self.placement_rows(p, GRAD_SLABS_FEWEST))
-        need, placed = _host_sums(self.gpu_side_rows(p))
+        side = self._gpu_side_sums.get(p.gpu_need)  # (a function of the GPU need alone: candidates share it)
+        if side is None:
+            side = self._gpu_side_sums[p.gpu_need] = _host_sums(self.gpu_side_rows(p))
+        need, placed = side
         return fixed + need, fixed + placed
 
 

@@ -20,7 +20,7 @@ host copies hidden behind compute still contend), fewer micro-batches and the co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from megatrain_jax.placements import ACTIVATIONS, GRAD_HOLDS, HOST_HOLDS
@@ -99,6 +99,10 @@ class Context:
     #                                      rows) and the part of it the order compares (without XLA's GPU pool table)
     step_of: Callable[[Placement], dict]  # the candidate's predicted step (step_model.predicted_step)
     update_shards: int = 1  # GPUs sharing each group's device-side update (sizes.PhaseInputs.update_shards)
+    # each candidate's GPU phases by what they depend on (``_phases``): candidates differing only in what the
+    # phases do not read (a host hold's kind, its host side) share them
+    _phases: dict[tuple, tuple[Shapes, dict[tuple, tuple[dict[str, float], float]]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
 
 @dataclass
@@ -157,20 +161,63 @@ def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k
              grad_hold_gpu_groups: int = 0, activations_gpu_blocks: int = 0, want_rows: bool = False) -> Placement:
     """One candidate: its GPU phases, host need, predicted step, and whether it fits both (its GPU rows
     only with ``want_rows``: ``gpu_rows`` makes them for the one taken)."""
+    return _costed(ctx, _placed(shapes, ctx, micro=micro, act=act, hold=hold, k=k, io=io, chunk=chunk,
+                                grad_hold_gpu_groups=grad_hold_gpu_groups,
+                                activations_gpu_blocks=activations_gpu_blocks, want_rows=want_rows))
+
+
+def _placed(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k: int, io: bool, chunk: int,
+            grad_hold_gpu_groups: int = 0, activations_gpu_blocks: int = 0, want_rows: bool = False) -> Placement:
+    """A candidate with its GPU phases only (``fits`` False, no host need or step: ``_costed`` adds them). The
+    split searches (``_most``, ``_split``) try several counts by their GPU need alone and keep one."""
     groups = grad_hold_gpu_groups
-    phases, rows = gpu_phases(shapes, PhaseInputs(
+    if want_rows:
+        phases, rows = gpu_phases(shapes, _phase_inputs(shapes, ctx, micro, act, hold, k, io, chunk, groups,
+                                                        activations_gpu_blocks), want=True)
+        need = max(phases.values())
+    else:
+        phases, need = _phases(shapes, ctx, micro, act, hold, k, io, chunk, groups, activations_gpu_blocks)
+        phases, rows = dict(phases), []  # (a copy: the plan adds phases to the one it takes)
+    return Placement(micro, act, hold, phases, rows, need, False, seq_tile=shapes.seq_tile, boundary_every=k,
+                     stream_io=io, grad_hold_gpu_groups=groups, grad_hold_gpu_params=group_params(shapes, groups, io),
+                     loss_chunk=chunk, blocks_queued=shapes.blocks_queued,
+                     activations_gpu_blocks=activations_gpu_blocks)
+
+
+def _phase_inputs(shapes: Shapes, ctx: Context, micro: int, act: str, hold: str, k: int, io: bool, chunk: int,
+                  groups: int, activations_gpu_blocks: int) -> PhaseInputs:
+    return PhaseInputs(
         micro_batches=micro, stream_bytes=ctx.stream_bytes, device_cast=ctx.device_cast, act_on_gpu=act == "device",
         hold_bytes=GPU_HOLD_BYTES[hold], loss_chunk=chunk, deferred=True, attn=ctx.attn,
         update_state_bytes=ctx.update_state_bytes, boundary_every=k, stream_io=io,
         grad_hold_gpu_bytes=group_bytes(shapes, groups, io), resweep=hold == "resweep",
-        activations_gpu_blocks=activations_gpu_blocks, update_shards=ctx.update_shards), want=want_rows)
-    need = max(phases.values())
-    p = Placement(micro, act, hold, phases, rows, need, False, seq_tile=shapes.seq_tile, boundary_every=k,
-                  stream_io=io, grad_hold_gpu_groups=groups, grad_hold_gpu_params=group_params(shapes, groups, io),
-                  loss_chunk=chunk, blocks_queued=shapes.blocks_queued, activations_gpu_blocks=activations_gpu_blocks)
+        activations_gpu_blocks=activations_gpu_blocks, update_shards=ctx.update_shards)
+
+
+def _phases(shapes: Shapes, ctx: Context, micro: int, act: str, hold: str, k: int, io: bool, chunk: int, groups: int,
+            activations_gpu_blocks: int) -> tuple[dict[str, float], float]:
+    """(GPU phases, their peak) of a candidate, computed once per search for each distinct ``PhaseInputs``
+    (``gpu_phases`` is a pure function of the shapes and them; the rest of ``PhaseInputs`` is the context's).
+    Keyed per ``Shapes`` object, which the memo keeps alive (so its ``id`` is not reused)."""
+    per_shapes = ctx._phases.get(id(shapes))
+    if per_shapes is None:
+        per_shapes = ctx._phases[id(shapes)] = (shapes, {})
+    memo = per_shapes[1]
+    key = (micro, act == "device", GPU_HOLD_BYTES[hold], chunk, k, io, groups, hold == "resweep",
+           activations_gpu_blocks)  # (the hold's GPU bytes and whether it resweeps: all of it the phases read)
+    got = memo.get(key)
+    if got is None:
+        phases, _ = gpu_phases(shapes, _phase_inputs(shapes, ctx, micro, act, hold, k, io, chunk, groups,
+                                                     activations_gpu_blocks), want=False)
+        got = memo[key] = (phases, max(phases.values()))
+    return got
+
+
+def _costed(ctx: Context, p: Placement) -> Placement:
+    """``p`` with its host need, predicted step and whether it fits both."""
     p.host_need, p.host_placed = ctx.host_of(p)
     p.step = ctx.step_of(p)
-    p.fits = (ctx.gpu_usable is None or need <= ctx.gpu_usable) and p.host_need <= ctx.host_usable
+    p.fits = (ctx.gpu_usable is None or p.gpu_need <= ctx.gpu_usable) and p.host_need <= ctx.host_usable
     return p
 
 
@@ -179,12 +226,22 @@ def gpu_rows(shapes: Shapes, ctx: Context, p: Placement) -> list:
     return _again(shapes, ctx, p, want_rows=True).gpu_rows
 
 
+def _counted(shapes: Shapes, ctx: Context, base: Placement, **change: int) -> tuple[dict[str, float], float]:
+    """(GPU phases, peak) of ``base`` with its split counts changed, without making the candidate (the split
+    searches try several counts and keep one). The phases are the memo's: read them, do not change them."""
+    kw = {"groups": base.grad_hold_gpu_groups, "activations_gpu_blocks": base.activations_gpu_blocks}
+    kw.update({("groups" if k == "grad_hold_gpu_groups" else k): v for k, v in change.items()})
+    return _phases(shapes, ctx, base.micro_batches, base.activations, base.grad_hold, base.boundary_every,
+                   base.stream_io, base.loss_chunk, **kw)
+
+
 def _again(shapes: Shapes, ctx: Context, base: Placement, **change: int) -> Placement:
-    """``base`` evaluated with its split counts changed (``grad_hold_gpu_groups``, ``activations_gpu_blocks``)."""
+    """``base`` with its split counts changed (``grad_hold_gpu_groups``, ``activations_gpu_blocks``), its GPU
+    phases only (``_placed``)."""
     kw = {"grad_hold_gpu_groups": base.grad_hold_gpu_groups, "activations_gpu_blocks": base.activations_gpu_blocks,
           **change}
-    return evaluate(shapes, ctx, micro=base.micro_batches, act=base.activations, hold=base.grad_hold,
-                    k=base.boundary_every, io=base.stream_io, chunk=base.loss_chunk, **kw)
+    return _placed(shapes, ctx, micro=base.micro_batches, act=base.activations, hold=base.grad_hold,
+                   k=base.boundary_every, io=base.stream_io, chunk=base.loss_chunk, **kw)
 
 
 def _most(shapes: Shapes, ctx: Context, base: Placement, what: str, top: int) -> Placement | None:
@@ -193,25 +250,24 @@ def _most(shapes: Shapes, ctx: Context, base: Placement, what: str, top: int) ->
     the counts 1 and 2, so the largest that fits is computed, then checked."""
     if ctx.gpu_usable is None or top < 1:
         return None
-    one = _again(shapes, ctx, base, **{what: 1})
-    if one.gpu_need > ctx.gpu_usable:
+    one, need_one = _counted(shapes, ctx, base, **{what: 1})
+    if need_one > ctx.gpu_usable:
         return None
     if top == 1:
-        return one
-    two = _again(shapes, ctx, base, **{what: 2})
+        return _again(shapes, ctx, base, **{what: 1})
+    two, need_two = _counted(shapes, ctx, base, **{what: 2})
     n = top
-    for name, at_one in one.phases.items():
-        per = two.phases[name] - at_one
+    for name, at_one in one.items():
+        per = two[name] - at_one
         if per > 0:
             n = min(n, 1 + int((ctx.gpu_usable - at_one) // per))
     for _ in range(4):  # (the counts are whole blocks: a phase's growth may not be exactly linear)
         if n <= 1:
-            return one
-        p = two if n == 2 else _again(shapes, ctx, base, **{what: n})
-        if p.gpu_need <= ctx.gpu_usable:
-            return p
+            break
+        if (need_two if n == 2 else _counted(shapes, ctx, base, **{what: n})[1]) <= ctx.gpu_usable:
+            return _again(shapes, ctx, base, **{what: n})
         n -= max(1, n // 8)
-    return one
+    return _again(shapes, ctx, base, **{what: 1})
 
 
 def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
@@ -222,18 +278,27 @@ def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
         return None
     if base.activations_gpu_blocks:
         return _most(shapes, ctx, base, "grad_hold_gpu_groups", shapes.layers + 1)
-    room = ctx.gpu_usable - base.gpu_need
-    n = 0
-    while n < shapes.layers + 1 and group_bytes(shapes, n + 1, base.stream_io) <= room:
-        n += 1
+    n = _groups_within(shapes, ctx.gpu_usable - base.gpu_need, base.stream_io)
     for _ in range(4):  # the room is the peak's; another phase may be where the groups do not fit
         if n <= 0:
             break
-        p = _again(shapes, ctx, base, grad_hold_gpu_groups=n)
-        if p.gpu_need <= ctx.gpu_usable:
-            return p
+        if _counted(shapes, ctx, base, grad_hold_gpu_groups=n)[1] <= ctx.gpu_usable:
+            return _again(shapes, ctx, base, grad_hold_gpu_groups=n)
         n -= max(1, n // 4)
     return None
+
+
+def _groups_within(shapes: Shapes, room: float, io: bool) -> int:
+    """The most first groups (0..layers + 1) whose bf16 bytes fit ``room``: ``group_bytes`` grows with the count,
+    so a bisection finds the count that adding one group at a time up to the first that does not fit would."""
+    lo, hi, first = 0, shapes.layers + 1, 0 if io else shapes.embed
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if 2.0 * (first + (mid - 1) * shapes.block) <= room:  # group_bytes(shapes, mid, io), 1 <= mid <= layers + 1
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _split_acts(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
@@ -254,19 +319,21 @@ def variants(shapes: Shapes, ctx: Context, axes: Axes, p: Placement) -> list[Pla
             out.append(acts)
     if axes.split and (p.grad_hold in HOST_HOLDS or p.grad_hold == "resweep"):  # (a resweep's second sweep stops
         out += [q for q in (_split(shapes, ctx, b) for b in bases) if q is not None]  # above the groups it holds)
-    return out
+    return [_costed(ctx, q) for q in out]  # (the split searches compared GPU needs only)
 
 
 def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
     """Every combination of the axes, except smaller loss chunks once one fits (with the other decisions
     equal, a smaller chunk changes only the loss's GPU bytes and ranks lower)."""
-    closest, every = None, []
+    closest, closest_key, every = None, None, []
 
     def consider(p: Placement) -> None:
-        nonlocal closest
+        nonlocal closest, closest_key
         every.append(p)
-        if not p.fits and (closest is None or (shortfall(p, ctx), rank(p)) < (shortfall(closest, ctx), rank(closest))):
-            closest = p
+        if not p.fits:
+            key = (shortfall(p, ctx), rank(p))  # (the closest one's key kept: it does not change)
+            if closest is None or key < closest_key:
+                closest, closest_key = p, key
 
     for micro in axes.micro:
         for act in axes.activations:

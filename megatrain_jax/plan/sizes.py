@@ -10,9 +10,10 @@ activations never coexist in full, so the peak is taken over the phases of a ste
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.placements import GRAD_HOLD_LIST
@@ -203,10 +204,11 @@ def loss_working_set(shapes: Shapes, tokens_mb: int, loss_chunk: int) -> float:
 AttentionExtra = Callable[[int], "tuple[float, str]"]  # sequences per micro-batch -> (bytes, implementation)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PhaseInputs:
     """What a step's GPU phases depend on besides the model's shapes: one candidate of the placement search
-    (``search.evaluate``) with the plan's fixed choices (how blocks stream, where the update runs)."""
+    (``search.evaluate``) with the plan's fixed choices (how blocks stream, where the update runs). Read only
+    (not frozen: the search makes one per distinct candidate, and a frozen dataclass's ``__init__`` is slower)."""
 
     micro_batches: int
     stream_bytes: int  # bytes per streamed block parameter (2: the host's bf16 copy; 4: the fp32 master)
@@ -246,15 +248,16 @@ def gpu_phases(shapes: Shapes, x: PhaseInputs, want: bool = True) -> tuple[dict[
     # the step's inputs (tokens, labels, loss mask, positions: 4 bytes each) and every micro-batch's aux, made once
     # for the step and read by each block: the rotary tables, cos and sin in fp32 (models/common.rope_tables)
     inputs = shapes.tokens * (16 + 4 * shapes.head_dim)
-    _add(out, Row("gpu", "step inputs and the blocks' aux (rotary tables)", inputs, "for the whole step"))
+    if out is not None:
+        out.append(Row("gpu", "step inputs and the blocks' aux (rotary tables)", inputs, "for the whole step"))
     fixed = resident + inflight + inputs
     update = _device_update(shapes, x, out)
     head_hold = shapes.head * (x.hold_bytes or 0) / x.update_shards if (x.deferred and not x.stream_io) else 0
     # resweep with stream_io: the first sweep keeps the top cotangents for the second (the streamed head is not
     # run again), a layer of activations on the GPU from the loss to the second sweep's start
     top = act.layer if (x.resweep and x.stream_io) else 0
-    if top:
-        _add(out, Row("gpu", "top cotangents kept for the second sweep", top, "resweep with train.stream_io"))
+    if top and out is not None:
+        out.append(Row("gpu", "top cotangents kept for the second sweep", top, "resweep with train.stream_io"))
     phases = {
         "forward start (all held gradients, no activations)": fixed + held + act.layer + ws / 2 + update,
         # gradient accumulators of head and embedding, the output matrix's fp32 gradient and its cast
@@ -278,24 +281,21 @@ def gpu_phases(shapes: Shapes, x: PhaseInputs, want: bool = True) -> tuple[dict[
     return phases, rows
 
 
-def _add(rows: list[Row] | None, row: Row) -> None:
-    if rows is not None:
-        rows.append(row)
-
-
 def _resident_weights(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> float:
     """The embedding and head weights on the GPU for the whole step (stream_io: one vocabulary chunk of the head)."""
     dt = shapes.dtype_bytes
     if x.stream_io:
         vc = min(IO_VOCAB_CHUNK, shapes.vocab)
         resident = vc * shapes.hidden * (4 + dt + 4)
-        _add(rows, Row("gpu", "head: one vocabulary chunk (train.stream_io)", resident,
-                       f"{vc} rows fp32 + cast + fp32 gradient; embedding rows gathered per batch"))
+        if rows is not None:
+            rows.append(Row("gpu", "head: one vocabulary chunk (train.stream_io)", resident,
+                            f"{vc} rows fp32 + cast + fp32 gradient; embedding rows gathered per batch"))
         return resident
     # the embedding and head always stream their fp32 master (hoststore.py) and are cast in each jit
     resident = (shapes.embed + shapes.head) * 4 + (shapes.embed + shapes.head) * (dt if dt == 2 else 0)
-    _add(rows, Row("gpu", "embedding + head weights (resident for the step)", resident,
-                   "fp32 + compute-dtype cast" if dt == 2 else "fp32"))
+    if rows is not None:
+        rows.append(Row("gpu", "embedding + head weights (resident for the step)", resident,
+                        "fp32 + compute-dtype cast" if dt == 2 else "fp32"))
     return resident
 
 
@@ -305,14 +305,14 @@ def _blocks_in_flight(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) ->
     queued = shapes.blocks_queued
     blocks = queued + 1
     inflight = blocks * shapes.block * x.stream_bytes + (shapes.block * shapes.dtype_bytes if x.device_cast else 0)
-    _add(rows, Row("gpu", f"{blocks} blocks' weights (" + ("computing, queued, in flight)" if queued > 1 else
-                                                          "computing, in flight)"), inflight,
-                   "fp32 master, cast on the GPU" if x.device_cast else ""))
+    if rows is not None:
+        rows.append(Row("gpu", f"{blocks} blocks' weights (" + ("computing, queued, in flight)" if queued > 1 else
+                                                               "computing, in flight)"), inflight,
+                        "fp32 master, cast on the GPU" if x.device_cast else ""))
     return queued, inflight
 
 
-@dataclass(frozen=True)
-class _Activations:
+class _Activations(NamedTuple):  # (a tuple: made for every distinct candidate; a frozen dataclass is slower)
     layer: float  # one layer's boundary activation (the whole per-device batch)
     acts: float  # the kept boundary activations on the GPU
     segment: float  # the inputs of one segment, recomputed in the backward
@@ -333,23 +333,26 @@ def _boundary_activations(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None
     # the backward one parked layer comes back while the GPU's last one is used
     acts = (kept_layers * act_layer if x.act_on_gpu else
             ((split + 1) if split else PINNED_ACT_LAYERS_ON_GPU) * act_layer) + segment
-    _add(rows, Row("gpu", "boundary activations", acts,
-                   (f"{kept_layers} layers x {shapes.tokens} tokens" if x.act_on_gpu
-                    else f"the last {x.activations_gpu_blocks} blocks' inputs here ({split} layers), the others in "
-                         "pinned host memory, one in flight" if split
-                    else f"in pinned host memory; {PINNED_ACT_LAYERS_ON_GPU} layers in flight")
-                   + (f"; every {k}th block input, {k - 1} recomputed per segment" if k > 1 else "")))
+    if rows is not None:
+        rows.append(Row("gpu", "boundary activations", acts,
+                        (f"{kept_layers} layers x {shapes.tokens} tokens" if x.act_on_gpu
+                         else f"the last {x.activations_gpu_blocks} blocks' inputs here ({split} layers), the "
+                              "others in pinned host memory, one in flight" if split
+                         else f"in pinned host memory; {PINNED_ACT_LAYERS_ON_GPU} layers in flight")
+                        + (f"; every {k}th block input, {k - 1} recomputed per segment" if k > 1 else "")))
     return _Activations(act_layer, acts, segment, split)
 
 
 def _working_set(shapes: Shapes, x: PhaseInputs, tok_mb: int, rows: list[Row] | None) -> float:
     """One block's recompute + VJP working set, with the attention path's own beyond the calibrated (cuDNN) one."""
     ws = block_working_set(shapes, tok_mb)
-    _add(rows, Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"
-                   + (f", sequence tiles of {shapes.seq_tile}" if 0 < shapes.seq_tile < shapes.seq else "")))
+    if rows is not None:
+        rows.append(Row("gpu", "block recompute + VJP working set", ws, f"{tok_mb} tokens per micro-batch"
+                        + (f", sequence tiles of {shapes.seq_tile}" if 0 < shapes.seq_tile < shapes.seq else "")))
     if x.attn is not None:  # what the chosen attention path needs beyond the calibrated (cuDNN) coefficients
         extra, impl = x.attn(max(shapes.batch // x.micro_batches, 1))
-        _add(rows, Row("gpu", "attention working set beyond cuDNN's", extra, impl))
+        if rows is not None:
+            rows.append(Row("gpu", "attention working set beyond cuDNN's", extra, impl))
         ws += extra
     return ws
 
@@ -366,10 +369,11 @@ def _accumulators(shapes: Shapes, x: PhaseInputs, queued: int, rows: list[Row] |
     # (stream_io: the embedding rows' gradient exists only in the embedding's backward, after the last block)
     accum = (queued + (HOLD_COPIES_IN_FLIGHT if host_hold else 0)) * shapes.block * 4 \
         + (0 if x.stream_io else emb_acc)
-    _add(rows, Row("gpu", "gradient accumulators (fp32)", accum + head_acc + (emb_acc if x.stream_io else 0),
-                   f"{queued} blocks" + (f" + {HOLD_COPIES_IN_FLIGHT} on its way to the host hold" if host_hold
-                                         else "")
-                   + (", embedding rows" if x.stream_io else ", embedding, head")))
+    if rows is not None:
+        rows.append(Row("gpu", "gradient accumulators (fp32)", accum + head_acc + (emb_acc if x.stream_io else 0),
+                        f"{queued} blocks" + (f" + {HOLD_COPIES_IN_FLIGHT} on its way to the host hold" if host_hold
+                                              else "")
+                        + (", embedding rows" if x.stream_io else ", embedding, head")))
     return emb_acc, head_acc, accum
 
 
@@ -379,12 +383,14 @@ def _loss(shapes: Shapes, x: PhaseInputs, tok_mb: int, rows: list[Row] | None) -
         vc = min(IO_VOCAB_CHUNK, shapes.vocab)
         loss_ws = min(x.loss_chunk, tok_mb) * vc * LOSS_BYTES_PER_LOGIT + shapes.tokens * shapes.hidden * 4 \
             + 3 * tok_mb * shapes.hidden * 4
-        _add(rows, Row("gpu", "loss tile and dx (logits never exist whole)", loss_ws,
-                       f"{min(x.loss_chunk, tok_mb)} tokens x {vc} vocabulary, fp32 dx of the step"))
+        if rows is not None:
+            rows.append(Row("gpu", "loss tile and dx (logits never exist whole)", loss_ws,
+                            f"{min(x.loss_chunk, tok_mb)} tokens x {vc} vocabulary, fp32 dx of the step"))
         return loss_ws, 0.0  # the head's gradient leaves one vocabulary chunk at a time
     loss_ws = loss_working_set(shapes, tok_mb, x.loss_chunk)
-    _add(rows, Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
-                   f"chunk {min(x.loss_chunk, tok_mb)} tokens"))
+    if rows is not None:
+        rows.append(Row("gpu", "loss chunk (logits never exist whole)", loss_ws,
+                        f"chunk {min(x.loss_chunk, tok_mb)} tokens"))
     return loss_ws, shapes.vocab * shapes.hidden * (4 + shapes.dtype_bytes)  # its fp32 gradient and its cast
 
 
@@ -395,12 +401,12 @@ def _held_gradients(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> f
     held = (on_gpu_params * x.hold_bytes) if (x.deferred and x.hold_bytes) else 0
     held += x.grad_hold_gpu_bytes if x.deferred else 0.0
     held /= x.update_shards  # (several GPUs updating on the device: each holds its share)
-    if x.deferred:
-        _add(rows, Row("gpu", "gradients held for clipping", held,
-                       ("none: a second backward sweep (resweep)" if x.resweep else
-                        {4: "fp32", 2: "bf16"}.get(x.hold_bytes or 0, "in host memory")
-                        + (", the first groups in bf16 on the GPU" if x.grad_hold_gpu_bytes else ""))
-                       + (f"; each GPU its 1/{x.update_shards}" if x.update_shards > 1 and held else "")))
+    if x.deferred and rows is not None:
+        rows.append(Row("gpu", "gradients held for clipping", held,
+                        ("none: a second backward sweep (resweep)" if x.resweep else
+                         {4: "fp32", 2: "bf16"}.get(x.hold_bytes or 0, "in host memory")
+                         + (", the first groups in bf16 on the GPU" if x.grad_hold_gpu_bytes else ""))
+                        + (f"; each GPU its 1/{x.update_shards}" if x.update_shards > 1 and held else "")))
     return held
 
 
@@ -417,14 +423,16 @@ def _device_update(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> fl
     n = x.update_shards  # several GPUs: each its share of every group (engine/shards.py)
     update = (s * (2 * shapes.block + big) + (4 + s) * WRITEBACKS_IN_FLIGHT * shapes.block) / n \
         + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, largest / n) if shapes.update_chunked else largest / n)
-    _add(rows, Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
-                   "train.update_on=device" + (f"; each GPU updates its 1/{n} of every group" if n > 1 else "")))
+    if rows is not None:
+        rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
+                        "train.update_on=device" + (f"; each GPU updates its 1/{n} of every group" if n > 1 else "")))
     return update
 
 
+@functools.lru_cache(maxsize=4096)
 def kept_on_gpu(layers: int, every: int, activations_gpu_blocks: int) -> int:
     """Kept block inputs among the last ``activations_gpu_blocks`` blocks (a split placement keeps those on the
-    GPU)."""
+    GPU). Cached: every candidate of the search asks, with a few values."""
     return sum(1 for i in range(max(layers - activations_gpu_blocks, 0), layers) if i % max(every, 1) == 0)
 
 
@@ -461,6 +469,7 @@ def bfc_capacity(limit: float, chunk: float) -> int:
     return _bfc(limit, chunk)[0]
 
 
+@functools.lru_cache(maxsize=8192, typed=True)  # (pure; the search asks again with the same bytes)
 def _bfc(limit: float, chunk: float, stop: int | None = None) -> tuple[int, float]:
     """(arrays held, region bytes): how many arrays of ``chunk`` bytes XLA's growing BFC allocator holds under
     ``limit`` (up to ``stop`` of them), each request a new
@@ -487,6 +496,7 @@ def _bfc(limit: float, chunk: float, stop: int | None = None) -> tuple[int, floa
     return held, total
 
 
+@functools.lru_cache(maxsize=8192, typed=True)  # (pure; the search asks again with the same bytes)
 def pinned_limit(pinned: float, chunk: float = 0.0) -> float:
     """The pinned-host pool's limit the plan gives XLA (``apply_gpu_settings``), bytes, in whole GiB: room for
     fragmentation over what the plan puts there; where its arrays are large (``chunk``: the largest, more than
@@ -510,6 +520,7 @@ def residual_bytes_per_block(shapes: Shapes, head_dim: int) -> float:
     return float(shapes.batch * shapes.seq * per_token)
 
 
+@functools.lru_cache(maxsize=8192, typed=True)  # (pure; the search asks again with the same bytes)
 def grown_pool(need: float) -> float:
     """GPU bytes XLA's allocator holds once ``need`` is in use, growing on demand: each new region is
     twice the last (tsl's BFC allocator with allow_growth)."""

@@ -64,7 +64,8 @@ def _step_basis(machine: Machine) -> str:
 
 def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_dev: int, n_keep: int, stream_bytes: int,
                    moment_bytes: float, update_on: str, cpu_cores: int, attention: bool = True,
-                   placement: choose.Placement | None = None) -> dict[str, Any]:
+                   placement: choose.Placement | None = None, non_emb: int | None = None,
+                   optax_cost: Any = None) -> dict[str, Any]:
     """The step's floor terms (compute, host->GPU, GPU->host, optimizer, host copies) and the largest of
     them; ``work_s`` is their sum (the search's second key). N GPUs: each receives every block over its
     own link, all read the one host memory at once; the summed gradient leaves once, its chunks spread
@@ -72,7 +73,8 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     forward; ``resweep`` runs the backward (with its recompute) once more and streams the blocks again;
     pinned activations cross both ways; a host hold's gradient crosses back for a device-side update and
     a pageable one is copied by one host thread; ``stream_io`` sends the head twice and the batch's
-    embedding rows instead of the whole embedding and head once."""
+    embedding rows instead of the whole embedding and head once. ``non_emb``, ``optax_cost``: the model's
+    ``non_embedding_params()`` and ``_optax_cost(cfg)``, where the caller has them (the search asks thousands)."""
     train, optim, model = cfg.train, cfg.optim, cfg.model
     p = placement
     k = p.boundary_every if p else 1
@@ -82,7 +84,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # runs on every GPU alike
     shares = n_dev if (update_on == "device" and optim.kernel == "fused") else 1
     tokens = train.batch_size * cfg.data.seq_len
-    non_emb = model.non_embedding_params()
+    non_emb = model.non_embedding_params() if non_emb is None else non_emb
     attn = 12.0 * model.num_layers * model.num_heads * model.dim_per_head * cfg.data.seq_len if attention else 0.0
     hw_flops = tokens * (8 * non_emb - 2 * n_keep * shapes.block + 8 * shapes.vocab * shapes.hidden
                          + 4.0 / 6.0 * attn)
@@ -158,7 +160,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         step["d2h_s"] = ((4 + moment_bytes) * dev_params / n_dev + 4.0 * host_params + extra_d2h) / rates["d2h"]
         step["optimizer_s"] = host_params / opt_rate
         if optim.kernel == "optax":  # its update runs on the compute stream (Muon: Newton-Schulz matmuls)
-            cost = _optax_cost(cfg)
+            cost = _optax_cost(cfg) if optax_cost is None else optax_cost
             step["update_s"] = device_update_s(cost, rates["matmul_bf16" if cost.matmul_dtype == "bfloat16"
                                                          else "matmul_fp32"], GPU_MEMORY_RATE)
             step["compute_s"] += step["update_s"]
