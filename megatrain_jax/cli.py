@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from megatrain_jax.errors import UserError
@@ -31,11 +32,29 @@ def _plan(args: argparse.Namespace) -> int:
     if args.devices is not None and args.devices < 1:  # before the config: 0 is not "one GPU"
         raise UserError("--devices", f"must be a positive number of GPUs, got {args.devices}",
                         "pass --devices N with N >= 1, or leave it out for train.devices")
+    if args.processes is not None and args.processes < 1:
+        raise UserError("--processes", f"must be a positive number of processes, got {args.processes}",
+                        "pass --processes N with N >= 1, or leave it out for one process")
     cfg = load_config(args.config, args.set or [])
     if cfg.model.from_hf:
         from megatrain_jax.hf import resolve_hf_model_config
 
         resolve_hf_model_config(cfg.model)
+    if args.processes is None:
+        return _plan_printed(args, cfg)
+    before = os.environ.get("MEGATRAIN_NUM_PROCESSES")
+    os.environ["MEGATRAIN_NUM_PROCESSES"] = str(args.processes)  # what the plan reads (plan.machine.process_count)
+    try:
+        return _plan_printed(args, cfg)
+    finally:
+        if before is None:
+            os.environ.pop("MEGATRAIN_NUM_PROCESSES", None)
+        else:
+            os.environ["MEGATRAIN_NUM_PROCESSES"] = before
+
+
+def _plan_printed(args: argparse.Namespace, cfg) -> int:
+    """``plan``'s table (or JSON) of ``cfg``; 2 when it does not fit."""
     from megatrain_jax.plan import plan_of, plan_table, scaling_rows, scaling_table, target_machine
 
     target = {k: getattr(args, k) for k in ("gpu_memory_gb", "host_memory_gb", "pcie_gbps", "gpu_tflops", "cpu_cores")}
@@ -76,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--devices", type=int, default=None, help="plan for N GPUs (default: train.devices)")
     p.add_argument("--scaling", action="store_true", help="also predict 1, 2, 4 and 8 GPUs (data parallel)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="plan one of N processes (hosts) of a multi-host run: what each needs (with "
+                        "train.host_state=sharded its 1/N of the store); default: MEGATRAIN_NUM_PROCESSES or 1")
     # plan for a machine you are not on (any of these describes the target; the rest is this machine's)
     p.add_argument("--gpu-memory-gb", type=float, default=None, help="the target GPU's memory")
     p.add_argument("--host-memory-gb", type=float, default=None, help="the target host's memory limit")

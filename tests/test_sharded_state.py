@@ -140,3 +140,24 @@ def test_a_sharded_host_state_refuses_what_cannot_run_it_in_one_line(tmp_path):
     with pytest.raises(UserError) as e:
         load_config(os.path.join(REPO, "configs/tiny.yaml"), ["train.host_state=mirrored"])
     assert e.value.field == "train.host_state"
+
+
+def test_plan_says_what_each_of_n_processes_needs(capsys):
+    """``plan --processes N``: the 70B (AdamW int8) on four 128 GB hosts fits with a sharded host state (each process
+    plans its quarter of the store) and is refused replicated; a process count below 1 is refused in one line."""
+    from cli_runner import run_in_process
+
+    def plan(*extra):
+        res = run_in_process(["plan", os.path.join(REPO, "configs/llama2-70b.yaml"), "--gpu-memory-gb", "80",
+                              "--host-memory-gb", "128", "--set", "train.batch_size=8", "--json", *extra], capsys)
+        return res, (json.loads(res.stdout) if res.stdout.strip().startswith("{") else None)
+
+    res, sharded = plan("--processes", "4", "--set", "train.host_state=sharded")
+    assert res.rc == 0, str(res)[-2000:]
+    rows = {r["what"]: r["bytes"] for r in sharded["rows"] if r["where"] == "host"}
+    assert rows["fp32 master weights"] == pytest.approx(4.0 * sharded["params"] / 4, rel=1e-6)
+    assert sharded["options"]["host_state"] == "sharded" and sharded["options"]["update_on"] == "device"
+    res, _ = plan("--processes", "4")
+    assert res.rc == 2  # a whole replica in each 128 GB host does not fit
+    res, _ = plan("--processes", "0")
+    assert res.rc == 2 and "--processes" in res.stderr and len(res.error_lines()) == 1
