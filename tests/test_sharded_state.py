@@ -157,6 +157,8 @@ def test_plan_says_what_each_of_n_processes_needs(capsys):
     rows = {r["what"]: r["bytes"] for r in sharded["rows"] if r["where"] == "host"}
     assert rows["fp32 master weights"] == pytest.approx(4.0 * sharded["params"] / 4, rel=1e-6)
     assert sharded["options"]["host_state"] == "sharded" and sharded["options"]["update_on"] == "device"
+    from megatrain_jax.plan.sizes import RUNTIME_HOST_BYTES
+    assert rows["runtime (Python, JAX, CUDA context)"] == RUNTIME_HOST_BYTES["gpu"]  # its own GPU's context, not 4
     res, _ = plan("--processes", "4")
     assert res.rc == 2  # a whole replica in each 128 GB host does not fit
     res, _ = plan("--processes", "0")

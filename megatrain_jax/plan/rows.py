@@ -50,7 +50,8 @@ class PlacementCosts:
     on_gpu: bool = field(init=False)
     chunked: bool = field(init=False)  # the fused kernel takes the gradient in slabs of GRAD_SLAB_ELEMS values
     slab: int = field(init=False)  # bytes of one pinned gradient slab
-    host_act_bytes: float = field(init=False)  # every block's boundary activation, all GPUs
+    host_act_bytes: float = field(init=False)  # every block's boundary activation, this process's GPUs
+    local_dev: int = field(init=False)  # this process's GPUs (n_dev over the processes of a multi-host run)
     non_emb: int = field(init=False)  # the model's non-embedding parameters (counted once for every step)
     _steps: dict[tuple, dict] = field(init=False, repr=False, default_factory=dict)
     _placed_sums: dict[tuple, float] = field(init=False, repr=False, default_factory=dict)
@@ -61,8 +62,17 @@ class PlacementCosts:
         self.on_gpu = self.machine.backend == "gpu"
         self.chunked = self.cfg.optim.kernel == "fused"
         self.slab = (min(GRAD_SLAB_ELEMS, s.largest_group) if self.chunked else s.largest_group) * 4
-        self.host_act_bytes = float(s.layers * s.batch * s.seq * s.hidden * s.dtype_bytes * self.n_dev)
+        # host memory is per process: its own GPUs' parked activations, CUDA contexts and pool tables
+        self.local_dev = max(self.n_dev // process_count(), 1)
+        self.host_act_bytes = float(s.layers * s.batch * s.seq * s.hidden * s.dtype_bytes * self.local_dev)
         self.non_emb = self.cfg.model.non_embedding_params()
+
+    @property
+    def hold_share(self) -> float:
+        """The part of the held gradients in this process's host memory: where the GPUs split a device-side update
+        each holds its share (engine/shards.py), so a process of several holds its GPUs' shares only."""
+        split = self.update_on == "device" and self.n_dev > 1 and self.chunked
+        return self.local_dev / self.n_dev if split else 1.0
 
     def has_slabs(self, p: choose.Placement) -> bool:
         return has_slabs(self.on_gpu, self.update_on, p)
@@ -79,8 +89,9 @@ class PlacementCosts:
             slab_row = Row("host", "gradient staging (pinned slabs)", float(slab * slabs),
                            f"{slabs} x {slab / GiB:.3f} GiB (train.grad_slabs)")
         rows = host_rows(self.cfg, shapes, self.moment_bytes, host_copy=self.host_copy, on_gpu=self.on_gpu,
-                         n_dev=self.n_dev, placed=p, host_act_bytes=self.host_act_bytes, slab_row=slab_row,
-                         update_on=self.update_on, optax_group_bytes=self.optax_group, store_share=store_share(self.cfg))
+                         n_dev=self.local_dev, placed=p, host_act_bytes=self.host_act_bytes, slab_row=slab_row,
+                         update_on=self.update_on, optax_group_bytes=self.optax_group, store_share=store_share(self.cfg),
+                         hold_share=self.hold_share)
         arrays = pinned_need(rows)
         in_use = pinned_in_use(rows, shapes, p.boundary_every, p.grad_hold_gpu_groups, arrays,
                                p.activations_gpu_blocks, HOST_HOLD_BYTES[p.grad_hold]) \
@@ -103,12 +114,12 @@ class PlacementCosts:
             groups = [shapes.block] + ([] if p.stream_io else [shapes.embed, shapes.head])
             sizes.append(HOST_HOLD_BYTES[p.grad_hold] * max(groups))
         if p.activations == "pinned_host":
-            sizes.append(self.host_act_bytes / max(shapes.layers * self.n_dev, 1))
+            sizes.append(self.host_act_bytes / max(shapes.layers * self.local_dev, 1))
         return max(sizes)
 
     def gpu_side_rows(self, p: choose.Placement) -> list[Row]:
         """The host rows that follow from ``p``'s GPU bytes: XLA's pool table (the CPU backend: the buffers)."""
-        pool_row, _, _ = xla_pool(self.machine, self.gpu_budget, p.gpu_need, self.n_dev)
+        pool_row, _, _ = xla_pool(self.machine, self.gpu_budget, p.gpu_need, self.local_dev)
         rows = [] if pool_row is None else [pool_row]
         if not self.on_gpu:
             rows.append(Row("host", "device buffers (the CPU backend's device memory is host memory)", p.gpu_need))
@@ -157,7 +168,7 @@ def store_share(cfg: Config) -> float:
 
 def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bool, on_gpu: bool, n_dev: int,
               placed: choose.Placement, host_act_bytes: float, slab_row: Row | None, update_on: str = "host",
-              optax_group_bytes: float = 0.0, store_share: float = 1.0) -> list[Row]:
+              optax_group_bytes: float = 0.0, store_share: float = 1.0, hold_share: float = 1.0) -> list[Row]:
     """Host memory by component: the store, the pinned buffers the placement asks for, the checkpoint
     writer, the data loader and the runtime (``slab_row``: the gradient slabs of a host update; ``store_share``:
     the part of the store this process backs, ``train.host_state=sharded``)."""
@@ -188,6 +199,8 @@ def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bo
                         f"{chunks} chunks: the output matrix, vocabulary-major, in the compute dtype"))
         rows.append(Row("host", "head chunks' gradients on their way (pinned)", 2.0 * chunk, "two chunks"))
     held = shapes.params - io_grads - placed.grad_hold_gpu_params
+    if hold_share != 1.0:  # a split device update over several processes: this process's GPUs' shares
+        held *= hold_share
     split = f"; the first {placed.grad_hold_gpu_groups} groups wait on the GPU" if placed.grad_hold_gpu_groups \
         else ""
     if placed.grad_hold in PINNED_HOLDS:
