@@ -274,11 +274,13 @@ class CheckpointSaver:
         returns once the checkpoint is committed.
         """
         t0 = time.perf_counter()
-        self.wait()
         if wait and hasattr(self.trainer, "finish"):
             # the loop is paused anyway: apply the queued updates now (the engine otherwise paces
-            # deferred gradient copies by the next step's forward, which is not coming)
+            # deferred gradient copies by the next step's forward, which is not coming). Before waiting for a
+            # save still in flight: with device-side updates that save waits for these very updates (a save of
+            # the last step, then the final one, hung here until the watchdog ended the run)
             self.trainer.finish()
+        self.wait()
         final = os.path.join(self.root, step_dirname(step))
         if os.path.isdir(final):  # this state is already saved (e.g. a signal right after a resume)
             self.last_path = final

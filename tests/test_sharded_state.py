@@ -163,3 +163,63 @@ def test_plan_says_what_each_of_n_processes_needs(capsys):
     assert res.rc == 2  # a whole replica in each 128 GB host does not fit
     res, _ = plan("--processes", "0")
     assert res.rc == 2 and "--processes" in res.stderr and len(res.error_lines()) == 1
+
+
+def _hooked(out, hooks_of, *extra: str, timeout: float = 300):
+    """tests/train_with_hooks.py as two sharded processes (``hooks_of(p)``: process p's hook arguments); returns
+    (return codes, outputs). A process whose save waits for a killed one fails that save after 5 s."""
+    port = _free_port()
+    sets = ["--set", "train.steps=4", "--set", "train.ckpt_every=2", "--set", "optim.schedule.warmup_steps=1",
+            "--set", "train.batch_size=4", "--set", "data.seq_len=32", "--set", "model.num_layers=2",
+            "--set", "train.log_every=1", "--set", "train.host_state=sharded", "--set", "train.stream_copy=device",
+            "--set", "train.grad_hold=gpu_fp32", "--set", f"train.out_dir={out}", *extra]
+    procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "train_with_hooks.py"), *hooks_of(i), "--",
+                               "train", "configs/tiny.yaml", *sets],
+                              env=_env(1, MEGATRAIN_COORDINATOR=f"localhost:{port}", MEGATRAIN_NUM_PROCESSES="2",
+                                       MEGATRAIN_PROCESS_ID=str(i), MEGATRAIN_SHARD_WAIT_S="5"),
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], logs
+
+
+def test_one_process_killed_mid_save_loses_nothing_and_a_nan_step_is_skipped_by_both(tmp_path):
+    """Process 1 is killed in the middle of its shard of step 4's save: process 0 fails that save in one line naming
+    the missing shard and commits nothing; step 2's checkpoint resumes, and the run ends bit for bit as one never
+    interrupted. Step 3's forward is NaN in both processes: both skip it (the same end as the straight run)."""
+    nan = ["--nan-steps", "3"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    rcs, logs = _hooked(straight, lambda p: nan)
+    assert rcs == [0, 0], logs[0][-3000:]
+    assert "step 3: non-finite loss" in logs[0]
+    rcs, logs = _hooked(killed, lambda p: nan + (["--kill-in-save", "4"] if p == 1 else []))
+    assert rcs[0] != 0 and rcs[1] != 0
+    assert "shard_1" in logs[0] and "not written" in logs[0], logs[0][-3000:]
+    assert sorted(os.listdir(killed / "checkpoints")) == ["step_00000002"]  # step 4 never committed, nothing half-left
+    rcs, logs = _hooked(killed, lambda p: nan, "--resume")
+    assert rcs == [0, 0], logs[0][-3000:]
+    with open(straight / "metrics.jsonl") as f, open(killed / "metrics.jsonl") as g:
+        assert [json.loads(x)["loss"] for x in f] == [json.loads(x)["loss"] for x in g]
+    from megatrain_jax.checkpoint_read import load_checkpoint_arrays
+
+    a, _ = load_checkpoint_arrays(str(straight / "checkpoints" / "step_00000004"))
+    b, _ = load_checkpoint_arrays(str(killed / "checkpoints" / "step_00000004"))
+    for grp in a:
+        for k in a[grp]:
+            np.testing.assert_array_equal(b[grp][k], a[grp][k], err_msg=f"{grp}/{k}")
+
+
+def test_a_device_update_run_saving_at_its_last_step_ends(tmp_path):
+    """update_on=device, a checkpoint every 2 steps of 4: the save at step 4 waits for updates that only the final
+    save applies; the final save used to wait for it first, and the run hung until its watchdog (s20)."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "megatrain_jax", "train", "configs/tiny.yaml", "--set", "train.steps=4",
+                        "--set", "train.ckpt_every=2", "--set", "optim.schedule.warmup_steps=1", "--set",
+                        "train.batch_size=4", "--set", "data.seq_len=32", "--set", "model.num_layers=2", "--set",
+                        "train.update_on=device", "--set", "train.stream_copy=device", "--set",
+                        f"train.out_dir={out}"], env=_env(1), cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000002", "step_00000004"]
