@@ -239,6 +239,7 @@ class CheckpointSaver:
         # a sharded store (train.host_state=sharded) over several processes: each saves its own values
         self.shard = shards.shard_of_process()
         self.sharded = getattr(trainer.store, "owned", None) is not None and self.shard[1] > 1
+        self._shard_saved: int | None = None  # process p > 0: the step whose shard it wrote last (never written again)
         os.makedirs(root, exist_ok=True)
         for path in leftovers(root) if self.shard[0] == 0 else ():  # (process 0's to clean up)
             log(f"checkpoint: removing {path} (left by an interrupted save)")
@@ -282,7 +283,8 @@ class CheckpointSaver:
             self.trainer.finish()
         self.wait()
         final = os.path.join(self.root, step_dirname(step))
-        if os.path.isdir(final):  # this state is already saved (e.g. a signal right after a resume)
+        if os.path.isdir(final) or self._shard_saved == step:  # this state is already saved (e.g. a signal right
+            # after a resume; sharded, process p > 0: its shard of this step is written, and process 0 commits it)
             self.last_path = final
             return final
         tmp = final + ".tmp"
@@ -424,6 +426,7 @@ class CheckpointSaver:
                 write_json(os.path.join(base, MANIFEST), dict(top, shard=self.shard[0], shards=self.shard[1]))
                 fsync_dir(base)
                 if self.shard[0] != 0:
+                    self._shard_saved = job.step
                     return
                 top = {"format": FORMAT, "step": job.step, "count": job.count, "order": job.order,
                        "shards": self.shard[1], "nbytes": st.nbytes,

@@ -12,6 +12,9 @@ Launch (each process gets the same command and config; only the id differs):
 
     MEGATRAIN_COORDINATOR=host0:12355 MEGATRAIN_NUM_PROCESSES=2 MEGATRAIN_PROCESS_ID=0 megatrain-jax train CFG
     MEGATRAIN_COORDINATOR=host0:12355 MEGATRAIN_NUM_PROCESSES=2 MEGATRAIN_PROCESS_ID=1 megatrain-jax train CFG
+
+``MEGATRAIN_HEARTBEAT_S`` (optional): seconds without a process's heartbeat before the others end (JAX's 100).
+With ``train.host_state=sharded`` each process keeps only its GPUs' shares instead of a replica (hoststore.own).
 """
 from __future__ import annotations
 
@@ -45,9 +48,19 @@ def initialize_from_env() -> bool:
     if n < 1 or not 0 <= i < n:
         raise UserError("MEGATRAIN_PROCESS_ID", f"must be in 0..{n - 1} for {n} processes, got {i}",
                         "number the processes 0..N-1")
+    # how long the others wait for a process that stopped answering before the run ends (JAX's default: 100 s)
+    beat = os.environ.get("MEGATRAIN_HEARTBEAT_S", "").strip()
+    try:
+        heartbeat = int(beat) if beat else 100
+    except ValueError:
+        heartbeat = 0
+    if heartbeat < 1:
+        raise UserError("MEGATRAIN_HEARTBEAT_S", f"must be a positive number of seconds, got {beat!r}",
+                        "e.g. MEGATRAIN_HEARTBEAT_S=30, or unset for JAX's 100 s")
     if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=i)
+    jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=i,
+                               heartbeat_timeout_seconds=heartbeat)
     return True
 
 
