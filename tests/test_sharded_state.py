@@ -227,3 +227,18 @@ def test_a_device_update_run_saving_at_its_last_step_ends(tmp_path):
                         f"train.out_dir={out}"], env=_env(1), cwd=REPO, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-2000:]
     assert sorted(os.listdir(out / "checkpoints")) == ["step_00000002", "step_00000004"]
+
+
+def test_a_bad_heartbeat_is_refused_in_one_line(monkeypatch):
+    """MEGATRAIN_HEARTBEAT_S must be a positive number of seconds: refused before anything joins."""
+    from megatrain_jax.distributed import initialize_from_env
+    from megatrain_jax.errors import UserError
+
+    monkeypatch.setenv("MEGATRAIN_COORDINATOR", "localhost:1")
+    monkeypatch.setenv("MEGATRAIN_NUM_PROCESSES", "2")
+    monkeypatch.setenv("MEGATRAIN_PROCESS_ID", "0")
+    for bad in ("abc", "0", "-5"):
+        monkeypatch.setenv("MEGATRAIN_HEARTBEAT_S", bad)
+        with pytest.raises(UserError) as e:
+            initialize_from_env()
+        assert e.value.field == "MEGATRAIN_HEARTBEAT_S"
