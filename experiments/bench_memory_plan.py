@@ -63,7 +63,10 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
     flags = [x for s in sets for x in ("--set", s)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     py = [sys.executable, "-m", "megatrain_jax"]
-    plan = subprocess.run(py + ["plan", config, "--json"] + flags, cwd=ROOT, env=env, capture_output=True, text=True)
+    # a process of a multi-process run plans its own share: its one GPU, and --processes (sharded: 1/N of the store)
+    plan_env, plan_extra = (env, []) if procs == 1 else (dict(env, CUDA_VISIBLE_DEVICES="0"), ["--processes", str(procs)])
+    plan = subprocess.run(py + ["plan", config, "--json"] + plan_extra + flags, cwd=ROOT, env=plan_env,
+                          capture_output=True, text=True)
     res = {"case": name, "config": config, "overrides": sets, "plan_rc": plan.returncode}
     try:
         res["plan"] = json.loads(plan.stdout)
@@ -83,11 +86,13 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
                                    env=dict(env, MEGATRAIN_COORDINATOR=f"127.0.0.1:{port}",
                                             MEGATRAIN_NUM_PROCESSES=str(procs), MEGATRAIN_PROCESS_ID=str(i),
                                             CUDA_VISIBLE_DEVICES=str(i))) for i in range(procs)]
-        peak = {"rss_kb": 0, "used_gb": 0.0}
+        peak = {"rss_kb": 0, "used_gb": 0.0, "hwm_kb": [0] * len(ps)}
 
         def sample():
             while any(q.poll() is None for q in ps):
                 peak["rss_kb"] = max(peak["rss_kb"], sum(_status_kb(q.pid, "VmRSS:") for q in ps))
+                # each process's own peak: the kernel's high-water mark, read while it lives
+                peak["hwm_kb"] = [max(h, _status_kb(q.pid, "VmHWM:")) for h, q in zip(peak["hwm_kb"], ps)]
                 peak["used_gb"] = max(peak["used_gb"], _used_gb())
                 time.sleep(0.1)
 
@@ -96,6 +101,7 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
         rc = max(abs(q.wait()) for q in ps)
         th.join()
     res.update({"rc": rc, "wall_s": time.perf_counter() - t0, "sampled_peak_rss_gb": peak["rss_kb"] * 1024 / 1e9,
+                "per_process_peak_rss_gb": [h * 1024 / 1e9 for h in peak["hwm_kb"]],
                 "machine_used_before_gb": used0, "machine_used_peak_gb": peak["used_gb"]})
     with open(log_path) as f:
         tail = f.read()[-3000:]
@@ -123,8 +129,9 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
                     "model_tflops": statistics.median(r["model_tflops"] for r in timed),
                     "model_tflops_with_attention": statistics.median(r["model_tflops_with_attention"] for r in timed),
                     "losses": [r["loss"] for r in recs]})
-    if recs and procs > 1:  # process 0's own peak is in its metrics; the sum of all is sampled
-        res["peak_host_rss_gb"] = res["sampled_peak_rss_gb"]
+    if recs and procs > 1:  # each process's plan is its own: the largest process's peak (the sum is sampled too)
+        res["peak_host_rss_gb"] = max(res["per_process_peak_rss_gb"])
+        res["all_processes_peak_rss_gb"] = res["sampled_peak_rss_gb"]
         res["peak_gpu_gb"] = max(r.get("gpu_peak_gb", 0) for r in recs)
     elif recs:
         res["peak_host_rss_gb"] = max(r.get("host_peak_rss_gb", 0) for r in recs)

@@ -25,10 +25,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from megatrain_jax.distributed import shard_wait_s
 from megatrain_jax.plan.machine import process_count
 
-SHARD_WAIT_S = 600.0  # process 0 waits this long for the other shards of a save before it fails (the environment's
-#                      MEGATRAIN_SHARD_WAIT_S overrides it: the tests, where a killed process must fail the save fast)
 
 
 def shard_of_process() -> tuple[int, int]:
@@ -57,7 +56,7 @@ def owned_slices(g: Any, arrays: dict[str, np.ndarray], owned: tuple[int, int], 
 
 def wait_for_shards(step_tmp: str, n: int, abandoned: Callable[[], bool], manifest_name: str) -> dict[str, int]:
     """Process 0, before it commits: every shard's manifest is there; returns their crc32 by shard."""
-    t0, limit = time.monotonic(), float(os.environ.get("MEGATRAIN_SHARD_WAIT_S", SHARD_WAIT_S))
+    t0, limit = time.monotonic(), shard_wait_s()
     while True:
         paths = {f"shard_{p}": os.path.join(shard_dir(step_tmp, p), manifest_name) for p in range(n)}
         missing = [s for s, path in paths.items() if not os.path.isfile(path)]

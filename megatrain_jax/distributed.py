@@ -14,6 +14,7 @@ Launch (each process gets the same command and config; only the id differs):
     MEGATRAIN_COORDINATOR=host0:12355 MEGATRAIN_NUM_PROCESSES=2 MEGATRAIN_PROCESS_ID=1 megatrain-jax train CFG
 
 ``MEGATRAIN_HEARTBEAT_S`` (optional): seconds without a process's heartbeat before the others end (JAX's 100).
+``MEGATRAIN_SHARD_WAIT_S`` (optional): seconds process 0 waits for the other shards of a checkpoint (600).
 With ``train.host_state=sharded`` each process keeps only its GPUs' shares instead of a replica (hoststore.own).
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 from megatrain_jax.errors import UserError
 
 ENV = ("MEGATRAIN_COORDINATOR", "MEGATRAIN_NUM_PROCESSES", "MEGATRAIN_PROCESS_ID")
+SHARD_WAIT_S = 600  # process 0 waits this long for the other shards of a save before it fails (the tests: 2 s)
 
 
 def initialize_from_env() -> bool:
@@ -49,19 +51,32 @@ def initialize_from_env() -> bool:
         raise UserError("MEGATRAIN_PROCESS_ID", f"must be in 0..{n - 1} for {n} processes, got {i}",
                         "number the processes 0..N-1")
     # how long the others wait for a process that stopped answering before the run ends (JAX's default: 100 s)
-    beat = os.environ.get("MEGATRAIN_HEARTBEAT_S", "").strip()
-    try:
-        heartbeat = int(beat) if beat else 100
-    except ValueError:
-        heartbeat = 0
-    if heartbeat < 1:
-        raise UserError("MEGATRAIN_HEARTBEAT_S", f"must be a positive number of seconds, got {beat!r}",
-                        "e.g. MEGATRAIN_HEARTBEAT_S=30, or unset for JAX's 100 s")
+    heartbeat = positive_seconds("MEGATRAIN_HEARTBEAT_S", 100, "e.g. MEGATRAIN_HEARTBEAT_S=30, or unset for JAX's 100 s")
+    shard_wait_s()  # refused here, before anything joins, not at the first save
     if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coord, num_processes=n, process_id=i,
                                heartbeat_timeout_seconds=heartbeat)
     return True
+
+
+def positive_seconds(name: str, default: int, fix: str) -> int:
+    """A whole number of seconds from the environment variable ``name`` (``default`` when unset); anything else is
+    refused in one line naming it."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = int(raw) if raw else default
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UserError(name, f"must be a positive number of seconds, got {raw!r}", fix)
+    return value
+
+
+def shard_wait_s() -> int:
+    """How long process 0 waits for the other processes' shards of a save before it fails that save
+    (``MEGATRAIN_SHARD_WAIT_S``, default 600 s)."""
+    return positive_seconds("MEGATRAIN_SHARD_WAIT_S", SHARD_WAIT_S, "e.g. MEGATRAIN_SHARD_WAIT_S=600, or unset for 600 s")
 
 
 def run_devices(spec: int | str = "all") -> list[jax.Device]:

@@ -165,9 +165,10 @@ def test_plan_says_what_each_of_n_processes_needs(capsys):
     assert res.rc == 2 and "--processes" in res.stderr and len(res.error_lines()) == 1
 
 
-def _hooked(out, hooks_of, *extra: str, timeout: float = 300):
-    """tests/train_with_hooks.py as two sharded processes (``hooks_of(p)``: process p's hook arguments); returns
-    (return codes, outputs). A process whose save waits for a killed one fails that save after 2 s, long before the 30 s heartbeat ends it."""
+def _hooked(out, hooks_of, *extra: str, processes: int = 4, timeout: float = 300):
+    """tests/train_with_hooks.py as ``processes`` sharded processes (``hooks_of(p)``: process p's hook arguments);
+    returns (return codes, outputs). A process whose save waits for a killed one fails that save after 2 s, long
+    before the 30 s heartbeat ends it."""
     port = _free_port()
     sets = ["--set", "train.steps=4", "--set", "train.ckpt_every=2", "--set", "optim.schedule.warmup_steps=1",
             "--set", "train.batch_size=4", "--set", "data.seq_len=32", "--set", "model.num_layers=2",
@@ -175,10 +176,11 @@ def _hooked(out, hooks_of, *extra: str, timeout: float = 300):
             "--set", "train.grad_hold=gpu_fp32", "--set", f"train.out_dir={out}", *extra]
     procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "train_with_hooks.py"), *hooks_of(i), "--",
                                "train", "configs/tiny.yaml", *sets],
-                              env=_env(1, MEGATRAIN_COORDINATOR=f"localhost:{port}", MEGATRAIN_NUM_PROCESSES="2",
-                                       MEGATRAIN_PROCESS_ID=str(i), MEGATRAIN_SHARD_WAIT_S="2",
-                                       MEGATRAIN_HEARTBEAT_S="30"),
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+                              env=_env(1, MEGATRAIN_COORDINATOR=f"localhost:{port}",
+                                       MEGATRAIN_NUM_PROCESSES=str(processes), MEGATRAIN_PROCESS_ID=str(i),
+                                       MEGATRAIN_SHARD_WAIT_S="2", MEGATRAIN_HEARTBEAT_S="30"),
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(processes)]
     try:
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
@@ -187,23 +189,26 @@ def _hooked(out, hooks_of, *extra: str, timeout: float = 300):
     return [p.returncode for p in procs], logs
 
 
-def test_one_process_killed_mid_save_loses_nothing_and_a_nan_step_is_skipped_by_both(tmp_path):
-    """Process 1 is killed in the middle of its shard of step 4's save: process 0 commits nothing (it fails that save
-    naming the missing shard, or is ended by the heartbeat first); step 2's checkpoint resumes, and the run ends bit
-    for bit as one never interrupted. Step 3's forward is NaN in both processes: both skip it (the same end as the straight run)."""
+def test_one_of_four_processes_killed_mid_save_loses_nothing_and_a_nan_step_is_skipped_by_all(tmp_path):
+    """Four sharded processes; process 2 is killed in the middle of its shard of step 4's save: process 0 commits
+    nothing (it fails that save naming the missing shard, or is ended by the heartbeat first); step 2's checkpoint
+    resumes, and the run ends bit for bit as one never interrupted. Step 3's forward is NaN in every process: all
+    skip it (the same end as the straight run)."""
     nan = ["--nan-steps", "3"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     rcs, logs = _hooked(straight, lambda p: nan)
-    assert rcs == [0, 0], logs[0][-3000:]
+    assert rcs == [0] * 4, logs[0][-3000:]
     assert "step 3: non-finite loss" in logs[0]
-    rcs, logs = _hooked(killed, lambda p: nan + (["--kill-in-save", "4"] if p == 1 else []))
-    assert rcs[0] != 0 and rcs[1] != 0
+    assert sorted(os.listdir(straight / "checkpoints" / "step_00000004")) == [
+        "manifest.json", "shard_0", "shard_1", "shard_2", "shard_3", "state.json"]
+    rcs, logs = _hooked(killed, lambda p: nan + (["--kill-in-save", "4"] if p == 2 else []))
+    assert all(rc != 0 for rc in rcs), rcs
     # process 0 says so: its save failed for the missing shard, or (when its next collective waits for the dead
     # process first) JAX's coordination service ended it once the heartbeat stopped
-    assert ("shard_1" in logs[0] and "not written" in logs[0]) or "another task died" in logs[0], logs[0][-3000:]
+    assert ("shard_2" in logs[0] and "not written" in logs[0]) or "another task died" in logs[0], logs[0][-3000:]
     assert "step_00000004" not in os.listdir(killed / "checkpoints")  # step 4 never committed
     rcs, logs = _hooked(killed, lambda p: nan, "--resume")
-    assert rcs == [0, 0], logs[0][-3000:]
+    assert rcs == [0] * 4, logs[0][-3000:]
     assert sorted(os.listdir(killed / "checkpoints")) == ["step_00000002", "step_00000004"]  # nothing half-left
     with open(straight / "metrics.jsonl") as f, open(killed / "metrics.jsonl") as g:
         assert [json.loads(x)["loss"] for x in f] == [json.loads(x)["loss"] for x in g]
@@ -229,8 +234,10 @@ def test_a_device_update_run_saving_at_its_last_step_ends(tmp_path):
     assert sorted(os.listdir(out / "checkpoints")) == ["step_00000002", "step_00000004"]
 
 
-def test_a_bad_heartbeat_is_refused_in_one_line(monkeypatch):
-    """MEGATRAIN_HEARTBEAT_S must be a positive number of seconds: refused before anything joins."""
+@pytest.mark.parametrize("name", ["MEGATRAIN_HEARTBEAT_S", "MEGATRAIN_SHARD_WAIT_S"])
+def test_a_bad_heartbeat_or_shard_wait_is_refused_in_one_line(monkeypatch, name):
+    """MEGATRAIN_HEARTBEAT_S and MEGATRAIN_SHARD_WAIT_S must be positive numbers of seconds: refused before anything
+    joins, naming the variable."""
     from megatrain_jax.distributed import initialize_from_env
     from megatrain_jax.errors import UserError
 
@@ -238,7 +245,7 @@ def test_a_bad_heartbeat_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv("MEGATRAIN_NUM_PROCESSES", "2")
     monkeypatch.setenv("MEGATRAIN_PROCESS_ID", "0")
     for bad in ("abc", "0", "-5"):
-        monkeypatch.setenv("MEGATRAIN_HEARTBEAT_S", bad)
+        monkeypatch.setenv(name, bad)
         with pytest.raises(UserError) as e:
             initialize_from_env()
-        assert e.value.field == "MEGATRAIN_HEARTBEAT_S"
+        assert e.value.field == name and bad in str(e.value) and "\n" not in str(e.value)
