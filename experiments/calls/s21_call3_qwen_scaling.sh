@@ -5,9 +5,9 @@
 # weak4 within 3% of 4x (s19: 3.81x with the host update).
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 date -u
-timeout 570 python experiments/bench_data_parallel.py --out $OUT --gpus 1,4 --runs weak --host-gb 480 --steps 5 \
+timeout 400 python experiments/bench_data_parallel.py --out $OUT --gpus 1,4 --runs weak --host-gb 480 --steps 5 \
   --model "qwen7b=configs/qwen2.5-7b.yaml;128" 2>&1 | grep -v "^step\|Gloo" | tail -6 | cut -c1-1200
 date -u
-timeout 200 python experiments/bench_data_parallel.py --out $OUT --gpus 4 --runs strong --host-gb 480 --steps 5 \
+timeout 170 python experiments/bench_data_parallel.py --out $OUT --gpus 4 --runs strong --host-gb 480 --steps 5 \
   --model "qwen7b_fixed128=configs/qwen2.5-7b.yaml;32" 2>&1 | grep -v "^step\|Gloo" | tail -4 | cut -c1-1200
 date -u
