@@ -168,18 +168,22 @@ def test_plan_says_what_each_of_n_processes_needs(capsys):
 def _hooked(out, hooks_of, *extra: str, processes: int = 4, timeout: float = 300):
     """tests/train_with_hooks.py as ``processes`` sharded processes (``hooks_of(p)``: process p's hook arguments);
     returns (return codes, outputs). A process whose save waits for a killed one fails that save after 2 s, long
-    before the 30 s heartbeat ends it."""
+    before the 30 s heartbeat ends it. ``processes=1``: one process of four devices, the host store replicated (what
+    the sharded processes must equal)."""
     port = _free_port()
+    if processes == 1:
+        extra = ("--set", "train.host_state=replicated", "--set", "train.update_on=device", "--set", "train.fetch=split",
+                 *extra)
+    launch = (lambda i: _env(4)) if processes == 1 else (
+        lambda i: _env(1, MEGATRAIN_COORDINATOR=f"localhost:{port}", MEGATRAIN_NUM_PROCESSES=str(processes),
+                       MEGATRAIN_PROCESS_ID=str(i), MEGATRAIN_SHARD_WAIT_S="2", MEGATRAIN_HEARTBEAT_S="30"))
     sets = ["--set", "train.steps=4", "--set", "train.ckpt_every=2", "--set", "optim.schedule.warmup_steps=1",
             "--set", "train.batch_size=4", "--set", "data.seq_len=32", "--set", "model.num_layers=2",
             "--set", "train.log_every=1", "--set", "train.host_state=sharded", "--set", "train.stream_copy=device",
             "--set", "train.grad_hold=gpu_fp32", "--set", f"train.out_dir={out}", *extra]
     procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "train_with_hooks.py"), *hooks_of(i), "--",
                                "train", "configs/tiny.yaml", *sets],
-                              env=_env(1, MEGATRAIN_COORDINATOR=f"localhost:{port}",
-                                       MEGATRAIN_NUM_PROCESSES=str(processes), MEGATRAIN_PROCESS_ID=str(i),
-                                       MEGATRAIN_SHARD_WAIT_S="2", MEGATRAIN_HEARTBEAT_S="30"),
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=launch(i), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(processes)]
     try:
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -190,17 +194,22 @@ def _hooked(out, hooks_of, *extra: str, processes: int = 4, timeout: float = 300
 
 
 def test_one_of_four_processes_killed_mid_save_loses_nothing_and_a_nan_step_is_skipped_by_all(tmp_path):
-    """Four sharded processes; process 2 is killed in the middle of its shard of step 4's save: process 0 commits
+    """Four sharded processes train what one process of four devices trains (replicated store), with clipping, 4
+    steps: to float rounding, not bit for bit (gloo sums four members' gradients in another order than the in-process
+    collective; with two members the order is the same, and the two-process test above is bit for bit). Then process 2 is killed in the middle of its shard of step 4's save: process 0 commits
     nothing (it fails that save naming the missing shard, or is ended by the heartbeat first); step 2's checkpoint
     resumes, and the run ends bit for bit as one never interrupted. Step 3's forward is NaN in every process: all
-    skip it (the same end as the straight run)."""
+    skip it (the same end as the straight run and the one-process run)."""
     nan = ["--nan-steps", "3"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight, killed, one = tmp_path / "straight", tmp_path / "killed", tmp_path / "one"
     rcs, logs = _hooked(straight, lambda p: nan)
     assert rcs == [0] * 4, logs[0][-3000:]
     assert "step 3: non-finite loss" in logs[0]
     assert sorted(os.listdir(straight / "checkpoints" / "step_00000004")) == [
         "manifest.json", "shard_0", "shard_1", "shard_2", "shard_3", "state.json"]
+    rcs, logs = _hooked(one, lambda p: nan, processes=1)
+    assert rcs == [0], logs[0][-3000:]
+    assert "step 3: non-finite loss" in logs[0]
     rcs, logs = _hooked(killed, lambda p: nan + (["--kill-in-save", "4"] if p == 2 else []))
     assert all(rc != 0 for rc in rcs), rcs
     # process 0 says so: its save failed for the missing shard, or (when its next collective waits for the dead
@@ -214,11 +223,16 @@ def test_one_of_four_processes_killed_mid_save_loses_nothing_and_a_nan_step_is_s
         assert [json.loads(x)["loss"] for x in f] == [json.loads(x)["loss"] for x in g]
     from megatrain_jax.checkpoint_read import load_checkpoint_arrays
 
+    with open(one / "metrics.jsonl") as f, open(straight / "metrics.jsonl") as g:
+        np.testing.assert_allclose([json.loads(x)["loss"] for x in f], [json.loads(x)["loss"] for x in g], rtol=1e-6)
     a, _ = load_checkpoint_arrays(str(straight / "checkpoints" / "step_00000004"))
     b, _ = load_checkpoint_arrays(str(killed / "checkpoints" / "step_00000004"))
+    c, _ = load_checkpoint_arrays(str(one / "checkpoints" / "step_00000004"))
+    assert sorted(a) == sorted(c)
     for grp in a:
         for k in a[grp]:
             np.testing.assert_array_equal(b[grp][k], a[grp][k], err_msg=f"{grp}/{k}")
+            np.testing.assert_allclose(c[grp][k], a[grp][k], rtol=1e-5, atol=1e-7, err_msg=f"one process: {grp}/{k}")
 
 
 def test_a_device_update_run_saving_at_its_last_step_ends(tmp_path):

@@ -13,8 +13,8 @@ from megatrain_jax.placements import PAGEABLE_HOLDS, PINNED_HOLDS
 from megatrain_jax.plan.machine import Machine, process_count
 from megatrain_jax.plan.options import GRAD_SLAB_ELEMS
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_HOLD_BYTES,
-                                      IO_VOCAB_CHUNK, PINNED_REUSED, RUNTIME_HOST_BYTES, XLA_FRACTION, GiB, Row,
-                                      Shapes, grown_pool, kept_on_gpu, pinned_in_use, pinned_need, pinned_pool)
+                                      IO_VOCAB_CHUNK, MULTI_PROCESS_HOST_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
+                                      XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_use, pinned_need, pinned_pool)
 from megatrain_jax.plan.step_model import predicted_step
 
 STORE_SLACK = 0.005  # host bytes per byte of the store the process holds beyond the rows (glibc, the driver's
@@ -242,6 +242,9 @@ def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bo
                         f"{STORE_SLACK:.1%} of master + state"))
     rows.append(Row("host", "runtime (Python, JAX" + (", CUDA context)" if on_gpu else ")"),
                     RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"] * (n_dev if on_gpu else 1)))
+    if on_gpu and process_count() > 1:
+        rows.append(Row("host", "multi-process runtime (coordination client, collectives' host buffers)",
+                        MULTI_PROCESS_HOST_BYTES, f"one of {process_count()} processes"))
     return rows
 
 
