@@ -17,7 +17,8 @@ STEPS = 5
 PLACEMENTS = {"resweep": dict(grad_hold="resweep", grad_hold_gpu_groups=2),
               "pinned_bf16": dict(grad_hold="pinned_bf16", activations="pinned_host", grad_hold_gpu_groups=1),
               "host_bf16": dict(grad_hold="host_bf16", boundary_every=2),
-              "stream_io": dict(grad_hold="gpu_bf16", stream_io=True)}
+              "stream_io": dict(grad_hold="gpu_bf16", stream_io=True),
+              "kept_residuals": dict(keep_residuals=1)}
 # device-side updates: with several GPUs each updates its share of every group (engine/shards.py)
 DEVICE_UPDATES = {"device_gpu_bf16": dict(update_on="device", stream_copy="device", grad_hold="gpu_bf16"),
                   "device_resweep": dict(update_on="device", stream_copy="device", grad_hold="resweep",

@@ -139,17 +139,17 @@ def test_decisions_stay_a_dict_built_from_the_typed_options():
     assert d["decisions"] == p.decisions and "settings" not in d
 
 
-def test_one_device_rules_are_checked_once_with_one_message():
-    """The plan (with the resolved device count) and EngineOptions refuse the same way."""
-    with pytest.raises(UserError) as engine:
-        EngineOptions(devices=2, keep_residuals=1)
+def test_kept_residuals_are_planned_and_taken_with_several_gpus():
+    """No setting runs on one GPU only any more (kept residuals ran on one until s21): EngineOptions takes them with
+    two devices, and the plan for two GPUs keeps what is asked, each GPU its own micro-batches' residuals (the row is
+    per GPU: the same bytes a block as one GPU with the same per-GPU batch)."""
+    assert EngineOptions(devices=2, keep_residuals=1).keep_residuals == 1
     two = Machine("gpu", 256 * GiB, 250 * GiB, "MemTotal", 141 * 10 ** 9, "sim", 2, "H200", 32, {})
-    with pytest.raises(UserError) as plan:
-        _plan("configs/7b.yaml", "train.keep_residuals=2", "train.batch_size=32", machine=two)
-    assert engine.value.field == plan.value.field == "train.keep_residuals"
-    assert engine.value.problem == plan.value.problem
-    # the plan's fix names only the ways out that fit when planned (issue 43)
-    assert plan.value.fix == "train.keep_residuals=auto or train.devices=1 fits"
+    kept = _plan("configs/7b.yaml", "train.keep_residuals=2", "train.batch_size=32", machine=two)
+    one = _plan("configs/7b.yaml", "train.keep_residuals=2", "train.batch_size=16", machine=two, devices=1)
+    assert kept.decisions["keep_residuals"] == 2 and kept.decisions["devices"] == 2
+    row = [r.bytes for r in kept.rows if "last 2 blocks" in r.what]
+    assert row and row == [r.bytes for r in one.rows if "last 2 blocks" in r.what]
 
 
 def test_a_plan_for_zero_devices_is_refused_not_taken_as_one():

@@ -287,10 +287,13 @@ class Kernels:
 
     def vjp_kernels(self, i: int, aux: Any) -> tuple[Callable, Callable]:
         """Layer ``i``'s forward that also returns its VJP (the residuals, kept on the device) and
-        the backward that applies it: no recompute. One device only (``keep_residuals``)."""
+        the backward that applies it: no recompute. With several devices each keeps its own micro-batch's
+        residuals (a leading axis of one per device, so that every residual, even a scalar, splits by device)."""
         stack = self.parts.blocks
         kind = stack.kinds[i]
-        key = (kind, jax.tree_util.tree_structure(aux))
+        specs = jax.tree_util.tree_map(lambda a: a.sharding.spec, aux)
+        key = (kind, jax.tree_util.tree_structure(aux), tuple(jax.tree_util.tree_leaves(
+            specs, is_leaf=lambda x: isinstance(x, P))))
         fns = self.vjp_jits.get(key)
         if fns is None:
             fwd = self._block_raw[stack.templates[kind]]
@@ -321,7 +324,21 @@ class Kernels:
                 dw, dh_in = f(dh)
                 return dh_in, g + dw.astype(F32)
 
-            fns = (jax.jit(fwd_vjp), jax.jit(bwd_vjp, donate_argnums=(3, 4), out_shardings=(self.batch_sharding, None)))
+            if self.num_devices == 1:
+                fns = (jax.jit(fwd_vjp),
+                       jax.jit(bwd_vjp, donate_argnums=(3, 4), out_shardings=(self.batch_sharding, None)))
+            else:  # per device, as the recomputing kernels (_block_kernels): residuals stay where they were made
+                rep, dat = P(), P("data")
+
+                def fwd_local(w, h, aux_, rng):
+                    out, res = fwd_vjp(w, h, aux_, rng)
+                    return out, [x[None] for x in res]
+
+                def bwd_local(w, h, res, dh, g):
+                    return bwd_vjp(w, h, [x[0] for x in res], dh, g)
+
+                fns = (jax.jit(self._smap(fwd_local, (rep, dat, specs, rep), (dat, dat))),
+                       jax.jit(self._smap(bwd_local, (rep, dat, dat, dat, dat), (dat, dat)), donate_argnums=(3, 4)))
             self.vjp_jits[key] = fns
         return fns
 

@@ -16,7 +16,7 @@ from megatrain_jax.errors import UserError
 import megatrain_jax.plan.decisions as choose
 import megatrain_jax.plan.search as search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
-from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS, EngineOptions, check_one_device
+from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS, EngineOptions
 from megatrain_jax.optim.costs import auto_update_on
 from megatrain_jax.plan.rows import PlacementCosts, disk_rows, xla_pool
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN, IO_VOCAB_CHUNK,
@@ -104,10 +104,7 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     is short): the same verdict, fix and options, with ``modes`` partial (the tests' property runs)."""
     from megatrain_jax.plan.refusal import find_fix, fits
 
-    try:
-        plan = _make_plan(cfg, machine, devices, attention)
-    except UserError as err:
-        plan = _one_device_rule(cfg, machine, devices, attention, err)
+    plan = _make_plan(cfg, machine, devices, attention)
     if not _modes:
         return plan
     if cfg.optim.kernel == "fused" and _mode_table:
@@ -121,33 +118,6 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
             return _make_plan(variant, m or plan.machine, devices, attention)
 
         plan.fix, plan.token_bytes = find_fix(cfg, plan, replan)
-    return plan
-
-
-def _one_device_rule(cfg: Config, machine: Machine | None, devices: int | None, attention: bool,
-                     err: UserError) -> Plan:
-    """A fixed setting that runs on one GPU (options.check_one_device) in a run of several: its fix names each way out
-    that fits when planned (the setting given back to the plan; one GPU); where none does, the plan of the setting
-    given back is returned, and its own verdict says what does not fit."""
-    field = err.field.split(".")[-1]
-    if field not in ("update_on", "keep_residuals") or " on one GPU, and this run uses " not in err.problem:
-        raise err
-    freed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{field: "auto"}))
-    one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, devices=1))
-    from megatrain_jax.plan.refusal import fits
-
-    ways = []
-    for label, variant in ((f"train.{field}=auto", freed), ("train.devices=1", one)):
-        try:
-            q = _make_plan(variant, machine, 1 if label == "train.devices=1" else devices, attention)
-        except UserError:
-            continue
-        if fits(q):
-            ways.append(label)
-    if ways:
-        raise UserError(err.field, err.problem, " or ".join(ways) + " fits")
-    plan = _make_plan(freed, machine, devices, attention)
-    plan.notes.append(f"{err.field}={getattr(cfg.train, field)} runs on one GPU: planned as {field}=auto")
     return plan
 
 
@@ -211,8 +181,6 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     update_on, moment_bytes, shapes = _update_on_rule(cfg, shapes, lim, bf16)
     if update_on == "device" and lim.n_dev > 1 and lim.on_gpu and lim.gpu_usable is not None and not headroom:
         headroom = _split_update_headroom(shapes, lim, notes)
-    asked_keep = 0 if train.keep_residuals == "auto" else min(int(train.keep_residuals), shapes.layers - 1)
-    check_one_device(lim.n_dev, update_on=update_on, keep_residuals=asked_keep)
     if update_on == "device" and lim.n_dev > 1:
         _check_device_update(cfg, lim.n_dev)
     if train.update_on == "auto" and lim.on_gpu and _device_update_runs(cfg, bf16) \

@@ -123,12 +123,13 @@ def micro_batch_candidates(setting: Any, batch: int, seq: int, devices: int) -> 
 def choose_keep_residuals(asked: Any, shapes: Shapes, *, on_gpu: bool, devices: int, act_on_gpu: bool, moments: str,
                           need: float, budget: float | None, gpu_usable: float | None, moe: bool) -> tuple[int, float]:
     """How many of the last blocks keep their forward residuals (no recompute in the backward), and
-    the bytes of one. ``auto``: as many as the GPU room the plan leaves holds, on one GPU with the
-    activations there; with int8 moments (the state chosen for host memory) only within the room
+    the bytes of one (on each GPU: each keeps its own micro-batches'). ``auto``: as many as the GPU room the plan
+    leaves holds, on one GPU with the activations there (several GPUs keep them when asked: their GPU memory is not
+    yet measured there, so auto keeps none); with int8 moments (the state chosen for host memory) only within the room
     that keeps XLA's pool growing on demand, whose allocator table is host memory."""
     per_block = residual_bytes_per_block(shapes, shapes.head_dim)
     if asked != "auto":
-        kept = min(int(asked), shapes.layers - 1)  # one device: checked before (options.check_one_device)
+        kept = min(int(asked), shapes.layers - 1)
         if kept and gpu_usable is not None and need + kept * per_block > gpu_usable:
             raise UserError("train.keep_residuals",
                             f"{kept} blocks' residuals need {kept * per_block / GB:.1f} GB and the GPU room left by "

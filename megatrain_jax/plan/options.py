@@ -28,15 +28,6 @@ HOLD_COPIES_IN_FLIGHT = 1  # gradients on the GPU waiting for their copy into a 
 
 
 
-def check_one_device(devices: int, *, update_on: str, keep_residuals: int) -> None:
-    """Kept residuals run on one GPU: the one place this rule is checked (the plan calls it with the resolved
-    device count, ``EngineOptions`` with its own). Device-side updates run on any number: each GPU updates
-    its share of every group (``engine/shards.py``)."""
-    if devices > 1 and keep_residuals:
-        raise UserError("train.keep_residuals", f"kept residuals run on one GPU, and this run uses {devices}",
-                        "set train.keep_residuals=auto (or 0) for data parallel")
-
-
 @dataclass(frozen=True)
 class EngineOptions:
     """How the streamed step runs. Defaults are the plain one-device, host-update path (what a
@@ -125,8 +116,6 @@ class EngineOptions:
                 "set 0 (untiled) or tokens per tile")
         if int(self.keep_residuals) < 0:
             bad("train.keep_residuals", f"must be >= 0, got {self.keep_residuals}", "set 0 or more")
-        if self.devices != "all":  # "all": the plan resolves the count and checks it (check_one_device)
-            check_one_device(int(self.devices), update_on=self.update_on, keep_residuals=int(self.keep_residuals))
         if self.update_on == UPDATE_DEVICE and self.stream_copy == STREAM_COPY_HOST \
                 and self.compute_dtype == "bfloat16":
             bad("train.update_on", "device needs a store without a bf16 streaming copy",
