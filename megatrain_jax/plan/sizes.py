@@ -30,7 +30,7 @@ MICRO_TOKENS = 16384  # tokens per micro-batch that keep the matmuls efficient (
 RUNTIME_HOST_BYTES = {"gpu": 1.45 * GiB, "cpu": 1.0 * GiB}  # Python + JAX + CUDA libraries and context
 MULTI_PROCESS_HOST_BYTES = 0.45 * GiB  # each process of a multi-process run: JAX's coordination client and the
 # collectives' host buffers. Measured: four sharded 70B processes on one H200 each peaked 0.04-0.30 GB over the rows
-# without it (docs/design.md 7.1; experiments/RESULTS.md s21 call 1)
+# without it (docs/design.md 7.4; experiments/RESULTS.md s21 call 1)
 BFC_TABLE_BYTES_PER_POOL_BYTE = 1.0 / 32  # XLA's BFC allocator: one 8-byte chunk handle per 256 bytes of the
 # GPU pool, in host memory (experiments/probe_runtime_stages.py; RESULTS.md)
 PREALLOCATE_ABOVE = 0.75  # of the GPU budget: below it XLA grows its pool on demand, so the allocator table
