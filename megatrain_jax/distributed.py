@@ -102,3 +102,44 @@ def is_main() -> bool:
     ``jax.process_index()``: asking JAX would start its backend before the memory plan has given
     XLA its budgets (a backend started early takes XLA's default 75% of the GPU)."""
     return os.environ.get("MEGATRAIN_PROCESS_ID", "0").strip() in ("", "0")
+
+
+def check_shared_dir(out_dir: str) -> None:
+    """``train.host_state=sharded`` over several processes: each writes its checkpoint shard under ``out_dir`` and
+    process 0 commits the step once it sees them all, so every process must see the one directory (several hosts: a
+    filesystem they all mount, at the same path). Checked before the trainer is built, through JAX's coordination
+    service (no backend starts): process 0 makes a probe file in the nearest existing folder of ``out_dir``, the
+    others look for it at the same place relative to their own ``out_dir``; where any does not see it every process
+    refuses in one line. The probe is removed at once: nothing stays."""
+    import tempfile
+
+    from orbax.checkpoint import multihost
+
+    n, p = int(os.environ.get("MEGATRAIN_NUM_PROCESSES") or 1), int(os.environ.get("MEGATRAIN_PROCESS_ID") or 0)
+    if n < 2 or not multihost.is_jax_distributed_client_initialized():
+        return
+    client, key, wait_ms = multihost.get_jax_distributed_client(), "megatrain/shared_dir/", shard_wait_s() * 1000
+    here = os.path.abspath(out_dir)
+    if p == 0:
+        folder = here
+        while not os.path.isdir(folder):
+            folder = os.path.dirname(folder)
+        fd, probe = tempfile.mkstemp(prefix=".megatrain-shared-check-", dir=folder)
+        os.close(fd)
+        try:
+            client.key_value_set(key + "probe", os.path.relpath(probe, here))
+            unseen = [q for q in range(1, n) if client.blocking_key_value_get(f"{key}seen/{q}", wait_ms) != "1"]
+            client.key_value_set(key + "unseen", ",".join(map(str, unseen)))
+        finally:
+            os.unlink(probe)
+    else:
+        rel = client.blocking_key_value_get(key + "probe", wait_ms)
+        seen = os.path.exists(os.path.normpath(os.path.join(here, rel)))  # (normalised: out_dir may not exist yet)
+        client.key_value_set(f"{key}seen/{p}", "1" if seen else "0")
+        unseen = [int(q) for q in client.blocking_key_value_get(key + "unseen", wait_ms).split(",") if q]
+    if unseen:
+        who = f"process {unseen[0]} of {n} does" if len(unseen) == 1 else \
+            f"processes {', '.join(map(str, unseen))} of {n} do"
+        raise UserError("train.out_dir", f"{who} not see process 0's files under {out_dir}, where a sharded host "
+                        "state commits every process's checkpoint shards",
+                        "put train.out_dir on a filesystem every host mounts (e.g. NFS), at the same path on each")

@@ -43,7 +43,7 @@ from megatrain_jax import checkpoint as ck
 from megatrain_jax.atomic import check_train_outputs
 from megatrain_jax.atomic import check_writable as check_out_dir  # train.out_dir's write probe
 from megatrain_jax.config import Config
-from megatrain_jax.distributed import is_main
+from megatrain_jax.distributed import check_shared_dir, is_main
 from megatrain_jax.placements import HOST_STATE_SHARDED
 from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
@@ -303,6 +303,8 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) -> 
             raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
                             f"pass --resume to continue that run, or choose another train.out_dir (or delete {root})")
         check_out_dir(t.out_dir, "train.out_dir")  # before the plan: not reported as 0.0 GB of free disk
+    if t.host_state == HOST_STATE_SHARDED:  # every process must see the directory its checkpoint shards go to
+        check_shared_dir(t.out_dir)
     if resume and t.engine == "reference":
         raise UserError("--resume", "checkpoints are written by the streamed engine only",
                         "set train.engine=streamed (or train without --resume)")

@@ -105,6 +105,31 @@ def test_a_sharded_checkpoint_resumes_in_two_processes_and_reshards_into_one(one
     _assert_same(_result(one), one_process[1])
 
 
+def test_processes_that_do_not_see_one_out_dir_are_refused_before_training(tmp_path):
+    """A sharded checkpoint is committed by process 0 once it sees every process's shard under train.out_dir: two
+    processes whose out_dir are different folders (as two hosts' own local disks would be) both refuse in one line
+    naming the field, before any step, and leave nothing behind (no run folder, no probe file)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "megatrain_jax", "train", "configs/tiny.yaml", *SETS, "--set",
+                               "train.host_state=sharded", "--set", f"train.out_dir={tmp_path / x / 'run'}"],
+                              env=_env(1, MEGATRAIN_COORDINATOR=f"localhost:{port}", MEGATRAIN_NUM_PROCESSES="2",
+                                       MEGATRAIN_PROCESS_ID=str(i), MEGATRAIN_SHARD_WAIT_S="60"),
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, x in enumerate("ab")]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 2, err[-2000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("error: train.out_dir: process 1 of 2 does not see"), err[-2000:]
+    assert sorted(os.listdir(tmp_path / "a")) == [] and sorted(os.listdir(tmp_path / "b")) == []
+
+
 def test_a_sharded_store_backs_only_its_own_values():
     """``HostStore.own``: the pages outside this process's values are given back (they read as zeros), its own keep
     their values; the resident bytes fall to its share (mincore)."""
