@@ -184,6 +184,10 @@ def test_plan_says_what_each_of_n_processes_needs(capsys):
     assert sharded["options"]["host_state"] == "sharded" and sharded["options"]["update_on"] == "device"
     from megatrain_jax.plan.sizes import RUNTIME_HOST_BYTES
     assert rows["runtime (Python, JAX, CUDA context)"] == RUNTIME_HOST_BYTES["gpu"]  # its own GPU's context, not 4
+    from megatrain_jax.plan.sizes import MULTI_PROCESS_HOST_BYTES
+    assert rows["multi-process runtime (coordination client, collectives' host buffers)"] == MULTI_PROCESS_HOST_BYTES
+    disk = [r for r in sharded["rows"] if r["where"] == "disk"]  # the whole checkpoint, on the filesystem all share
+    assert len(disk) == 1 and disk[0]["bytes"] >= 4.0 * sharded["params"] and "shards together" in disk[0]["note"]
     res, _ = plan("--processes", "4")
     assert res.rc == 2  # a whole replica in each 128 GB host does not fit
     res, _ = plan("--processes", "0")

@@ -279,8 +279,10 @@ def disk_rows(cfg: Config, params: int, mom: float) -> tuple[list[Row], float]:
     elif t.final_checkpoint:
         n_ckpt = 1
     if n_ckpt:
+        shared = f"; every process's shards together ({process_count()} processes: the filesystem they share)" \
+            if t.host_state == "sharded" and process_count() > 1 else ""
         rows.append(Row("disk", f"checkpoints ({n_ckpt} x {ckpt_bytes / GB:.1f} GB)", n_ckpt * ckpt_bytes,
-                        f"in {t.out_dir}"))
+                        f"in {t.out_dir}{shared}"))
     if t.export:
         rows.append(Row("disk", "Hugging Face export", params * (2 if t.export_dtype != "float32" else 4),
                         f"in {t.export}"))
