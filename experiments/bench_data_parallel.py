@@ -37,6 +37,8 @@ def main() -> None:
                          "each of N processes gets 1/N")
     ap.add_argument("--gpus", default="1,2,4", help="GPU counts, one process each (and procs: N processes)")
     ap.add_argument("--runs", default="weak,strong,procs", help="which of weak, strong, procs")
+    ap.add_argument("--trace", action="store_true", help="record each run's last step's timeline (train.trace_step; "
+                    "copied to --out, left out of the timed median)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -64,7 +66,6 @@ def main() -> None:
         res = {}
         for run, (sets, procs, kind, n) in runs.items():
             case = f"{name}_{run}"
-            args.trace = False
             r = run_case(case, ";".join([config, *extra, *sets.split(";")]), args, procs=procs)
             r.update(meta, processes=procs, devices=n, scaling_kind=kind)
             r["params"] = (r.get("plan") or {}).get("params")
