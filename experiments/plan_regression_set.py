@@ -97,7 +97,7 @@ def cases() -> list[Case]:
     for config, machine in (("7b", "g24"), ("7b", "h100"), ("3b", "g24")):
         out.append(Case(config, machine, ("optim.name=lion",)))
     out.append(Case("1b", "g24", ("optim.name=adafactor",)))
-    # data parallel: one-GPU settings on two GPUs (options.check_one_device), and a hold fixed
+    # data parallel: settings that once ran on one GPU only (update_on=device, kept residuals), and a hold fixed
     for sets in ((), ("train.update_on=device",), ("train.keep_residuals=2",), ("train.grad_hold=pinned_bf16",),
                  ("train.devices=1",)):
         out.append(Case("llama3.1-8b", "g48x2", sets))

@@ -29,7 +29,6 @@ from megatrain_jax.distributed import shard_wait_s
 from megatrain_jax.plan.machine import process_count
 
 
-
 def shard_of_process() -> tuple[int, int]:
     """(this process's index, processes) from the launch variables (``distributed.py``), without starting JAX."""
     return int(os.environ.get("MEGATRAIN_PROCESS_ID", "0") or 0), process_count()

@@ -76,7 +76,8 @@ def positive_seconds(name: str, default: int, fix: str) -> int:
 def shard_wait_s() -> int:
     """How long process 0 waits for the other processes' shards of a save before it fails that save
     (``MEGATRAIN_SHARD_WAIT_S``, default 600 s)."""
-    return positive_seconds("MEGATRAIN_SHARD_WAIT_S", SHARD_WAIT_S, "e.g. MEGATRAIN_SHARD_WAIT_S=600, or unset for 600 s")
+    return positive_seconds("MEGATRAIN_SHARD_WAIT_S", SHARD_WAIT_S,
+                            f"e.g. MEGATRAIN_SHARD_WAIT_S={SHARD_WAIT_S}, or unset for {SHARD_WAIT_S} s")
 
 
 def run_devices(spec: int | str = "all") -> list[jax.Device]:

@@ -225,8 +225,8 @@ def _hooked(out, hooks_of, *extra: str, processes: int = 4, timeout: float = 300
 def test_one_of_four_processes_killed_mid_save_loses_nothing_and_a_nan_step_is_skipped_by_all(tmp_path):
     """Four sharded processes train what one process of four devices trains (replicated store), with clipping, 4
     steps: to float rounding, not bit for bit (gloo sums four members' gradients in another order than the in-process
-    collective; with two members the order is the same, and the two-process test above is bit for bit). Then process 2 is killed in the middle of its shard of step 4's save: process 0 commits
-    nothing (it fails that save naming the missing shard, or is ended by the heartbeat first); step 2's checkpoint
+    collective; with two members the order is the same, and the two-process test above is bit for bit). Then
+    process 2 is killed in the middle of its shard of step 4's save: process 0 commits nothing (it fails that save naming the missing shard, or is ended by the heartbeat first); step 2's checkpoint
     resumes, and the run ends bit for bit as one never interrupted. Step 3's forward is NaN in every process: all
     skip it (the same end as the straight run and the one-process run)."""
     nan = ["--nan-steps", "3"]

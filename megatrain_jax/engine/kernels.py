@@ -263,12 +263,18 @@ class Kernels:
 
         return block_fwd_acc, block_bwd_ct, stats_only
 
+    @staticmethod
+    def _kernel_key(kind: Any, aux: Any) -> tuple[tuple, Any]:
+        """A block kind's compiled kernels are one per layout of ``aux`` (its tree and each leaf's sharding): the
+        cache key, and the leaves' partition specs (the kernels' ``in_specs`` for it)."""
+        specs = jax.tree_util.tree_map(lambda a: a.sharding.spec, aux)
+        return (kind, jax.tree_util.tree_structure(aux),
+                tuple(jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P)))), specs
+
     def _block_kernels(self, i: int, aux: Any) -> tuple:
         """Layer ``i``'s (forward, backward) executables, for ``aux`` laid out as it is."""
         kind = self.parts.blocks.kinds[i]
-        specs = jax.tree_util.tree_map(lambda a: a.sharding.spec, aux)
-        key = (kind, jax.tree_util.tree_structure(aux), tuple(jax.tree_util.tree_leaves(
-            specs, is_leaf=lambda x: isinstance(x, P))))
+        key, specs = self._kernel_key(kind, aux)
         fns = self._block_jits.get(key)
         if fns is None:
             rep, dat = P(), P("data")
@@ -291,9 +297,7 @@ class Kernels:
         residuals (a leading axis of one per device, so that every residual, even a scalar, splits by device)."""
         stack = self.parts.blocks
         kind = stack.kinds[i]
-        specs = jax.tree_util.tree_map(lambda a: a.sharding.spec, aux)
-        key = (kind, jax.tree_util.tree_structure(aux), tuple(jax.tree_util.tree_leaves(
-            specs, is_leaf=lambda x: isinstance(x, P))))
+        key, specs = self._kernel_key(kind, aux)
         fns = self.vjp_jits.get(key)
         if fns is None:
             fwd = self._block_raw[stack.templates[kind]]

@@ -14,7 +14,8 @@ from megatrain_jax.plan.machine import Machine, process_count
 from megatrain_jax.plan.options import GRAD_SLAB_ELEMS
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_HOLD_BYTES,
                                       IO_VOCAB_CHUNK, MULTI_PROCESS_HOST_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
-                                      XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_use, pinned_need, pinned_pool)
+                                      XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_use,
+                                      pinned_need, pinned_pool)
 from megatrain_jax.plan.step_model import predicted_step
 
 STORE_SLACK = 0.005  # host bytes per byte of the store the process holds beyond the rows (glibc, the driver's
