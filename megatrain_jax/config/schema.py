@@ -257,8 +257,9 @@ class TrainConfig:
     grad_slabs: int | str = "auto"  # pinned 128 MiB gradient slabs: auto (24 where the host has room, down to 6)
     #                                 | N. More slabs keep the host optimizer fed (speed), fewer save host memory
     devices: int | str = "all"  # GPUs of this host to use: all | N
-    fetch: str = "full"  # with several GPUs, how each gets a streamed block: full (the whole block over its own
+    fetch: str = "auto"  # with several GPUs, how each gets a streamed block: full (the whole block over its own
     #                      link) | split (its 1/N share over its link, the rest gathered from the others over NVLink)
+    #                      | auto (split with several GPUs of one process, else full)
     host_state: str = "replicated"  # several processes (hosts): each keeps a whole replica of the fp32 master and
     #                                 optimizer state (replicated), or only its GPUs' 1/N shares of every group
     #                                 (sharded: host memory per process falls as 1/N; its GPUs update and fetch

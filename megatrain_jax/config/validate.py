@@ -96,7 +96,7 @@ def _validate_choices(m: ModelConfig, t: TrainConfig, o: OptimConfig) -> None:
     for name, value, allowed in [("optim.moments", o.moments, ("float32", "bfloat16", "int8")),
                                  ("model.init", m.init, ("normal", "fast")),
                                  ("train.stream_copy", t.stream_copy, ("auto", "host", "device")),
-                                 ("train.fetch", t.fetch, ("full", "split")),
+                                 ("train.fetch", t.fetch, ("auto", "full", "split")),
                                  ("train.host_state", t.host_state, ("replicated", "sharded")),
                                  ("train.grad_hold", t.grad_hold, ("auto",) + GRAD_HOLDS),
                                  ("train.stream_io", t.stream_io, ("auto", True, False)),

@@ -169,8 +169,10 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     """The plan of ``cfg`` (its state mode and fix aside): the run's limits, where the update runs, what streams,
     the placement searched, the GPU's peak with kept residuals, the host rows with their slabs."""
     cfg = _sharded_state(cfg)
-    train = cfg.train
     lim = _limits_of(cfg, machine, devices)
+    if cfg.train.fetch == "auto":
+        return _either_fetch(cfg, lim, devices, attention)
+    train = cfg.train
     bf16 = train.compute_dtype == "bfloat16"
     per_dev_batch = train.batch_size // lim.n_dev if train.batch_size % lim.n_dev == 0 else train.batch_size
     shapes = Shapes.of(cfg.model, per_dev_batch, cfg.data.seq_len, train.compute_dtype, backend=lim.machine.backend)
@@ -254,6 +256,21 @@ def _sharded_state(cfg: Config) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(t, update_on="device", fetch="split", stream_io=False))
 
 
+def _either_fetch(cfg: Config, lim: _Limits, devices: int | None, attention: bool) -> Plan:
+    """``train.fetch=auto``: with several GPUs of one process both fetches are planned and split taken unless full
+    is faster by UPDATE_SWITCH_TOL (split's links carry 1/N of each block, so the step model's transfer term is
+    never larger; measured 1.8% faster at Qwen2.5-7B 4 x 128 x 1024 and the same at 4 x 32 x 1024, four H200s,
+    experiments/RESULTS.md s21); full on one GPU, and across the processes of a replicated store (each process's
+    GPUs would gather from the others over the network: measured only with full)."""
+    def planned(fetch: str) -> Plan:
+        return _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fetch=fetch)), lim.machine,
+                          devices, attention)
+
+    if lim.n_dev == 1 or process_count() > 1:
+        return planned("full")
+    return _faster(planned("split"), planned("full"), "fetch")
+
+
 def _split_update_headroom(shapes: Shapes, lim: _Limits, notes: list[str]) -> float:
     """GPU bytes kept free beyond the phases where several GPUs split a device-side update (engine/shards.py): the
     same fragmentation margin as a huge group's, two fp32 copies of the largest group. Measured without it (s19, 4 x
@@ -317,7 +334,7 @@ def _both_updates(cfg: Config, rule: str, machine: Machine, devices: int | None,
         #              the host update does not fit (several GPUs split it: each link carries its share)
     alt = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=other)), machine,
                      devices, attention)
-    return _faster_update(mine, alt)
+    return _faster(mine, alt, "update_on")
 
 
 def _stream_copy(cfg: Config, shapes: Shapes, lim: _Limits, update_on: str, moment_bytes: float, bf16: bool) -> str:
@@ -457,11 +474,11 @@ def _device_update_runs(cfg: Config, bf16: bool) -> bool:
     return cfg.optim.kernel == "fused" or _optax_cost(cfg).runs_on_device
 
 
-def _faster_update(mine: Plan, alt: Plan) -> Plan:
-    """Of two plans differing in ``update_on`` (``mine``: the rule's), the one to take: the only one that fits; of
-    two, the other where it is faster by UPDATE_SWITCH_TOL, else the rule's (its path is the measured one: a
-    device-side update with fp32 moments was not measured to pay, docs/design.md); of none, the rule's where its search found a candidate,
-    else the other's (the nearer refusal)."""
+def _faster(mine: Plan, alt: Plan, option: str) -> Plan:
+    """Of two plans differing in one option (``update_on`` or ``fetch``; ``mine``: the rule's), the one to take: the
+    only one that fits; of two, the other where it is faster by UPDATE_SWITCH_TOL, else the rule's (its path is the
+    measured one: a device-side update with fp32 moments was not measured to pay, docs/design.md); of none, the
+    rule's where its search found a candidate, else the other's (the nearer refusal)."""
     from megatrain_jax.plan.refusal import fits
 
     ok_mine, ok_alt = fits(mine), fits(alt)
@@ -476,9 +493,9 @@ def _faster_update(mine: Plan, alt: Plan) -> Plan:
         pick = alt if t_alt < t_mine * (1 - UPDATE_SWITCH_TOL) else mine
     other = alt if pick is mine else mine
     if fits(other):
-        pick.notes.append(f"train.update_on=auto: {pick.options.update_on} (predicted step "
+        pick.notes.append(f"train.{option}=auto: {getattr(pick.options, option)} (predicted step "
                           f"{pick.step['predicted_step_s']:.2f} s, host {pick.host_need / GB:.1f} GB; "
-                          f"{other.options.update_on}: {other.step['predicted_step_s']:.2f} s, "
+                          f"{getattr(other.options, option)}: {other.step['predicted_step_s']:.2f} s, "
                           f"{other.host_need / GB:.1f} GB)")
     return pick
 
