@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -145,12 +145,13 @@ class Transfers:
         src = self.host_view(self.to_host(x) if self.on_gpu else x)
         np.copyto(dst, src.reshape(dst.shape).view(dst.dtype))
 
-    def direct_into(self, x: jax.Array, dst: np.ndarray) -> bool:
-        """The first ``dst.size`` values of ``x`` (on one device) into ``dst`` by a direct device->host DMA on that
-        device, where ``dst`` lies in a registered buffer; False (nothing copied) where it cannot (``copy_into``'s
-        path for one GPU's share of a group, ``engine/shards.py``)."""
+    def direct_into(self, x: jax.Array, dst: np.ndarray) -> Callable[[], None] | None:
+        """Start the copy of the first ``dst.size`` values of ``x`` (on one device) into ``dst`` by a direct
+        device->host DMA on that device, where ``dst`` lies in a registered buffer, and return what waits for it;
+        None (nothing copied) where it cannot (``copy_into``'s path for one GPU's share of a group,
+        ``engine/shards.py``: it starts every GPU's share before waiting for one, so the links run together)."""
         if not self.on_gpu or self.mode != "dma_map" or not self._is_mapped(dst):
-            return False
+            return None
         (dev,) = x.devices()
         direct = self._directs.get(dev.id)
         if direct is None:
@@ -161,10 +162,9 @@ class Transfers:
                 self.fallback_reason = f"direct device->host copy unavailable ({type(e).__name__}: {str(e)[:120]})"
             self._directs[dev.id] = direct
         if not direct:
-            return False
+            return None
         x.block_until_ready()
-        direct.copy(dst.ctypes.data, x.unsafe_buffer_pointer(), dst.nbytes)
-        return True
+        return direct.start(dst.ctypes.data, x.unsafe_buffer_pointer(), dst.nbytes)
 
     def _is_mapped(self, buf: np.ndarray) -> bool:
         lo, n = buf.ctypes.data, buf.nbytes
@@ -238,6 +238,13 @@ class _DirectCopy:
             raise RuntimeError(f"{what} failed with CUDA error {rc}")
 
     def copy(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
+        self.start(dst_ptr, src_ptr, nbytes)()
+
+    def start(self, dst_ptr: int, src_ptr: int, nbytes: int) -> Callable[[], None]:
+        """Issue the copy on this thread's stream of this device and return what waits for it (the source must
+        stay alive until then): a thread copying from several GPUs starts each before waiting for any, and the
+        GPUs' links run at once (one at a time, four H200s wrote back a split update's state at ~45 GB/s in all,
+        one link's rate: experiments/RESULTS.md s22)."""
         c, lib = self._c, self._lib
         s = getattr(self._streams, "s", None)
         # (current on every call: one thread may copy from several devices, each its own context)
@@ -247,7 +254,11 @@ class _DirectCopy:
             self._check(lib.cuStreamCreate(c.byref(s), 1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
             self._streams.s = s
         self._check(lib.cuMemcpyDtoHAsync_v2(dst_ptr, src_ptr, nbytes, s), "cuMemcpyDtoHAsync")
-        self._check(lib.cuStreamSynchronize(s), "cuStreamSynchronize")
+
+        def wait() -> None:
+            self._check(lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            self._check(lib.cuStreamSynchronize(s), "cuStreamSynchronize")
+        return wait
 
 
 def page_span(addr: int, lo: int, hi: int) -> tuple[int, int]:

@@ -55,9 +55,9 @@ class Shards:
     """Flat arrays of the host store as equal padded shares of the mesh's devices, and back."""
 
     def __init__(self, mesh: Mesh, align: int, device_kind: str | None, host_kind: str | None,
-                 direct_into: Callable[[jax.Array, np.ndarray], bool] | None = None):
-        """``direct_into(share, dst)``: one device's share into its registered host slice by a direct DMA, or False
-        (then through pinned memory: ``transfer.Transfers.direct_into``)."""
+                 direct_into: Callable[[jax.Array, np.ndarray], Callable[[], None] | None] | None = None):
+        """``direct_into(share, dst)``: starts one device's share into its registered host slice by a direct DMA and
+        returns what waits for it, or None (then through pinned memory: ``transfer.Transfers.direct_into``)."""
         self.mesh, self.align = mesh, int(align)
         self.direct_into = direct_into
         self.n_dev = mesh.devices.size
@@ -110,16 +110,20 @@ class Shards:
         """Each device's share of ``x`` into its place in ``dst`` (the padding past ``dst`` is dropped); every
         share's copy is issued before the first is waited for."""
         n = dst.shape[0]
-        landing = []
+        landing, direct = [], []
         for s in x.addressable_shards:
             lo = s.index[0].start or 0
             if lo >= n:
                 continue
             hi = min(lo + s.data.shape[0], n)
-            if self.direct_into is not None and self.direct_into(s.data, dst[lo:hi]):
-                continue  # (a direct DMA into the registered store: no pinned staging)
+            wait = self.direct_into(s.data, dst[lo:hi]) if self.direct_into is not None else None
+            if wait is not None:  # (a direct DMA into the registered store: no pinned staging)
+                direct.append(wait)
+                continue
             h = jax.device_put(s.data, self._host_one[s.device]) if self._host_one else s.data
             landing.append((lo, min(lo + s.data.shape[0], n), h))
+        for wait in direct:
+            wait()
         for lo, hi, h in landing:
             np.copyto(dst[lo:hi], np.asarray(h)[:hi - lo].view(dst.dtype))
 
