@@ -225,6 +225,19 @@ def test_plan_predicts_1_2_4_8_gpus_without_them():
     d1, d4 = make_plan(dev, m, devices=1), make_plan(dev, m, devices=4)
     assert d4.decisions["update_on"] == "device"  # split: each link carries 1/4 of the state both ways
     assert d4.step["d2h_s"] < d1.step["d2h_s"] / 3
+    # the state crosses in the forward, each group's in just before its block and back just after its update: the
+    # forward lasts at least every GPU's read and write of host memory together (4 H200s: 91 GB each way for
+    # Qwen2.5-7B, a 1.55 s forward, where its matmuls alone take ~0.7 s: RESULTS.md s22), so four GPUs at a small
+    # per-GPU batch are bound by it, and one GPU at the same per-GPU batch by its own link's share
+    from megatrain_jax.plan.sizes import RATES
+    q = load_config(os.path.join(os.path.dirname(HERE), "configs/qwen2.5-7b.yaml"),
+                    ["train.batch_size=128", "train.update_on=device", "train.keep_residuals=0"])
+    q4 = make_plan(q, m, devices=4)
+    state = (4 + 8) * q4.params  # fp32 master and moments
+    assert q4.step["binding"] == "updates_after_norm_s"
+    assert q4.step["updates_after_norm_s"] > q4.step["compute_s"]
+    forward_floor = 2 * state / RATES["host_traffic"]
+    assert q4.step["updates_after_norm_s"] > forward_floor > q4.step["h2d_s"]
     table = scaling_table(cfg, m)
     assert "predictions" in table and all(f"\n{n:>4} |" in table for n in (1, 2, 4, 8))
     # train.devices=all counts every GPU of the host

@@ -75,6 +75,9 @@ LOSS_BYTES_PER_LOGIT = 10.0  # fp32 logits + fp32 softmax - onehot + bf16 copy o
 # floor rates for the predicted step (H100 measurements, docs/design.md section 1 and RESULTS.md); host_read is
 # all GPUs' host->GPU streams together (an assumption: DDR bandwidth is the cap beyond two links)
 RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9, "host_read": 200e9,
+         # host memory read and written at once by every GPU's device-side update state (in over each link, back
+         # over each link): Qwen2.5-7B on four H200s moved 91 GB each way in a 1.55 s forward (s22 call 2)
+         "host_traffic": 117e9,
          # 16 threads of the H100 machine's host (experiments/bench_compact_adamw.py)
          "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 3.5e9, "optax": 1.0e9}}
 MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
