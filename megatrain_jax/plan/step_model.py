@@ -174,17 +174,25 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         chain = step["optimizer_s"] + widen_bytes / copy_rate
         step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, chain)
     else:
-        # each group's state comes in just before its block's forward and goes back right after its update, so the
-        # forward lasts at least that traffic: each link's share, and the host memory read and written by all the
-        # GPUs at once (an optax update, on every GPU alike, reads the whole state once per GPU)
-        state = (4 + moment_bytes) * (shapes.params - host_params)
-        state_s = max(state / shares / rates["h2d"], (state * n_dev / shares + state) / rates["host_traffic"])
+        state_s = _state_traffic_s((4 + moment_bytes) * (shapes.params - host_params), n_dev, shares, rates)
         step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, state_s) \
             + (shapes.embed / opt_rate if host_params else 0.0)
         if hold in PAGEABLE_HOLDS:  # a pageable hold comes back through the copier on that path
             step["updates_after_norm_s"] += held / HOLD_RETURN_RATE
     step["work_s"] = sum(step[t] for t in terms)
-    terms = terms + ("updates_after_norm_s",)
+    return _bound(step, terms + ("updates_after_norm_s",))
+
+
+def _bound(step: dict[str, Any], terms: tuple[str, ...]) -> dict[str, Any]:
+    """The predicted step is its largest term, which binds it."""
     step["predicted_step_s"] = max(step[t] for t in terms)
     step["binding"] = max(terms, key=lambda t: step[t])
     return step
+
+
+def _state_traffic_s(state: float, n_dev: int, shares: int, rates: dict[str, float]) -> float:
+    """The least time a device-side update's forward lasts: each group's state (``state`` bytes in all) comes in
+    just before its block and goes back right after its update, so that traffic falls in the forward: each link's
+    share, and the host memory read and written by all the GPUs at once (an optax update, on every GPU alike,
+    reads the whole state once per GPU)."""
+    return max(state / shares / rates["h2d"], (state * n_dev / shares + state) / rates["host_traffic"])
