@@ -26,6 +26,9 @@ DEVICE_UPDATES = {"device_gpu_bf16": dict(update_on="device", stream_copy="devic
                   "device_pinned_bf16": dict(update_on="device", stream_copy="device", grad_hold="pinned_bf16",
                                              activations="pinned_host", grad_hold_gpu_groups=1),
                   "device_int8": dict(update_on="device", stream_copy="device", grad_hold="gpu_bf16", moments="int8"),
+                  # the first groups' master and state fetched during the backward (train.early_state_groups)
+                  "device_early": dict(update_on="device", stream_copy="device", grad_hold="gpu_bf16",
+                                       early_state_groups=3),
                   # an optax update over whole tensors: every GPU runs it alike (no shares)
                   "device_adafactor": dict(update_on="device", stream_copy="device", grad_hold="resweep",
                                            grad_hold_gpu_groups=2, optimizer="adafactor")}
@@ -66,6 +69,8 @@ def run(devices, steps: int = STEPS, options: dict | None = None, shares: list |
         losses.append(r.loss)
         norms.append(r.grad_norm)
     st.finish()
+    if shares is not None and options.get("early_state_groups"):  # (how many updates took state fetched early)
+        shares.append(st.updates.early_loads)
     flat = np.concatenate([st.store[g.name].master for g in st.store])
     st.close()
     return np.asarray(losses), np.asarray(norms), flat

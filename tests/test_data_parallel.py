@@ -72,7 +72,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("placement", ["device_gpu_bf16", "device_resweep", "device_pinned_bf16", "device_int8",
-                                       "device_adafactor"])
+                                       "device_adafactor", "device_early"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_device_side_updates_over_several_gpus_train_what_one_device_trains(local_runs, placement, n):
     """``update_on=device`` with several GPUs (issue 45): the fused AdamW splits each group between them (each its
@@ -82,11 +82,23 @@ def test_device_side_updates_over_several_gpus_train_what_one_device_trains(loca
     run over 5 clipped steps."""
     r = local_runs
     split = placement != "device_adafactor"
-    assert r[f"shares_{placement}_{n}"].tolist() == [split] and r[f"shares_{placement}_1"].tolist() == [False]
+    assert bool(r[f"shares_{placement}_{n}"][0]) == split and not r[f"shares_{placement}_1"][0]
     np.testing.assert_allclose(r[f"losses_{placement}_{n}"], r[f"losses_{placement}_1"], rtol=RTOL)
     np.testing.assert_allclose(r[f"norms_{placement}_{n}"], r[f"norms_{placement}_1"], rtol=RTOL)
     assert _rel(r[f"params_{placement}_{n}"], r[f"params_{placement}_1"]) < RTOL
     assert r[f"losses_{placement}_1"][-1] < r[f"losses_{placement}_1"][0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_state_fetched_in_the_backward_trains_what_the_forward_fetch_trains_bit_for_bit(local_runs, n):
+    """``train.early_state_groups`` moves when the first groups' master and state cross (during the backward, not
+    the forward), not what the update computes: on one device and split over several, bit for bit."""
+    r = local_runs
+    for what in ("losses", "norms", "params"):
+        assert np.array_equal(r[f"{what}_device_early_{n}"], r[f"{what}_device_gpu_bf16_{n}"]), what
+    # each of the 5 steps' updates (the last one's at finish) started 3 groups (embedding, blocks 0 and 1) from the
+    # state fetched in the backward
+    assert r[f"shares_device_early_{n}"].tolist()[1] == 15
 
 
 def test_a_split_update_refuses_a_pageable_hold_naming_the_field(local_runs):

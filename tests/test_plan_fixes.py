@@ -160,7 +160,8 @@ def test_a_plan_for_zero_devices_is_refused_not_taken_as_one():
 
 def test_scaling_rows_are_data_and_the_table_prints_them():
     two = Machine("gpu", 256 * GiB, 250 * GiB, "MemTotal", 141 * 10 ** 9, "sim", 2, "H200", 32, {})
-    cfg = _cfg("configs/7b.yaml", "train.batch_size=12")
+    # (nothing that fills the GPU's room on purpose, kept residuals or early update state: the peak then shrinks)
+    cfg = _cfg("configs/7b.yaml", "train.batch_size=12", "train.keep_residuals=0", "train.early_state_groups=0")
     rows = scaling_rows(cfg, two)
     assert [r["gpus"] for r in rows] == [1, 2, 4, 8]
     assert "error" in rows[3] and "does not split" in rows[3]["error"]
@@ -213,3 +214,34 @@ def test_the_target_hosts_cores_set_the_host_updates_pace():
     assert steps[2]["optimizer_s"] == pytest.approx(8 * steps[16]["optimizer_s"])
     assert steps[2]["updates_after_norm_s"] > steps[16]["updates_after_norm_s"] >= steps[16]["compute_s"]
     assert steps[2]["predicted_step_s"] == steps[2]["updates_after_norm_s"]
+
+
+def test_early_update_state_is_planned_where_the_forward_waits_for_it_and_refused_where_it_cannot_run():
+    """``train.early_state_groups`` (docs/design.md 7.6): four GPUs splitting a device-side update at a small per-GPU
+    batch have a forward bound by the state's traffic, so auto fetches the first groups' state in the backward
+    (giving up kept residuals where that is faster) and predicts a shorter step; one GPU at a large batch gains
+    nothing and takes none. Asked for more than the room holds, or on a host update, it is refused in one line with
+    a fix that plans."""
+    four = Machine("gpu", 540 * GiB, 520 * GiB, "MemTotal", 141 * 10 ** 9, "sim", 4, "H200", 64, {})
+    sets = ("train.batch_size=128", "train.update_on=device", "train.host_memory_gb=480")
+    auto = _plan("configs/qwen2.5-7b.yaml", *sets, machine=four)
+    none = _plan("configs/qwen2.5-7b.yaml", *sets, "train.early_state_groups=0", machine=four)
+    k = auto.decisions["early_state_groups"]
+    assert k > 0 and none.decisions["early_state_groups"] == 0
+    assert auto.step["predicted_step_s"] < none.step["predicted_step_s"]
+    assert any(f"first {k} groups, fetched in the backward" in r.what for r in auto.rows)
+    assert auto.gpu_need <= auto.gpu_budget
+    one = _plan("configs/qwen2.5-7b.yaml", "train.batch_size=128", "train.update_on=device", machine=four, devices=1)
+    assert one.decisions["early_state_groups"] == 0
+    with pytest.raises(UserError) as e:
+        _plan("configs/qwen2.5-7b.yaml", *sets, "train.early_state_groups=30", "train.keep_residuals=24",
+              machine=four)
+    assert e.value.field == "train.early_state_groups" and "or auto" in str(e.value)
+    fit = int(re.search(r"set it to (\d+)", str(e.value)).group(1))
+    ok = _plan("configs/qwen2.5-7b.yaml", *sets, f"train.early_state_groups={fit}", "train.keep_residuals=24",
+               machine=four)
+    assert ok.decisions["early_state_groups"] == fit and ok.gpu_need <= ok.gpu_budget
+    with pytest.raises(UserError) as e:
+        _plan("configs/qwen2.5-7b.yaml", "train.batch_size=128", "train.update_on=host",
+              "train.early_state_groups=2", machine=four)
+    assert e.value.field == "train.early_state_groups"

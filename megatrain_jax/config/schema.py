@@ -268,6 +268,10 @@ class TrainConfig:
     #                          device (the master and state cross PCIe, the GPU updates each block as the next
     #                          forward fetches it; needs stream_copy=device, the fused kernel, one GPU) | auto
     #                          (the plan decides)
+    early_state_groups: int | str = "auto"  # update_on=device: the first N groups of the forward have their master
+    #                                        and optimizer state fetched during the backward (neither waits for the
+    #                                        norm), so the forward moves only the others'; auto: as many as are
+    #                                        predicted faster within the GPU room (fewer kept residuals where that pays)
     keep_residuals: int | str = "auto"  # the last N blocks keep their forward's matmul outputs on the GPU, so
     #                                     the backward does not recompute them: auto (as many as the GPU room the
     #                                     plan leaves holds; one GPU) | N | 0

@@ -73,6 +73,10 @@ def _validate_train_counts(t: TrainConfig) -> None:
                                    or t.grad_slabs < 2):
         raise UserError("train.grad_slabs", f"must be auto or an integer >= 2, got {t.grad_slabs!r}",
                         "set train.grad_slabs=auto (or e.g. 6 to save host memory, 24 for speed)")
+    if t.early_state_groups != "auto" and (isinstance(t.early_state_groups, bool)
+                                           or not isinstance(t.early_state_groups, int) or t.early_state_groups < 0):
+        raise UserError("train.early_state_groups", f"must be auto or an integer >= 0, got {t.early_state_groups!r}",
+                        "set train.early_state_groups=auto (or a number of groups, 0 to fetch each in the forward)")
     if t.keep_residuals != "auto" and (isinstance(t.keep_residuals, bool) or not isinstance(t.keep_residuals, int)
                                        or t.keep_residuals < 0):
         raise UserError("train.keep_residuals", f"must be auto or an integer >= 0, got {t.keep_residuals!r}",

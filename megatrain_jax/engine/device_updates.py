@@ -56,6 +56,12 @@ class DeviceUpdates(Updates):
         self._queued: dict[str, tuple[Any, float, int]] = {}  # per group: (gradient, clip scale, count)
         self._done: dict[str, Future] = {}  # per group: its queued update is in the store
         self._resident: dict[str, jax.Array] = {}  # current weights already on the device
+        # train.early_state_groups: the first groups of the forward, whose master and state the backward puts in
+        # flight (neither depends on the norm), so that the forward moves only the others' (the forward of a split
+        # update was bound by this traffic: docs/design.md 7.6)
+        self._early_names = list(self.groups.order[:max(int(self.o.early_state_groups), 0)])
+        self._early: dict[str, tuple[jax.Array, dict]] = {}
+        self.early_loads = 0  # updates that started from state fetched in the backward (the tests read it)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h-writeback")
         self._writing: deque[Future] = deque()  # write-backs in flight, oldest first (WRITEBACKS_IN_FLIGHT)
         self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-optim")  # stream_io's groups
@@ -119,6 +125,7 @@ class DeviceUpdates(Updates):
         from these instead of crossing PCIe again (the step's first transfers are exposed)."""
         held, self._held = self._held, {}
         if scale is None or not held:
+            self._early.clear()  # (a skipped step: the state fetched early is dropped, the store's is unchanged)
             return
         if not self.resweep:  # (a resweep's second sweep counted the step as it sent the head)
             self.count += 1
@@ -130,6 +137,7 @@ class DeviceUpdates(Updates):
             self._queued[name] = (grad, scale, self.count)
             self._done[name] = Future()  # set once this update is back in the host store
         self._resident = dict(resident)
+        self._early = {n: e for n, e in self._early.items() if n in self._queued}  # (only what a load will take)
 
     def _host_update(self, name: str, grad: HostArray, scale: float, count: int) -> None:
         """On the host-optimizer thread: a group whose gradient is in host memory, updated in place by the
@@ -143,6 +151,30 @@ class DeviceUpdates(Updates):
         if self.tracer is not None:
             self.tracer.interval("optimizer", name, t0, time.perf_counter())
 
+    def fetch_early(self, j: int) -> None:
+        """The backward's ``j``-th block (from the top) is dispatched: the early groups up to the ``j``-th put their
+        master and state in flight (one a block), each once its last write-back is in the store."""
+        for name in self._early_names[:j + 1]:
+            if name in self._early:
+                continue
+            fut = self.pending.get(name)
+            if fut is not None:
+                fut.result()
+            self._early[name] = self._state_to_device(name)
+            self._trace("h2d", f"{name} early", self._early[name][0])
+
+    def _state_to_device(self, name: str) -> tuple[jax.Array, dict]:
+        """The group's fp32 master and optimizer state in flight to the device(s): with a split update each GPU
+        its share, over its own link."""
+        g = self.store[name]
+        host_state = self.opt.state_to_arrays(g.opt_state)
+        if self.shards is not None:
+            sh = self.shards
+            return sh.to_device(g.master, sh.padded(g.size)), {
+                k: sh.to_device(a, sh.padded_like(a.shape[0], g.size)) for k, a in host_state.items()}
+        return self.xfer.to_device(name, g.master), {k: self.xfer.to_device(f"{name}/{k}", a)
+                                                     for k, a in host_state.items()}
+
     def load(self, name: str) -> DeviceUpdate | None:
         """Put the group's fp32 master and optimizer state in flight to the device; the update itself
         is dispatched by ``dispatch`` when the weights are first used (dispatched now it would run
@@ -154,15 +186,22 @@ class DeviceUpdates(Updates):
         g = self.store[name]
         host_state = self.opt.state_to_arrays(g.opt_state)
         p = self._resident.pop(name, None)
-        fetched = p is None
+        early = self._early.pop(name, None)  # (fetched in the backward: train.early_state_groups)
+        fetched = p is None and early is None
         if isinstance(grad, HELD_ON_HOST):
             grad = grad.to_device()
+        if early is not None:
+            p, state = (early[0] if p is None else p), early[1]
+            self.early_loads += 1
         if self.shards is not None:  # each GPU its share, over its own link
             sh, total = self.shards, self.shards.padded(g.size)
-            p = sh.to_device(g.master, total) if fetched else sh.shard(p, total)
-            state = {k: sh.to_device(a, sh.padded_like(a.shape[0], g.size)) for k, a in host_state.items()}
+            if early is None:
+                p = sh.to_device(g.master, total) if fetched else sh.shard(p, total)
+                state = {k: sh.to_device(a, sh.padded_like(a.shape[0], g.size)) for k, a in host_state.items()}
+            elif p is not early[0]:  # (resident: the weights the forward computed with, replicated)
+                p = sh.shard(p, total)
             grad = sh.shard(grad, total)
-        else:
+        elif early is None:
             if fetched:
                 p = self.xfer.to_device(name, g.master)
             state = {k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
@@ -230,6 +269,7 @@ class DeviceUpdates(Updates):
             if name in self._queued:
                 self.wait(name)
                 self.dispatch(self.load(name))
+        self._early.clear()
         self._settle(self.groups.order)
         self._settle(self.pending)
 

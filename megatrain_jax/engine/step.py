@@ -276,9 +276,13 @@ class StreamedTrainer:
             weights.prefetch(acts.first(nxt))  # before block i's backward: the transfer overlaps it
             acts.bring(nxt)
             g = self._backward_block(i, w, h, mbs, dhs, again=scale is not None)
+            if scale is None:
+                self.updates.fetch_early(L - 1 - i)  # (device-side updates: a first group's state, in flight now)
             sq.append(self._gradient(i, g, scale))  # g: (devices x block size,) fp32
             self._trace("compute", f"bwd {i}", sq[-1])  # (g itself may be donated later)
             self.pace.dispatched(sq[-1])  # waits for block i+1's backward
+        if scale is None:
+            self.updates.fetch_early(L + 1)  # (the early groups past the blocks: the last block's, the head's)
         if scale is None or not self.updates.resweep_held:  # (held: the first sweep's embedding gradient waits)
             sq.append(self.io.embed_backward(emb, mbs, dhs, scale))
         return losses, sq, w

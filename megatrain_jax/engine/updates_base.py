@@ -75,6 +75,9 @@ class Updates:
         fut = self.pending.get(name)
         return fut is None or fut.done()
 
+    def fetch_early(self, j: int) -> None:
+        """The backward has passed its ``j``-th block: a device-side update may put an early group in flight."""
+
     def _settle(self, names) -> None:
         """``finish``: wait for these groups' pending updates, in this order."""
         for name in list(names):

@@ -90,6 +90,7 @@ def plan_or_refuse(cfg, log: Log = print) -> Plan | LoraPlan:
         f"{f' (first {o.grad_hold_gpu_groups} groups on the GPU)' if o.grad_hold_gpu_groups else ''}, "
         f"stream_io={o.stream_io}, loss_chunk={o.loss_chunk}, stream_copy={o.stream_copy}, "
         f"moments={plan.settings.moments}, update_on={o.update_on}, keep_residuals={o.keep_residuals}"
+        f"{f', early_state_groups={o.early_state_groups}' if o.early_state_groups else ''}"
         f"{', blocks_queued=1' if o.blocks_queued == 1 else ''}; "
         f"predicted step {plan.step['predicted_step_s']:.2f} s ({plan.step['binding'][:-2]}-bound, "
         f"{plan.step_basis})  [megatrain-jax plan CONFIG shows the table]")

@@ -21,7 +21,7 @@ from megatrain_jax.optim.costs import auto_update_on
 from megatrain_jax.plan.rows import PlacementCosts, disk_rows, xla_pool
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN, IO_VOCAB_CHUNK,
                                       MOMENT_BYTES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes, pinned_in_rows,
-                                      pinned_limit, usable)
+                                      early_params, pinned_limit, usable)
 from megatrain_jax.plan.step_model import _optax_cost, _step_basis, step_rates
 
 
@@ -64,6 +64,7 @@ class Plan:
                 "pinned_pool_bytes": r.pinned_pool_bytes, "pinned_limit_bytes": r.pinned_limit_bytes,
                 "gpu_mem_fraction": r.gpu_mem_fraction,
                 "gpu_preallocate": r.gpu_preallocate, "keep_residuals": o.keep_residuals,
+                "early_state_groups": o.early_state_groups,
                 "seq_tile": o.seq_tile, "loss_chunk": o.loss_chunk, "stream_io": o.stream_io,
                 "boundary_every": o.boundary_every, "grad_hold_gpu_groups": o.grad_hold_gpu_groups,
                 "activations_gpu_blocks": o.activations_gpu_blocks,
@@ -201,9 +202,10 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     found, attn_info = _search_placement(cfg, costs, lim, device_cast)
     placed = found.best
     notes.extend(placed.notes)
-    gpu_rows, n_keep = _gpu_peak(cfg, costs, lim, found, headroom, notes)
+    gpu_rows, n_keep, n_early = _gpu_peak(cfg, costs, lim, found, headroom, notes)
     slabs, rows = _slabs_and_host_rows(cfg, costs, lim, placed)
     return _assemble(cfg, costs, lim, found, attn_info, rows=rows, gpu_rows=gpu_rows, slabs=slabs, n_keep=n_keep,
+                     n_early=n_early,
                      stream_copy=stream_copy, notes=notes)
 
 
@@ -373,9 +375,10 @@ def _search_placement(cfg: Config, costs: PlacementCosts, lim: _Limits,
 
 
 def _gpu_peak(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Result, headroom: float,
-              notes: list[str]) -> tuple[list[Row], int]:
-    """The chosen placement's GPU rows, and the blocks whose forward residuals are kept: each on top of the step's
-    peak, as a huge group's headroom is (the chosen placement's phases and GPU need grow by them)."""
+              notes: list[str]) -> tuple[list[Row], int, int]:
+    """The chosen placement's GPU rows, the blocks whose forward residuals are kept and the groups whose update
+    state crosses in the backward: each on top of the step's peak, as a huge group's headroom is (the chosen
+    placement's phases and GPU need grow by them)."""
     train, optim, shapes, placed = cfg.train, cfg.optim, costs.shapes, found.best
     phases, gpu_rows, gpu_need = placed.phases, search.gpu_rows(found.shapes, found.ctx, placed), placed.gpu_need
     n_keep, per_block = choose.choose_keep_residuals(
@@ -388,11 +391,18 @@ def _gpu_peak(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
         # the 3B shape ran out of memory, and without them it was as fast (RESULTS.md s7, H100): none kept
         notes.append(f"train.keep_residuals=auto: 0 with an optax update on the GPU (the room would keep {n_keep})")
         n_keep = 0
+    n_early, n_keep = _early_state(cfg, costs, lim, placed, n_keep, per_block, gpu_need)
     if n_keep:
         gpu_rows.append(Row("gpu", f"forward residuals of the last {n_keep} blocks", n_keep * per_block,
                             "their backward does not recompute them (train.keep_residuals)"))
         # on top of the step's peak, wherever the plan puts it: conservative (RESULTS.md: measured below it)
         phases["loss, residuals kept"] = max(phases.values()) + n_keep * per_block
+        gpu_need = max(phases.values())
+    if n_early:
+        early = _early_bytes(cfg, costs, lim, n_early)
+        gpu_rows.append(Row("gpu", f"update state of the first {n_early} groups, fetched in the backward", early,
+                            "held until the next forward updates them (train.early_state_groups)"))
+        phases["backward, early update state"] = max(phases.values()) + early  # (on top, as the residuals)
         gpu_need = max(phases.values())
     if headroom:  # (the search compared each candidate with the room less it: the same test as the verdict's)
         why = "groups over 1B parameters" if shapes.largest_group > HUGE_GROUP else "GPUs splitting the update"
@@ -401,7 +411,35 @@ def _gpu_peak(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
         phases["peak + huge-group headroom"] = max(phases.values()) + headroom
         gpu_need = max(phases.values())
     placed.gpu_need = gpu_need  # the pool's table covers the residuals too
-    return gpu_rows, n_keep
+    return gpu_rows, n_keep, n_early
+
+
+def _early_bytes(cfg: Config, costs: PlacementCosts, lim: _Limits, n_early: int) -> float:
+    """GPU bytes (each GPU's) of the first ``n_early`` groups' master and state: its share with a split update."""
+    shares = lim.n_dev if _update_shards(cfg) else 1
+    return (4 + costs.moment_bytes) * early_params(costs.shapes, n_early) / shares
+
+
+def _early_state(cfg: Config, costs: PlacementCosts, lim: _Limits, placed: choose.Placement, n_keep: int,
+                 per_block: float, need: float) -> tuple[int, int]:
+    """``train.early_state_groups`` (choose_early_state): where a device-side update's state can cross in the
+    backward, the groups that do and the kept residuals beside them; elsewhere none (asked for: refused)."""
+    t = cfg.train
+    applies = costs.update_on == "device" and placed.grad_hold != "resweep" and not placed.stream_io \
+        and cfg.optim.kernel == "fused"
+    if not applies and t.early_state_groups not in ("auto", 0):
+        raise UserError("train.early_state_groups", "fetches the fused AdamW's device-side state during the "
+                        f"backward, and this plan updates on the {costs.update_on} with grad_hold="
+                        f"{placed.grad_hold}, stream_io={placed.stream_io}, optim.kernel={cfg.optim.kernel}",
+                        "set train.early_state_groups=auto (or 0)")
+    if not applies or (t.early_state_groups == "auto" and not (lim.on_gpu and lim.gpu_usable is not None)):
+        return 0, n_keep  # (auto: on a GPU, whose room it takes; asked for, anywhere)
+    room = choose.gpu_room(need, lim.gpu_budget, lim.gpu_usable, cfg.optim.moments) \
+        if lim.gpu_usable is not None else float("inf")
+    return choose.choose_early_state(
+        t.early_state_groups, groups=costs.shapes.layers + 2, n_keep=n_keep, keep_auto=t.keep_residuals == "auto",
+        per_block=per_block, room=room, group_bytes=lambda k: _early_bytes(cfg, costs, lim, k),
+        step_of=lambda kept, k: costs.predicted_step(placed, kept, k)["predicted_step_s"])
 
 
 def _slabs_and_host_rows(cfg: Config, costs: PlacementCosts, lim: _Limits,
@@ -422,6 +460,7 @@ def _slabs_and_host_rows(cfg: Config, costs: PlacementCosts, lim: _Limits,
 
 def _assemble(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Result,
               attn_info: dict[str, Any] | None, *, rows: list[Row], gpu_rows: list[Row], slabs: int, n_keep: int,
+              n_early: int,
               stream_copy: str, notes: list[str]) -> Plan:
     """The plan of the chosen placement: its XLA settings, the engine's options, the rows, the predicted step."""
     train, optim, placed = cfg.train, cfg.optim, found.best
@@ -433,7 +472,7 @@ def _assemble(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
                      f"{lim.host_limit / GB:.1f} GB) and the plan needs {host_need / GB:.1f} GB: other processes hold "
                      "the rest; free it, or the run may be killed")
     disk, disk_need = disk_rows(cfg, costs.shapes.params, costs.moment_bytes)
-    step = costs.predicted_step(placed, n_keep)
+    step = costs.predicted_step(placed, n_keep, n_early)
     settings = choose.RuntimeSettings(
         attention=attn_info["impl"] if attn_info else None,
         attention_summary=attn_info["summary"] if attn_info else None, moments=optim.moments, devices=lim.n_dev,
@@ -444,7 +483,8 @@ def _assemble(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
                             loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
                             activations=placed.activations, grad_hold=placed.grad_hold, grad_slabs=slabs,
                             grad_slab_elems=GRAD_SLAB_ELEMS if costs.chunked else None, stream_copy=stream_copy,
-                            update_on=costs.update_on, fetch=train.fetch, host_state=train.host_state, keep_residuals=n_keep, devices=train.devices,
+                            update_on=costs.update_on, fetch=train.fetch, host_state=train.host_state, keep_residuals=n_keep, early_state_groups=n_early,
+                            devices=train.devices,
                             device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile,
                             grad_hold_gpu_groups=placed.grad_hold_gpu_groups, stream_io=placed.stream_io,
                             activations_gpu_blocks=placed.activations_gpu_blocks,

@@ -8,7 +8,7 @@ placement (micro-batches, activations, gradient hold, streaming, loss chunk) is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan.options import BLOCKS_QUEUED
@@ -139,10 +139,45 @@ def choose_keep_residuals(asked: Any, shapes: Shapes, *, on_gpu: bool, devices: 
         return kept, per_block
     if not on_gpu or not act_on_gpu or gpu_usable is None or moe:
         return 0, per_block
-    room = gpu_usable - need  # the residuals sit on top of the step's peak
+    room = gpu_room(need, budget, gpu_usable, moments)
+    return int(max(0, min(shapes.layers - 1, room // per_block))), per_block
+
+
+def gpu_room(need: float, budget: float | None, gpu_usable: float, moments: str) -> float:
+    """The GPU room on top of the step's peak that kept residuals and early-fetched update state may take; with int8
+    moments only what keeps XLA's pool growing on demand (its allocator table is host memory)."""
+    room = gpu_usable - need
     if moments == "int8" and budget and need <= PREALLOCATE_ABOVE * budget:
         room = min(room, PREALLOCATE_ABOVE * budget - need)
-    return int(max(0, min(shapes.layers - 1, room // per_block))), per_block
+    return room
+
+
+def choose_early_state(asked: Any, *, groups: int, n_keep: int, keep_auto: bool, per_block: float, room: float,
+                       group_bytes: Callable[[int], float], step_of: Callable[[int, int], float]) -> tuple[int, int]:
+    """How many of the forward's first groups a device-side update fetches during the backward, and the kept
+    residuals beside them (``train.early_state_groups``; the caller offers it only where it applies). ``auto``: the
+    pair with the least predicted step (``step_of(kept, early)``) whose bytes fit the room, kept residuals given up
+    for early groups where that is faster (their state traffic bounded the forward of a split update: docs/design.md
+    7.6), kept as many as before where not; an early set is taken only where it is 1% faster."""
+    if asked != "auto":
+        k = min(int(asked), groups)
+        if group_bytes(k) + n_keep * per_block > room:
+            fit = max(j for j in range(groups + 1) if group_bytes(j) + n_keep * per_block <= room) \
+                if group_bytes(0) + n_keep * per_block <= room else 0
+            raise UserError("train.early_state_groups", f"{k} groups' state needs {group_bytes(k) / 1e9:.1f} GB and "
+                            f"the GPU room beside the kept residuals is "
+                            f"{max(room - n_keep * per_block, 0) / 1e9:.1f} GB", f"set it to {fit} or auto")
+        return k, n_keep
+    best = (step_of(n_keep, 0), 0, n_keep)
+    for k in range(1, groups + 1):
+        left = room - group_bytes(k)
+        if left < (0 if keep_auto else n_keep * per_block):
+            break
+        kept = min(n_keep, int(left // per_block)) if keep_auto else n_keep
+        t = step_of(kept, k)
+        if t < best[0] * 0.99 or (t < best[0] and best[1]):
+            best = (t, k, kept)
+    return best[1], best[2]
 
 
 def choose_slabs(setting: Any, *, chunked: bool, on_gpu: bool, moments: str, host_room: float,

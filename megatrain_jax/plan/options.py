@@ -52,6 +52,8 @@ class EngineOptions:
     fetch: str = FETCH_FULL  # several GPUs: each fetches whole blocks, or its share of each (placements.FETCH)
     host_state: str = HOST_STATE_REPLICATED  # each process's host store: whole, or its GPUs' shares (HOST_STATE)
     keep_residuals: int = 0  # the last N blocks keep their VJP residuals (no recompute)
+    early_state_groups: int = 0  # update_on=device: the first N groups of the forward have their master and state
+    #                              fetched during the backward, so that their traffic leaves the forward
     devices: int | Literal["all"] = 1  # data parallel: devices per process (distributed.run_devices)
     device_update_chunk: int = DEVICE_UPDATE_CHUNK
     rng_seed: int = 0  # dropout keys (templates.block_rng)
@@ -114,6 +116,11 @@ class EngineOptions:
         if isinstance(self.seq_tile, bool) or not isinstance(self.seq_tile, int) or self.seq_tile < 0:
             bad("model.seq_tile", f"must be an integer >= 0, got {self.seq_tile!r}",
                 "set 0 (untiled) or tokens per tile")
+        if int(self.early_state_groups) < 0:
+            bad("train.early_state_groups", f"must be >= 0, got {self.early_state_groups}", "set 0 or more")
+        if int(self.early_state_groups) and self.update_on != UPDATE_DEVICE:
+            bad("train.early_state_groups", f"fetches a device-side update's state, and update_on={self.update_on}",
+                "set train.early_state_groups=0 (or auto), or train.update_on=device")
         if int(self.keep_residuals) < 0:
             bad("train.keep_residuals", f"must be >= 0, got {self.keep_residuals}", "set 0 or more")
         if self.update_on == UPDATE_DEVICE and self.stream_copy == STREAM_COPY_HOST \

@@ -58,7 +58,9 @@ def plan_table(p: Plan | LoraPlan) -> str:
                  + (f" (first {o.grad_hold_gpu_groups} groups on the GPU)" if o.grad_hold_gpu_groups else "")
                  + f", stream_io={'true' if o.stream_io else 'false'}, loss_chunk={o.loss_chunk}, "
                  f"stream_copy={o.stream_copy}, moments={r.moments}, update_on={o.update_on}, "
-                 f"keep_residuals={o.keep_residuals}, devices={r.devices}, seq_tile={o.seq_tile}, "
+                 f"keep_residuals={o.keep_residuals}, "
+                 + (f"early_state_groups={o.early_state_groups}, " if o.early_state_groups else "")
+                 + f"devices={r.devices}, seq_tile={o.seq_tile}, "
                  f"blocks_queued={o.blocks_queued}")
     if p.search:
         lines.append(f"search: {p.search['fitting']} of {p.search['tried']} candidates fit")

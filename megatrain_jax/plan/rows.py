@@ -134,9 +134,10 @@ class PlacementCosts:
             self._steps[key] = self.predicted_step(p, n_keep=0)
         return dict(self._steps[key])
 
-    def predicted_step(self, p: choose.Placement, n_keep: int) -> dict[str, Any]:
-        """The predicted step with placement ``p`` and ``n_keep`` blocks' residuals kept (step_model)."""
-        return predicted_step(self.cfg, self.shapes, self.rates, n_dev=self.n_dev, n_keep=n_keep,
+    def predicted_step(self, p: choose.Placement, n_keep: int, n_early: int = 0) -> dict[str, Any]:
+        """The predicted step with placement ``p``, ``n_keep`` blocks' residuals kept and ``n_early`` groups'
+        device-update state fetched in the backward (step_model)."""
+        return predicted_step(self.cfg, self.shapes, self.rates, n_dev=self.n_dev, n_keep=n_keep, n_early=n_early,
                               stream_bytes=self.stream_bytes, moment_bytes=self.moment_bytes, update_on=self.update_on,
                               cpu_cores=self.machine.cpu_cores, attention=self.attention, placement=p,
                               non_emb=self.non_emb, optax_cost=self.optax_cost)

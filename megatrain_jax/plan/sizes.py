@@ -516,6 +516,14 @@ def pinned_limit(pinned: float, chunk: float = 0.0) -> float:
     return limit
 
 
+def early_params(shapes: Shapes, groups: int) -> int:
+    """Parameters of the forward's first ``groups`` groups (the embedding, blocks 0, 1, ..., the head): those whose
+    device-side update state crosses in the backward (train.early_state_groups)."""
+    k = max(int(groups), 0)
+    return min(k, 1) * shapes.embed + min(max(k - 1, 0), shapes.layers) * shapes.block \
+        + (shapes.head if k > shapes.layers + 1 else 0)
+
+
 def residual_bytes_per_block(shapes: Shapes, head_dim: int) -> float:
     """GPU bytes one block's kept forward residuals take for the whole step: the matmul outputs a
     token keeps (q, k, v, the attention's output projection, gate and up; engine/kernels.py's checkpoint

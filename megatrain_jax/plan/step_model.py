@@ -14,7 +14,7 @@ from megatrain_jax.plan.machine import Machine
 from megatrain_jax.placements import BF16_HOLDS, PAGEABLE_HOLDS, PINNED_HOLDS
 from megatrain_jax.plan.sizes import (DISPATCH_BLOCK_S, DISPATCH_CALL_S, HOLD_RETURN_RATE, HOST_COPY_PARALLEL_RATE,
                                       HOST_COPY_RATE, HOST_HOLD_BYTES, IO_GATHER_RATE, MICRO_BATCH_BYTES_PER_PARAM,
-                                      RATES, Shapes, kept_on_gpu)
+                                      RATES, Shapes, early_params, kept_on_gpu)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
 
@@ -63,7 +63,7 @@ def _step_basis(machine: Machine) -> str:
 
 
 def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_dev: int, n_keep: int, stream_bytes: int,
-                   moment_bytes: float, update_on: str, cpu_cores: int, attention: bool = True,
+                   moment_bytes: float, update_on: str, cpu_cores: int, attention: bool = True, n_early: int = 0,
                    placement: choose.Placement | None = None, non_emb: int | None = None,
                    optax_cost: Any = None) -> dict[str, Any]:
     """The step's floor terms (compute, host->GPU, GPU->host, optimizer, host copies) and the largest of
@@ -174,7 +174,8 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         chain = step["optimizer_s"] + widen_bytes / copy_rate
         step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, chain)
     else:
-        state_s = _state_traffic_s((4 + moment_bytes) * (shapes.params - host_params), n_dev, shares, rates)
+        state_s = _state_traffic_s((4 + moment_bytes) * (shapes.params - host_params), n_dev, shares, rates,
+                                   early=(4 + moment_bytes) * early_params(shapes, n_early))
         step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, state_s) \
             + (shapes.embed / opt_rate if host_params else 0.0)
         if hold in PAGEABLE_HOLDS:  # a pageable hold comes back through the copier on that path
@@ -190,9 +191,11 @@ def _bound(step: dict[str, Any], terms: tuple[str, ...]) -> dict[str, Any]:
     return step
 
 
-def _state_traffic_s(state: float, n_dev: int, shares: int, rates: dict[str, float]) -> float:
+def _state_traffic_s(state: float, n_dev: int, shares: int, rates: dict[str, float], early: float = 0.0) -> float:
     """The least time a device-side update's forward lasts: each group's state (``state`` bytes in all) comes in
     just before its block and goes back right after its update, so that traffic falls in the forward: each link's
     share, and the host memory read and written by all the GPUs at once (an optax update, on every GPU alike,
-    reads the whole state once per GPU)."""
-    return max(state / shares / rates["h2d"], (state * n_dev / shares + state) / rates["host_traffic"])
+    reads the whole state once per GPU). ``early``: the bytes of it fetched in the backward instead (their
+    write-back stays in the forward)."""
+    inbound = max(state - early, 0.0)
+    return max(state / shares / rates["h2d"], (inbound * n_dev / shares + state) / rates["host_traffic"])
