@@ -116,6 +116,9 @@ class AdapterUpdates:
     def issue_ahead(self, i: int) -> None:
         """No gradient copies to issue."""
 
+    def fetch_early(self, j: int) -> None:
+        """No optimizer state crosses: the adapters' stays on the device."""
+
     def issue_through(self, pos: int, wait: bool = True) -> None:
         """No gradient copies to issue."""
 
