@@ -218,21 +218,25 @@ def test_the_target_hosts_cores_set_the_host_updates_pace():
 
 def test_early_update_state_is_planned_where_the_forward_waits_for_it_and_refused_where_it_cannot_run():
     """``train.early_state_groups`` (docs/design.md 7.6): four GPUs splitting a device-side update at a small per-GPU
-    batch have a forward bound by the state's traffic, so auto fetches the first groups' state in the backward
-    (giving up kept residuals where that is faster) and predicts a shorter step; one GPU at a large batch gains
-    nothing and takes none. Asked for more than the room holds, or on a host update, it is refused in one line with
-    a fix that plans."""
+    batch have a forward bound by the state's traffic, so fetching the first groups' state in the backward (kept
+    residuals left auto giving way) predicts a shorter step. ``auto`` takes none until a GPU run measures it, and a
+    note names the count to set; asked for, the plan takes it. One GPU at a large batch gains nothing: no note.
+    Asked for more than the room holds, or on a host update, it is refused in one line with a fix that plans."""
     four = Machine("gpu", 540 * GiB, 520 * GiB, "MemTotal", 141 * 10 ** 9, "sim", 4, "H200", 64, {})
-    sets = ("train.batch_size=128", "train.update_on=device", "train.host_memory_gb=480")
+    sets = ("train.batch_size=128", "train.host_memory_gb=480")
     auto = _plan("configs/qwen2.5-7b.yaml", *sets, machine=four)
-    none = _plan("configs/qwen2.5-7b.yaml", *sets, "train.early_state_groups=0", machine=four)
-    k = auto.decisions["early_state_groups"]
-    assert k > 0 and none.decisions["early_state_groups"] == 0
-    assert auto.step["predicted_step_s"] < none.step["predicted_step_s"]
-    assert any(f"first {k} groups, fetched in the backward" in r.what for r in auto.rows)
-    assert auto.gpu_need <= auto.gpu_budget
+    assert auto.decisions["early_state_groups"] == 0 and auto.decisions["update_on"] == "device"
+    (note,) = [n for n in auto.notes if n.startswith("train.early_state_groups=auto: 0")]
+    k = int(re.search(r"set train.early_state_groups=(\d+)", note).group(1))
+    asked = _plan("configs/qwen2.5-7b.yaml", *sets, f"train.early_state_groups={k}", machine=four)
+    assert asked.decisions["early_state_groups"] == k > 0
+    assert asked.decisions["keep_residuals"] < auto.decisions["keep_residuals"]  # (auto kept residuals gave way)
+    assert asked.step["predicted_step_s"] < auto.step["predicted_step_s"]
+    assert any(f"first {k} groups, fetched in the backward" in r.what for r in asked.rows)
+    assert asked.gpu_need <= asked.gpu_budget
+    sets = sets + ("train.update_on=device",)
     one = _plan("configs/qwen2.5-7b.yaml", "train.batch_size=128", "train.update_on=device", machine=four, devices=1)
-    assert one.decisions["early_state_groups"] == 0
+    assert one.decisions["early_state_groups"] == 0 and not any("early_state" in n for n in one.notes)
     with pytest.raises(UserError) as e:
         _plan("configs/qwen2.5-7b.yaml", *sets, "train.early_state_groups=30", "train.keep_residuals=24",
               machine=four)

@@ -1,6 +1,5 @@
-# session 22, call 3, nvidia-h200-x4 (issues 42, 44, 45, 46): the one-GPU no-regression pair, defaults, one GPU of the
-# four (CUDA_VISIBLE_DEVICES=0, train.devices=1): after = this tree, before = 606c46d (s19's landing, the after of
-# s20 call 1), an untracked _before/ carried with the call, made with
+# session 22, call 3, nvidia-h200 (the four-GPU kind was not lent at the time; issues 42, 44, 45, 46): the one-GPU no-regression pair, defaults (CUDA_VISIBLE_DEVICES=0,
+# train.devices=1): after = this tree, before = 606c46d (s19's landing, the after of s20 call 1), an untracked _before/ carried with the call, made with
 #   rm -rf _before && git archive 606c46d | (mkdir _before && tar -x -C _before)
 # Prediction: the one-GPU plans identical apart from the fetch/host_state decisions and the device-update
 # predicted step (no one-GPU default plan takes update_on=device here); tokens/s within the ~4% run-to-run spread.

@@ -170,6 +170,8 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     """The plan of ``cfg`` (its state mode and fix aside): the run's limits, where the update runs, what streams,
     the placement searched, the GPU's peak with kept residuals, the host rows with their slabs."""
     cfg = _sharded_state(cfg)
+    if cfg.train.update_on == "auto" and cfg.train.early_state_groups not in ("auto", 0):  # (a device update's)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, update_on="device"))
     lim = _limits_of(cfg, machine, devices)
     if cfg.train.fetch == "auto":
         return _either_fetch(cfg, lim, devices, attention)
@@ -391,7 +393,7 @@ def _gpu_peak(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
         # the 3B shape ran out of memory, and without them it was as fast (RESULTS.md s7, H100): none kept
         notes.append(f"train.keep_residuals=auto: 0 with an optax update on the GPU (the room would keep {n_keep})")
         n_keep = 0
-    n_early, n_keep = _early_state(cfg, costs, lim, placed, n_keep, per_block, gpu_need)
+    n_early, n_keep = _early_state(cfg, costs, lim, placed, n_keep, per_block, gpu_need, notes)
     if n_keep:
         gpu_rows.append(Row("gpu", f"forward residuals of the last {n_keep} blocks", n_keep * per_block,
                             "their backward does not recompute them (train.keep_residuals)"))
@@ -421,9 +423,10 @@ def _early_bytes(cfg: Config, costs: PlacementCosts, lim: _Limits, n_early: int)
 
 
 def _early_state(cfg: Config, costs: PlacementCosts, lim: _Limits, placed: choose.Placement, n_keep: int,
-                 per_block: float, need: float) -> tuple[int, int]:
+                 per_block: float, need: float, notes: list[str]) -> tuple[int, int]:
     """``train.early_state_groups`` (choose_early_state): where a device-side update's state can cross in the
-    backward, the groups that do and the kept residuals beside them; elsewhere none (asked for: refused)."""
+    backward, the groups that do and the kept residuals beside them; elsewhere none (asked for: refused). ``auto``
+    keeps none until a GPU run measures it, and a note names what it predicts."""
     t = cfg.train
     applies = costs.update_on == "device" and placed.grad_hold != "resweep" and not placed.stream_io \
         and cfg.optim.kernel == "fused"
@@ -436,10 +439,19 @@ def _early_state(cfg: Config, costs: PlacementCosts, lim: _Limits, placed: choos
         return 0, n_keep  # (auto: on a GPU, whose room it takes; asked for, anywhere)
     room = choose.gpu_room(need, lim.gpu_budget, lim.gpu_usable, cfg.optim.moments) \
         if lim.gpu_usable is not None else float("inf")
-    return choose.choose_early_state(
+
+    def step_of(kept: int, k: int) -> float:
+        return costs.predicted_step(placed, kept, k)["predicted_step_s"]
+
+    k, kept = choose.choose_early_state(
         t.early_state_groups, groups=costs.shapes.layers + 2, n_keep=n_keep, keep_auto=t.keep_residuals == "auto",
-        per_block=per_block, room=room, group_bytes=lambda k: _early_bytes(cfg, costs, lim, k),
-        step_of=lambda kept, k: costs.predicted_step(placed, kept, k)["predicted_step_s"])
+        per_block=per_block, room=room, group_bytes=lambda j: _early_bytes(cfg, costs, lim, j), step_of=step_of)
+    if t.early_state_groups == "auto" and k:  # not yet measured on GPUs (s22 ran out of device time): offered only
+        notes.append(f"train.early_state_groups=auto: 0 until measured on GPUs; {k} (kept residuals {n_keep} -> "
+                     f"{kept}) predicts {step_of(kept, k):.2f} s against {step_of(n_keep, 0):.2f} s: set "
+                     f"train.early_state_groups={k} to try it")
+        return 0, n_keep
+    return k, kept
 
 
 def _slabs_and_host_rows(cfg: Config, costs: PlacementCosts, lim: _Limits,

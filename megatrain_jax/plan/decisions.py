@@ -161,13 +161,14 @@ def choose_early_state(asked: Any, *, groups: int, n_keep: int, keep_auto: bool,
     7.6), kept as many as before where not; an early set is taken only where it is 1% faster."""
     if asked != "auto":
         k = min(int(asked), groups)
-        if group_bytes(k) + n_keep * per_block > room:
-            fit = max(j for j in range(groups + 1) if group_bytes(j) + n_keep * per_block <= room) \
-                if group_bytes(0) + n_keep * per_block <= room else 0
+        kept = min(n_keep, max(int((room - group_bytes(k)) // per_block), 0)) if keep_auto else n_keep
+        if group_bytes(k) + kept * per_block > room:  # (kept residuals left auto give way to what is asked)
+            fit = max(j for j in range(groups + 1) if group_bytes(j) + kept * per_block <= room) \
+                if group_bytes(0) + kept * per_block <= room else 0
             raise UserError("train.early_state_groups", f"{k} groups' state needs {group_bytes(k) / 1e9:.1f} GB and "
                             f"the GPU room beside the kept residuals is "
-                            f"{max(room - n_keep * per_block, 0) / 1e9:.1f} GB", f"set it to {fit} or auto")
-        return k, n_keep
+                            f"{max(room - kept * per_block, 0) / 1e9:.1f} GB", f"set it to {fit} or auto")
+        return k, kept
     best = (step_of(n_keep, 0), 0, n_keep)
     for k in range(1, groups + 1):
         left = room - group_bytes(k)
