@@ -163,17 +163,17 @@ class DeviceUpdates(Updates):
             self._early[name] = self._state_to_device(name)
             self._trace("h2d", f"{name} early", self._early[name][0])
 
-    def _state_to_device(self, name: str) -> tuple[jax.Array, dict]:
-        """The group's fp32 master and optimizer state in flight to the device(s): with a split update each GPU
-        its share, over its own link."""
+    def _state_to_device(self, name: str, master: bool = True) -> tuple[jax.Array | None, dict]:
+        """The group's fp32 master (None without ``master``) and optimizer state in flight to the device(s): with a
+        split update each GPU its share, over its own link."""
         g = self.store[name]
         host_state = self.opt.state_to_arrays(g.opt_state)
         if self.shards is not None:
             sh = self.shards
-            return sh.to_device(g.master, sh.padded(g.size)), {
+            return sh.to_device(g.master, sh.padded(g.size)) if master else None, {
                 k: sh.to_device(a, sh.padded_like(a.shape[0], g.size)) for k, a in host_state.items()}
-        return self.xfer.to_device(name, g.master), {k: self.xfer.to_device(f"{name}/{k}", a)
-                                                     for k, a in host_state.items()}
+        return self.xfer.to_device(name, g.master) if master else None, {
+            k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
 
     def load(self, name: str) -> DeviceUpdate | None:
         """Put the group's fp32 master and optimizer state in flight to the device; the update itself
@@ -185,26 +185,20 @@ class DeviceUpdates(Updates):
         grad, scale, count = pend
         g = self.store[name]
         host_state = self.opt.state_to_arrays(g.opt_state)
-        p = self._resident.pop(name, None)
+        p = self._resident.pop(name, None)  # (the weights the forward computed with: no master to fetch)
         early = self._early.pop(name, None)  # (fetched in the backward: train.early_state_groups)
+        if early is not None:
+            self.early_loads += 1
         fetched = p is None and early is None
         if isinstance(grad, HELD_ON_HOST):
             grad = grad.to_device()
-        if early is not None:
-            p, state = (early[0] if p is None else p), early[1]
-            self.early_loads += 1
+        p_in, state = early if early is not None else self._state_to_device(name, master=fetched)
         if self.shards is not None:  # each GPU its share, over its own link
-            sh, total = self.shards, self.shards.padded(g.size)
-            if early is None:
-                p = sh.to_device(g.master, total) if fetched else sh.shard(p, total)
-                state = {k: sh.to_device(a, sh.padded_like(a.shape[0], g.size)) for k, a in host_state.items()}
-            elif p is not early[0]:  # (resident: the weights the forward computed with, replicated)
-                p = sh.shard(p, total)
-            grad = sh.shard(grad, total)
-        elif early is None:
-            if fetched:
-                p = self.xfer.to_device(name, g.master)
-            state = {k: self.xfer.to_device(f"{name}/{k}", a) for k, a in host_state.items()}
+            total = self.shards.padded(g.size)
+            if p is not None:  # (resident weights are whole on every GPU: each takes its share)
+                p = self.shards.shard(p, total)
+            grad = self.shards.shard(grad, total)
+        p = p_in if p is None else p
         if fetched:
             self._trace("h2d", name, p)
         return DeviceUpdate(name, p, grad, state, host_state, self.opt.device_scalars(count, scale), count)
