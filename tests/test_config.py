@@ -217,7 +217,8 @@ def test_fused_kernel_is_adamw_only():
     ("optim.name=adam", "optim.name"), ("train.engine=fast", "train.engine"),
     ("optim.schedule.kind=step", "optim.schedule.kind"), ("optim.clip_norm=0", "optim.clip_norm"),
     ("model.rope_scaling={rope_type: yarn}", "model.rope_scaling"), ("model.head_dim=33", "model.head_dim"),
-    ("train.fetch=half", "train.fetch"),
+    ("train.fetch=half", "train.fetch"), ("train.early_state_groups=-1", "train.early_state_groups"),
+    ("train.early_state_groups=some", "train.early_state_groups"),
 ])
 def test_other_invalid_values(override, field):
     _raises(field, overrides=[override])
