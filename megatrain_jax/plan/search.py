@@ -29,6 +29,8 @@ from megatrain_jax.plan.sizes import (AUTO_SEQ_TILE, GPU_HOLD_BYTES, TILE_ABOVE,
                                       block_working_set, gpu_phases)
 
 BOUNDARY_EVERY = (1, 2, 4)
+FRONTIER_EIGHTHS = (1, 2, 3, 4, 5, 6, 7)  # the split counts in between: these eighths of a candidate's activation blocks
+FRONTIER_BEST = 3  # how many of the fastest split candidates the frontier refines
 MIN_LOSS_CHUNK = 256  # the smallest loss chunk the search tries (below it the head's matmuls are too thin)
 
 
@@ -355,7 +357,30 @@ def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
                             if p.fits or found:
                                 break
     fitting = [p for p in every if p.fits]
+    between = _frontier(shapes, ctx, axes, fitting)
+    every, fitting = every + between, fitting + between
     return Result(choose(fitting) or closest, len(every), len(fitting), every, shapes=shapes, axes=axes, ctx=ctx)
+
+
+def _frontier(shapes: Shapes, ctx: Context, axes: Axes, fitting: list[Placement]) -> list[Placement]:
+    """Between the two splits ``variants`` tries (the most activation blocks on the GPU, then the groups that room
+    leaves; or no blocks and the most groups), the counts in between, for the FRONTIER_BEST fastest fitting
+    candidates that split both: a held group is a block the resweep does not sweep again (compute) where an
+    activation block on the GPU saves PCIe only, so the fastest split may lie between. Only the best few are
+    refined (every candidate's would cost the search a third more time for the same choice)."""
+    if not axes.split or axes.activations_gpu_blocks is not None:
+        return []
+    split = sorted((p for p in fitting if p.activations_gpu_blocks and p.boundary_every == 1
+                    and (p.grad_hold in HOST_HOLDS or p.grad_hold == "resweep")), key=rank)
+    out = []
+    for p in split[:FRONTIER_BEST]:
+        for n in sorted({p.activations_gpu_blocks * f // 8 for f in FRONTIER_EIGHTHS} - {0}):
+            q = _split(shapes, ctx, _again(shapes, ctx, p, activations_gpu_blocks=n, grad_hold_gpu_groups=0))
+            if q is not None and q.grad_hold_gpu_groups > p.grad_hold_gpu_groups:
+                q = _costed(ctx, q)
+                if q.fits:
+                    out.append(q)
+    return out
 
 
 def search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
