@@ -17,6 +17,7 @@ row for the head chunks' staging.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import threading
@@ -32,6 +33,7 @@ from megatrain_jax.engine.kernels import F32, local_shard, named
 from megatrain_jax.engine.loss import capped
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim.host import alloc_aligned
+from megatrain_jax.plan.sizes import IO_HEAD_GRADS_IN_FLIGHT
 from megatrain_jax.templates import Layout
 
 HEAD_THREADS = max(1, min(8, os.cpu_count() or 1))  # the head's background gather and scatter
@@ -98,6 +100,7 @@ class HeadStream:
         self._inflight: dict[int, jax.Array] = {}
         self._staged: list[Future] | None = None  # this step's gather, one future per chunk (None: not started)
         self._scatters: list[Future] = []  # this step's gradient scatters into ``dense``, not yet waited for
+        self._outs: collections.deque = collections.deque()  # per chunk gradient on its way: its fetch and scatters
         self._stage_lock = threading.Lock()  # ``_stage`` may run on the optimizer thread (``stage_early``)
         self.pool = ThreadPoolExecutor(HEAD_THREADS, thread_name_prefix="head-stage")
         self._build()
@@ -192,6 +195,7 @@ class HeadStream:
         with self._stage_lock:
             wait_all((self._staged or []) + self._scatters)
             self._small_w, self._inflight, self._staged, self._scatters = None, {}, None, []
+            self._outs.clear()
 
     def stage_early(self) -> None:
         """At the step's start: the head's gather begins as soon as the head's update has written its
@@ -319,6 +323,7 @@ class HeadStream:
         self._small_w, self._staged = None, None
         # the updater reads ``dense`` (tied: the embedding's backward adds to it next): every scatter first
         jobs, self._scatters = self._scatters, []
+        self._outs.clear()
         for f in jobs:
             f.result()  # (the first error, on this thread)
         self.upd.gradient("head", self.dense)
@@ -333,6 +338,7 @@ class HeadStream:
         sq = k.sqnorm(g)
         if not self._scatters:
             self.upd.wait("head")  # its last update read ``dense``, rewritten from here
+        self._settle(IO_HEAD_GRADS_IN_FLIGHT - 1)  # each copy below takes a chunk of XLA's pinned pool
         fetch = self.pool.submit(self._fetch, self.xfer.to_host(local_shard(g, 0 if c is None else c)))
         if c is None:
             jobs = [self.pool.submit(self._scatter_small, fetch)]
@@ -341,7 +347,18 @@ class HeadStream:
             jobs = [self.pool.submit(self._scatter_rows, c, lo, hi, fetch)
                     for lo, hi in self._spans(valid if self.tied else self.H)]
         self._scatters += [fetch, *jobs]
+        self._outs.append([fetch, *jobs])
         return sq
+
+    def _settle(self, keep: int) -> None:
+        """Wait for the oldest chunk gradients on their way until at most ``keep`` are, and let theirs go: a
+        chunk's pinned copy lives as long as its fetch's result does (the plan counts IO_HEAD_GRADS_IN_FLIGHT)."""
+        while len(self._outs) > keep:
+            done = self._outs.popleft()
+            for f in done:
+                f.result()  # (a job's error, on this thread)
+            gone = set(map(id, done))
+            self._scatters = [f for f in self._scatters if id(f) not in gone]
 
     def _fetch(self, arr: jax.Array) -> np.ndarray:
         return np.asarray(self.xfer.host_view(arr))  # waits until the copy has landed

@@ -13,7 +13,7 @@ from megatrain_jax.placements import PAGEABLE_HOLDS, PINNED_HOLDS
 from megatrain_jax.plan.machine import Machine, process_count
 from megatrain_jax.plan.options import GRAD_SLAB_ELEMS
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_HOLD_BYTES,
-                                      IO_VOCAB_CHUNK, MULTI_PROCESS_HOST_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
+                                      IO_HEAD_GRADS_IN_FLIGHT, IO_VOCAB_CHUNK, MULTI_PROCESS_HOST_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
                                       XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_use,
                                       pinned_need, pinned_pool)
 from megatrain_jax.plan.step_model import predicted_step
@@ -199,7 +199,8 @@ def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bo
         chunk, chunks = 4.0 * shapes.hidden * vc, -(-shapes.vocab // vc)
         rows.append(Row("host", "head chunks' staging (train.stream_io)", chunks * chunk * shapes.dtype_bytes / 4,
                         f"{chunks} chunks: the output matrix, vocabulary-major, in the compute dtype"))
-        rows.append(Row("host", "head chunks' gradients on their way (pinned)", 2.0 * chunk, "two chunks"))
+        rows.append(Row("host", "head chunks' gradients on their way (pinned)", IO_HEAD_GRADS_IN_FLIGHT * chunk,
+                        "two chunks"))  # (IO_HEAD_GRADS_IN_FLIGHT)
     held = shapes.params - io_grads - placed.grad_hold_gpu_params
     if hold_share != 1.0:  # a split device update over several processes: this process's GPUs' shares
         held *= hold_share

@@ -88,6 +88,9 @@ IO_GATHER_RATE = 20e9  # bytes/s of the streamed head's host gather as the step 
 # experiments/probe_stream_io.py, H100 machine, RESULTS.md s7); now once, in the background (engine/io_head.py): with
 # it the 8B at 24 GB predicts 8.24 s against 7.88 measured, as over as the whole GPU's prediction (RESULTS.md s15)
 IO_VOCAB_CHUNK = 16384  # vocabulary rows of the head on the GPU at once with train.stream_io (the engine's chunk)
+IO_HEAD_GRADS_IN_FLIGHT = 2  # stream_io: the head chunks' gradients on their way to the host at once (XLA's pinned
+#                             pool; engine/io_head.py waits for the oldest before the next): unbounded, all ten of
+#                             the 110B's 0.54 GB chunks were, and the pool ran out in step 1 (RESULTS.md s23 call 5)
 PINNED_LIMIT_FACTOR = 1.02  # XLA's pinned-host pool limit over the plan's pinned bytes (+ PINNED_LIMIT_ROOM):
 # the pool's arrays are few sizes (activation layers, slabs), so little is lost between them; every byte of the
 # limit past the arrays is page-locked RSS once the last region is taken (1.5x cost the 8B at 10 GB 12 GB)
