@@ -271,8 +271,8 @@ class TrainConfig:
     early_state_groups: int | str = "auto"  # update_on=device: the first N groups of the forward have their master
     #                                        and optimizer state fetched during the backward (neither waits for the
     #                                        norm), so the forward moves only the others' (kept residuals left auto
-    #                                        give way for its room); auto: 0 until measured on GPUs (the plan's note
-    #                                        names the N it predicts fastest)
+    #                                        give way for its room); auto: 0 (its predicted gain is overstated:
+    #                                        docs/design.md 7.7; the plan's note names the N it predicts fastest)
     keep_residuals: int | str = "auto"  # the last N blocks keep their forward's matmul outputs on the GPU, so
     #                                     the backward does not recompute them: auto (as many as the GPU room the
     #                                     plan leaves holds; one GPU) | N | 0
