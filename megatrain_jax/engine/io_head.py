@@ -99,8 +99,8 @@ class HeadStream:
         self._small_w: jax.Array | None = None
         self._inflight: dict[int, jax.Array] = {}
         self._staged: list[Future] | None = None  # this step's gather, one future per chunk (None: not started)
-        self._scatters: list[Future] = []  # this step's gradient scatters into ``dense``, not yet waited for
-        self._outs: collections.deque = collections.deque()  # per chunk gradient on its way: its fetch and scatters
+        # this step's chunk gradients on their way into ``dense``, not yet waited for: each its fetch and scatters
+        self._outs: collections.deque[list[Future]] = collections.deque()
         self._stage_lock = threading.Lock()  # ``_stage`` may run on the optimizer thread (``stage_early``)
         self.pool = ThreadPoolExecutor(HEAD_THREADS, thread_name_prefix="head-stage")
         self._build()
@@ -193,8 +193,8 @@ class HeadStream:
         for w in self._inflight.values():
             w.block_until_ready()
         with self._stage_lock:
-            wait_all((self._staged or []) + self._scatters)
-            self._small_w, self._inflight, self._staged, self._scatters = None, {}, None, []
+            wait_all((self._staged or []) + [f for jobs in self._outs for f in jobs])
+            self._small_w, self._inflight, self._staged = None, {}, None
             self._outs.clear()
 
     def stage_early(self) -> None:
@@ -322,10 +322,7 @@ class HeadStream:
         sq.append(self._out(None, gs))
         self._small_w, self._staged = None, None
         # the updater reads ``dense`` (tied: the embedding's backward adds to it next): every scatter first
-        jobs, self._scatters = self._scatters, []
-        self._outs.clear()
-        for f in jobs:
-            f.result()  # (the first error, on this thread)
+        self._settle(0)  # (the first error, on this thread)
         self.upd.gradient("head", self.dense)
         return list(losses), dhs, sq
 
@@ -336,7 +333,7 @@ class HeadStream:
         if k.reduce is not None:
             g = k.reduce(g)
         sq = k.sqnorm(g)
-        if not self._scatters:
+        if not self._outs:
             self.upd.wait("head")  # its last update read ``dense``, rewritten from here
         self._settle(IO_HEAD_GRADS_IN_FLIGHT - 1)  # each copy below takes a chunk of XLA's pinned pool
         fetch = self.pool.submit(self._fetch, self.xfer.to_host(local_shard(g, 0 if c is None else c)))
@@ -346,7 +343,6 @@ class HeadStream:
             valid = min(self.Vc, self.V - c * self.Vc)
             jobs = [self.pool.submit(self._scatter_rows, c, lo, hi, fetch)
                     for lo, hi in self._spans(valid if self.tied else self.H)]
-        self._scatters += [fetch, *jobs]
         self._outs.append([fetch, *jobs])
         return sq
 
@@ -357,8 +353,6 @@ class HeadStream:
             done = self._outs.popleft()
             for f in done:
                 f.result()  # (a job's error, on this thread)
-            gone = set(map(id, done))
-            self._scatters = [f for f in self._scatters if id(f) not in gone]
 
     def _fetch(self, arr: jax.Array) -> np.ndarray:
         return np.asarray(self.xfer.host_view(arr))  # waits until the copy has landed
