@@ -1,4 +1,4 @@
-# prepared in session 22 for session 23 (issue 46), nvidia-h200-x4: the re-measure of s21 call 1 with the per-process row (MULTI_PROCESS_HOST_BYTES, 0.45 GiB): four processes x one GPU, each a simulated 128 GiB host
+# prepared in session 22 (run in neither 23 nor before; renamed in 23 from s23_call2_...) (issue 46), nvidia-h200-x4: the re-measure of s21 call 1 with the per-process row (MULTI_PROCESS_HOST_BYTES, 0.45 GiB): four processes x one GPU, each a simulated 128 GiB host
 # (train.host_memory_gb=128, train.host_state=sharded), Llama-2-70B shape (configs/llama2-70b.yaml: fp32 master,
 # AdamW int8 moments, clipping 1.0), 8 x 4096 tokens per process, 5 steps, every other decision auto.
 # Prediction: each process plans 110.63 GB (s21: 110.15 without the row, peaks 110.19-110.45) and peaks under it;
