@@ -12,6 +12,10 @@ TFLOPS (median of the steps after the first two; the second alone where only two
 A case is NAME=CONFIG[;key=value;...]. Every case adds train.final_checkpoint=false,
 model.init=fast (uniform weights with the nnx std, drawn in seconds: the benchmark measures the
 step, not the initialiser), train.steps=--steps and a fresh out_dir.
+
+``--end-after-last-step S`` ends a case S seconds after its last step's record if the process has not exited by
+then (a 110B run takes ~150 s to give its 500 GB back: device time that measures nothing); ``--limit-s`` ends a case
+at that wall time. Either way the case's JSON is still written, from the steps it recorded, with ``ended_by_bench``.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +53,14 @@ def _used_gb() -> float:
             k, _, v = line.partition(":")
             info[k] = int(v.split()[0])
     return (info["MemTotal"] - info["MemAvailable"]) * 1024 / 1e9
+
+
+def _records(path: str) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
 
 
 def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
@@ -87,9 +100,25 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
                                             MEGATRAIN_NUM_PROCESSES=str(procs), MEGATRAIN_PROCESS_ID=str(i),
                                             CUDA_VISIBLE_DEVICES=str(i))) for i in range(procs)]
         peak = {"rss_kb": 0, "used_gb": 0.0, "hwm_kb": [0] * len(ps)}
+        mpath = os.path.join(out_dir, "metrics.jsonl")
+        ended = {}
+
+        def end(why: str) -> None:  # the case's own end: every process of the run, at once
+            ended.update(why=why, at_s=time.perf_counter() - t0)
+            for q in ps:
+                if q.poll() is None:
+                    q.send_signal(signal.SIGKILL)
 
         def sample():
+            last_step_at = None
             while any(q.poll() is None for q in ps):
+                if not ended and args.limit_s and time.perf_counter() - t0 > args.limit_s:
+                    end(f"the case's wall limit ({args.limit_s:.0f} s)")
+                if not ended and args.end_after_last_step is not None:
+                    if last_step_at is None and _records(mpath) >= args.steps:
+                        last_step_at = time.perf_counter()
+                    if last_step_at is not None and time.perf_counter() - last_step_at > args.end_after_last_step:
+                        end(f"{args.end_after_last_step:.0f} s after the last step's record, the process still exiting")
                 peak["rss_kb"] = max(peak["rss_kb"], sum(_status_kb(q.pid, "VmRSS:") for q in ps))
                 # each process's own peak: the kernel's high-water mark, read while it lives
                 peak["hwm_kb"] = [max(h, _status_kb(q.pid, "VmHWM:")) for h, q in zip(peak["hwm_kb"], ps)]
@@ -103,14 +132,19 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
     res.update({"rc": rc, "wall_s": time.perf_counter() - t0, "sampled_peak_rss_gb": peak["rss_kb"] * 1024 / 1e9,
                 "per_process_peak_rss_gb": [h * 1024 / 1e9 for h in peak["hwm_kb"]],
                 "machine_used_before_gb": used0, "machine_used_peak_gb": peak["used_gb"]})
+    if ended:
+        res["ended_by_bench"] = ended
     with open(log_path) as f:
         tail = f.read()[-3000:]
     res["log_tail"] = tail
     recs = []
-    mpath = os.path.join(out_dir, "metrics.jsonl")
     if os.path.exists(mpath):
         with open(mpath) as f:
-            recs = [json.loads(x) for x in f if x.strip()]
+            for x in f:
+                try:
+                    recs.append(json.loads(x))
+                except ValueError:  # a record cut by the case's end
+                    pass
     res["steps_done"] = len(recs)
     if args.trace:
         import glob
@@ -166,6 +200,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--trace", action="store_true", help="record the last step's per-layer timeline (train.trace_step); "
                     "that step is left out of the median")
+    ap.add_argument("--end-after-last-step", type=float, default=None, metavar="S",
+                    help="end a case S seconds after its last step's record if it has not exited")
+    ap.add_argument("--limit-s", type=float, default=None, help="end a case at this wall time (its JSON still written)")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(HERE, "results")))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
