@@ -136,7 +136,17 @@ class Transfers:
         On the GPU, into a DMA-registered buffer: one direct device->host DMA on a stream of its own
         (``_DirectCopy``: the store is written where it lies, at PCIe speed, with no pinned staging
         buffer and no host memcpy). Elsewhere, or when the driver is not reachable: through a pinned
-        array and a host copy."""
+        array and a host copy.
+
+        With several GPUs ``x`` is one GPU's array (a replicated device update writes back from the group's
+        own GPU), and the DMA runs on that GPU's link. Through pinned memory it would stage a whole group
+        in XLA's pinned pool, which the plan does not count: the 110B on four H200s ran out of it in its
+        first step, asking for a 5.06 GiB group (experiments/RESULTS.md s24 call 1)."""
+        if self.mesh is not None and len(self.devices) > 1:
+            wait = self.direct_into(x, dst)
+            if wait is not None:
+                wait()
+                return
         direct = self._direct_copy()
         if direct is not None and self._is_mapped(dst):
             x.block_until_ready()

@@ -2,6 +2,8 @@
 # clipping 1.0) on 4 GPUs of one process, 8 x 4096 tokens per GPU (train.batch_size=32), every decision auto, 3 steps.
 # Plan (CLI, 4 x 150.75 GB, 540.9 GB host, 64 cores): resweep with the first 11 groups held on the GPUs, stream_io,
 # split fetch, device update; host 511.5 GB, GPU 130.4 of 143.2 GB; 95.03 s predicted at H100 rates.
+# Run first at 13:35 UTC: XLA's pinned pool ran out in step 1 (a 5.06 GiB group: the replicated Adafactor update's
+# write-back staged through it; fixed in transfer.copy_into). Run again after the fix.
 # Prediction: by s18's measured/predicted ratio on one GPU (0.908) ~86 s a step, ~1,520 tok/s: ~3.6x the one-GPU
 # 110B (s18: 77.8 s, 421 tok/s; the bar is >= 3.3x); RSS and GPU peaks within the plan. The bench ends the process
 # 10 s after step 3's record (its ~150 s exit measures nothing).
