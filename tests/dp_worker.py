@@ -29,7 +29,8 @@ DEVICE_UPDATES = {"device_gpu_bf16": dict(update_on="device", stream_copy="devic
                   # the first groups' master and state fetched during the backward (train.early_state_groups)
                   "device_early": dict(update_on="device", stream_copy="device", grad_hold="gpu_bf16",
                                        early_state_groups=3),
-                  # an optax update over whole tensors: every GPU runs it alike (no shares)
+                  # an optax update over whole tensors: every GPU runs it alike (no shares of the update), each
+                  # holding its share of the held gradients (gathered when the update starts)
                   "device_adafactor": dict(update_on="device", stream_copy="device", grad_hold="resweep",
                                            grad_hold_gpu_groups=2, optimizer="adafactor")}
 
@@ -71,6 +72,8 @@ def run(devices, steps: int = STEPS, options: dict | None = None, shares: list |
     st.finish()
     if shares is not None and options.get("early_state_groups"):  # (how many updates took state fetched early)
         shares.append(st.updates.early_loads)
+    if shares is not None and name != "adamw":  # (how many updates gathered a gradient each GPU held its share of)
+        shares.append(st.updates.split_held_loads)
     flat = np.concatenate([st.store[g.name].master for g in st.store])
     st.close()
     return np.asarray(losses), np.asarray(norms), flat

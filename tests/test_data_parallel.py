@@ -78,11 +78,13 @@ def test_device_side_updates_over_several_gpus_train_what_one_device_trains(loca
     """``update_on=device`` with several GPUs (issue 45): the fused AdamW splits each group between them (each its
     share: reduce-scattered gradient, its share of master and state over its own link, the update gathered), with
     the gradient held on the GPUs, in pinned host memory or made again by a resweep, fp32 or int8 moments (padded
-    shares of whole int8 blocks); an optax update (Adafactor) runs on every GPU alike. Each equals its one-device
-    run over 5 clipped steps."""
+    shares of whole int8 blocks); an optax update (Adafactor) runs on every GPU alike, each GPU holding its share of
+    a held gradient until the update gathers it. Each equals its one-device run over 5 clipped steps."""
     r = local_runs
     split = placement != "device_adafactor"
     assert bool(r[f"shares_{placement}_{n}"][0]) == split and not r[f"shares_{placement}_1"][0]
+    if not split:  # each GPU held its share of the first 2 groups' gradients, 5 steps: 10 gathered for updates
+        assert r[f"shares_{placement}_{n}"].tolist()[1] == 10 and r[f"shares_{placement}_1"].tolist()[1] == 0
     np.testing.assert_allclose(r[f"losses_{placement}_{n}"], r[f"losses_{placement}_1"], rtol=RTOL)
     np.testing.assert_allclose(r[f"norms_{placement}_{n}"], r[f"norms_{placement}_1"], rtol=RTOL)
     assert _rel(r[f"params_{placement}_{n}"], r[f"params_{placement}_1"]) < RTOL

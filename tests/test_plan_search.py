@@ -387,3 +387,23 @@ def test_a_resweep_splits_the_gpus_room_between_activation_blocks_and_held_group
         if n == 0:  # the end the search found before: fewer held groups, slower
             assert fixed.options.grad_hold_gpu_groups < o.grad_hold_gpu_groups
             assert auto.step["predicted_step_s"] < 0.95 * fixed.step["predicted_step_s"]
+
+
+def test_an_optax_update_over_several_gpus_holds_each_gradient_split_between_them():
+    """A device-side optax update (Adafactor) runs whole on every GPU, and each GPU holds only its share of a held
+    gradient (engine/device_updates: gathered when the update starts). The 110B lean on 4 H200s held 11 groups for
+    its resweep where one GPU holds 17, and swept the other 69 twice (RESULTS.md s24); held split, all 82 groups fit
+    and no second sweep runs. The held row is a quarter of the one-GPU hold's bytes, and the gathered gradients are
+    counted in the update's row."""
+    m4 = target_machine(gpu_memory_gb=150.75, host_memory_gb=540.9, cpu_cores=64, gpu_count=4)
+    four = make_plan(_cfg("configs/lean-110b.yaml", "train.batch_size=32", "train.devices=4"), m4)
+    assert four.verdict() is None and four.options.update_on == "device"
+    assert four.options.grad_hold == "gpu_bf16"  # (every group held: no resweep)
+    held = next(r for r in four.rows if r.what == "gradients held for clipping")
+    assert "each GPU its 1/4" in held.note
+    # bf16, a quarter of every block parameter (stream_io: the embedding's and head's wait in host memory)
+    assert 0.95 * 2 * four.params / 4 < held.bytes <= 2 * four.params / 4
+    forced = make_plan(_cfg("configs/lean-110b.yaml", "train.batch_size=32", "train.devices=4",
+                            "train.grad_hold=resweep"), m4)
+    assert forced.verdict() is None and forced.options.grad_hold_gpu_groups > 40  # (17 on one GPU)
+    assert four.step["predicted_step_s"] < forced.step["predicted_step_s"]

@@ -69,6 +69,11 @@ class DeviceUpdates(Updates):
         # update over whole tensors (optax) runs on every GPU alike, and one GPU's result goes back to the host
         self.shards = self._shards() if self.k.num_devices > 1 and getattr(self.opt, "shards_on_device", False) \
             else None
+        # an update run alike on every GPU still holds its gradients split: each GPU keeps its share of a held
+        # gradient and the update gathers the whole over NVLink when it starts (four H200s held 11 groups of the
+        # 110B for its resweep where one holds 17, and swept the other 69 twice: experiments/RESULTS.md s24)
+        self.hold_shards = self._hold_split() if self.k.num_devices > 1 and self.shards is None else None
+        self.split_held_loads = 0  # updates that gathered a gradient held split (the tests read it)
         sharded = self.o.host_state == HOST_STATE_SHARDED
         if self.k.num_devices > 1 and jax.process_count() > 1 and not sharded:
             raise UserError("train.update_on", f"{UPDATE_DEVICE} with several processes needs train.host_state="
@@ -79,6 +84,15 @@ class DeviceUpdates(Updates):
             raise UserError("train.host_state", f"{HOST_STATE_SHARDED} needs an update split elementwise between the "
                             f"GPUs, which {type(self.opt).__name__} is not", "use optim.name=adamw, or set "
                             "train.host_state=replicated")
+
+    def _hold_split(self) -> Shards:
+        return Shards(self.k.mesh, BLOCK, self.xfer.device_sharding.memory_kind, None)
+
+    def hold(self, name: str, grad: jax.Array) -> None:
+        super().hold(name, grad)
+        held = self._held.get(name)
+        if self.hold_shards is not None and isinstance(held, jax.Array) and held.sharding.is_fully_replicated:
+            self._held[name] = self.hold_shards.shard(held, self.hold_shards.padded(self.store[name].size))
 
     def _shards(self) -> Shards:
         if self.placement in (HOST_FP32, HOST_BF16):
@@ -192,6 +206,9 @@ class DeviceUpdates(Updates):
         fetched = p is None and early is None
         if isinstance(grad, HELD_ON_HOST):
             grad = grad.to_device()
+        elif self.hold_shards is not None and not grad.sharding.is_fully_replicated:  # (held split: ``hold``)
+            grad = self.hold_shards.gather(grad, g.size)
+            self.split_held_loads += 1
         p_in, state = early if early is not None else self._state_to_device(name, master=fetched)
         if self.shards is not None:  # each GPU its share, over its own link
             total = self.shards.padded(g.size)
@@ -241,6 +258,10 @@ class DeviceUpdates(Updates):
                 if self.shards is not None:
                     self.shards.copy_into(x, dst)
                 else:  # (several GPUs updating alike: the group's own GPU's copy, spreading the links' load)
+                    # every GPU's update first: on the CPU backend each device's master may be the store's own
+                    # memory (a zero-copy device_put), which this write changes under an update still reading it
+                    # (a 4-device Adafactor run then diverged in its last steps, under load only)
+                    x.block_until_ready()
                     self.xfer.copy_into(local_shard(x, self.groups.pos[name]), dst)
                 self.xfer.host_written(buf_name, dst)
             if self.tracer is not None:

@@ -370,7 +370,8 @@ def _search_placement(cfg: Config, costs: PlacementCosts, lim: _Limits,
         stream_bytes=costs.stream_bytes, device_cast=device_cast, attn=attn_extra,
         update_state_bytes=costs.moment_bytes if costs.update_on == "device" else None, gpu_usable=lim.gpu_usable,
         host_usable=lim.host_usable, host_of=costs.host_of, step_of=costs.step_of,
-        update_shards=lim.n_dev if (costs.update_on == "device" and _update_shards(cfg)) else 1)
+        update_shards=lim.n_dev if (costs.update_on == "device" and _update_shards(cfg)) else 1,
+        hold_shards=lim.n_dev if costs.update_on == "device" else 1)  # (engine/device_updates: held split)
     axes = search.axes_of(train, micro_candidates, on_gpu=lim.on_gpu, cpu_only=cpu_only, update_on=costs.update_on,
                           devices=lim.n_dev, shares=_update_shards(cfg))
     return search.search(shapes, axes, ctx), attn_info

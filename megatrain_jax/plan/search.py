@@ -101,6 +101,7 @@ class Context:
     #                                      rows) and the part of it the order compares (without XLA's GPU pool table)
     step_of: Callable[[Placement], dict]  # the candidate's predicted step (step_model.predicted_step)
     update_shards: int = 1  # GPUs sharing each group's device-side update (sizes.PhaseInputs.update_shards)
+    hold_shards: int = 1  # GPUs sharing each gradient held on them (sizes.PhaseInputs.hold_shards)
     # each candidate's GPU phases by what they depend on (``_phases``): candidates differing only in what the
     # phases do not read (a host hold's kind, its host side) share them
     _phases: dict[tuple, tuple[Shapes, dict[tuple, tuple[dict[str, float], float]]]] = field(
@@ -193,7 +194,8 @@ def _phase_inputs(shapes: Shapes, ctx: Context, micro: int, act: str, hold: str,
         hold_bytes=GPU_HOLD_BYTES[hold], loss_chunk=chunk, deferred=True, attn=ctx.attn,
         update_state_bytes=ctx.update_state_bytes, boundary_every=k, stream_io=io,
         grad_hold_gpu_bytes=group_bytes(shapes, groups, io), resweep=hold == "resweep",
-        activations_gpu_blocks=activations_gpu_blocks, update_shards=ctx.update_shards)
+        activations_gpu_blocks=activations_gpu_blocks, update_shards=ctx.update_shards,
+        hold_shards=ctx.hold_shards)
 
 
 def _phases(shapes: Shapes, ctx: Context, micro: int, act: str, hold: str, k: int, io: bool, chunk: int, groups: int,
@@ -280,7 +282,8 @@ def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
         return None
     if base.activations_gpu_blocks:
         return _most(shapes, ctx, base, "grad_hold_gpu_groups", shapes.layers + 1)
-    n = _groups_within(shapes, ctx.gpu_usable - base.gpu_need, base.stream_io)
+    n = _groups_within(shapes, (ctx.gpu_usable - base.gpu_need) * max(ctx.update_shards, ctx.hold_shards),
+                       base.stream_io)  # (each GPU holds its share)
     for _ in range(4):  # the room is the peak's; another phase may be where the groups do not fit
         if n <= 0:
             break

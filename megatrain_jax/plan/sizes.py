@@ -227,10 +227,8 @@ class PhaseInputs:
     loss_chunk: int
     deferred: bool  # gradients wait for the clipping norm
     attn: AttentionExtra | None = None
-    update_state_bytes: float | None = None  # optimizer state bytes/param of a device-side update
-    #                                          (``train.update_on=device``), None for host updates
-    boundary_every: int = 1  # k: every k-th block input is kept (L/k layers), the backward holds the k-1 inputs
-    #                          it recomputes for one segment
+    update_state_bytes: float | None = None  # optimizer state bytes/param of a device-side update, None: host
+    boundary_every: int = 1  # k: every k-th block input kept (L/k), the backward holds the k-1 it recomputes
     stream_io: bool = False  # neither embedding nor head is resident; one vocabulary chunk of the head (fp32 +
     #                          cast + its fp32 gradient), one logits tile and the fp32 dx are
     grad_hold_gpu_bytes: float = 0.0  # the bf16 share of a split hold (``grad_hold_gpu_groups``)
@@ -238,6 +236,11 @@ class PhaseInputs:
     activations_gpu_blocks: int = 0  # pinned activations split: the last this-many blocks keep their inputs on the GPU
     update_shards: int = 1  # GPUs sharing each group's device-side update (engine/shards.py): each holds and updates
     #                         its 1/N share of the held gradients, the state in flight and the write-back
+    hold_shards: int = 1  # GPUs sharing each held gradient (an optax update, whole on each GPU, gathers it first)
+
+    @property
+    def held_split(self) -> int:  # GPUs sharing each held gradient: each holds its share
+        return max(self.update_shards, self.hold_shards)
 
 
 def gpu_phases(shapes: Shapes, x: PhaseInputs, want: bool = True) -> tuple[dict[str, float], list[Row]]:
@@ -261,7 +264,7 @@ def gpu_phases(shapes: Shapes, x: PhaseInputs, want: bool = True) -> tuple[dict[
         out.append(Row("gpu", "step inputs and the blocks' aux (rotary tables)", inputs, "for the whole step"))
     fixed = resident + inflight + inputs
     update = _device_update(shapes, x, out)
-    head_hold = shapes.head * (x.hold_bytes or 0) / x.update_shards if (x.deferred and not x.stream_io) else 0
+    head_hold = shapes.head * (x.hold_bytes or 0) / x.held_split if (x.deferred and not x.stream_io) else 0
     # resweep with stream_io: the first sweep keeps the top cotangents for the second (the streamed head is not
     # run again), a layer of activations on the GPU from the loss to the second sweep's start
     top = act.layer if (x.resweep and x.stream_io) else 0
@@ -409,13 +412,13 @@ def _held_gradients(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> f
     on_gpu_params = shapes.params - (shapes.embed + shapes.head if x.stream_io else 0)
     held = (on_gpu_params * x.hold_bytes) if (x.deferred and x.hold_bytes) else 0
     held += x.grad_hold_gpu_bytes if x.deferred else 0.0
-    held /= x.update_shards  # (several GPUs updating on the device: each holds its share)
+    held /= x.held_split  # (several GPUs updating on the device: each holds its share)
     if x.deferred and rows is not None:
         rows.append(Row("gpu", "gradients held for clipping", held,
                         ("none: a second backward sweep (resweep)" if x.resweep else
                          {4: "fp32", 2: "bf16"}.get(x.hold_bytes or 0, "in host memory")
                          + (", the first groups in bf16 on the GPU" if x.grad_hold_gpu_bytes else ""))
-                        + (f"; each GPU its 1/{x.update_shards}" if x.update_shards > 1 and held else "")))
+                        + (f"; each GPU its 1/{x.held_split}" if x.held_split > 1 and held else "")))
     return held
 
 
@@ -432,6 +435,8 @@ def _device_update(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None) -> fl
     n = x.update_shards  # several GPUs: each its share of every group (engine/shards.py)
     update = (s * (2 * shapes.block + big) + (4 + s) * WRITEBACKS_IN_FLIGHT * shapes.block) / n \
         + shapes.update_temp * (min(DEVICE_UPDATE_CHUNK, largest / n) if shapes.update_chunked else largest / n)
+    if x.deferred and x.hold_shards > n:  # an update run whole on each GPU gathers the gradient held split
+        update += (x.hold_bytes or 2) * (2 * shapes.block + big)
     if rows is not None:
         rows.append(Row("gpu", "device-side update (state in flight, write-back, temporaries)", update,
                         "train.update_on=device" + (f"; each GPU updates its 1/{n} of every group" if n > 1 else "")))
