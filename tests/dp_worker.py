@@ -32,7 +32,9 @@ DEVICE_UPDATES = {"device_gpu_bf16": dict(update_on="device", stream_copy="devic
                   # an optax update over whole tensors: every GPU runs it alike (no shares of the update), each
                   # holding its share of the held gradients (gathered when the update starts)
                   "device_adafactor": dict(update_on="device", stream_copy="device", grad_hold="resweep",
-                                           grad_hold_gpu_groups=2, optimizer="adafactor")}
+                                           grad_hold_gpu_groups=2, optimizer="adafactor"),
+                  "device_adafactor_gpu_bf16": dict(update_on="device", stream_copy="device", grad_hold="gpu_bf16",
+                                                    optimizer="adafactor")}
 
 
 def run(devices, steps: int = STEPS, options: dict | None = None, shares: list | None = None):
