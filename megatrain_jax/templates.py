@@ -25,6 +25,8 @@ stack without ``aux_loss`` compiles and runs exactly as before.
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -148,6 +150,25 @@ class LayerStack:
         return self.templates[self.kinds[i]]
 
 
+_SHAREABLE: weakref.WeakSet = weakref.WeakSet()
+
+
+def shareable(fn: Callable) -> Callable:
+    """Marks a part function (a template, ``embed_fn``, ``head_fn``, ``aux_fn``, an ``AuxLoss.fn``) as closing over
+    values alone, no weights or other state of one model: the engine may keep its compiled kernels after the
+    trainer is gone and give them to the next trainer handed this same function (engine/kernels.py:
+    ``program_key``). Functions not marked get kernels of their own, dropped with their trainer."""
+    _SHAREABLE.add(fn)
+    return fn
+
+
+def is_shareable(fn: Any) -> bool:
+    try:
+        return fn in _SHAREABLE
+    except TypeError:  # (not weakly referable: never marked)
+        return False
+
+
 def block_rng(seed: int | jax.Array, step: int, layer: int, micro: int) -> jax.Array:
     """The key a block sees at optimizer step ``step`` (0-based: updates done before it), layer
     ``layer`` and micro-batch ``micro``: ``fold_in`` of each into ``key(seed)``. A plain model
@@ -184,9 +205,10 @@ def from_nnx(blocks: Sequence[nnx.Module], takes_rng: bool = False,
         weights.append(nnx.to_pure_dict(state))
 
     def make(graphdef):
-        if takes_rng:
-            return lambda w, hidden, aux, rng: nnx.merge(graphdef, w)(hidden, aux, rng)
-        return lambda w, hidden, aux: nnx.merge(graphdef, w)(hidden, aux)
+        try:
+            return _nnx_template(graphdef, bool(takes_rng))
+        except TypeError:  # an unhashable static attribute: a template of its own, never shared
+            return _template_of(graphdef, takes_rng)
 
     templates = {k: make(g) for k, g in enumerate(graphs)}
     aux = None
@@ -194,6 +216,20 @@ def from_nnx(blocks: Sequence[nnx.Module], takes_rng: bool = False,
         emitting = frozenset(k for k, b in zip(kinds, blocks) if getattr(b, "emits_stats", False))
         aux = AuxLoss(emitting, aux_loss) if emitting else None
     return LayerStack(templates[0], weights, kinds, templates, takes_rng, aux)
+
+
+@functools.lru_cache(maxsize=64)
+def _nnx_template(graphdef: Any, takes_rng: bool) -> Template:
+    """The template of an NNX graph: one function for equal graphs (module types and static attributes, as
+    ``nnx.jit`` keys them), in this stack and the next, so that trainers of equal models share their compiled
+    kernels (engine/kernels.py: ``program_key`` compares templates by identity)."""
+    return shareable(_template_of(graphdef, takes_rng))
+
+
+def _template_of(graphdef: Any, takes_rng: bool) -> Template:
+    if takes_rng:
+        return lambda w, hidden, aux, rng: nnx.merge(graphdef, w)(hidden, aux, rng)
+    return lambda w, hidden, aux: nnx.merge(graphdef, w)(hidden, aux)
 
 
 def from_linen(module: Any, params_per_layer: Sequence[Any], takes_aux: bool = True) -> LayerStack:

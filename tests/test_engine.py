@@ -387,3 +387,32 @@ def test_nan_forward_makes_one_step_non_finite_and_it_changes_nothing():
     assert any(not np.array_equal(g.master, before[g.name]) for g in st.store)
     st.close()
 
+
+
+def test_trainers_share_kernels_only_with_an_equal_model():
+    """Kernels are kept across trainers (engine/kernels.py: ``program_key``) only for what compiles alike: an
+    equal model, layouts, mesh, dtype and loss chunk; another config, chunk or dtype gets kernels of its own,
+    and a model whose functions may hold its weights (``templates.from_fn``) is never kept."""
+    from jax.sharding import Mesh
+
+    from megatrain_jax.engine.kernels import program_key
+    from megatrain_jax.templates import StreamedModel, from_fn
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+
+    def key(c, dtype="float32", chunk=48, seed=0):
+        parts, store = init_host_store(c, seed, bf16_stream=False)
+        return program_key(parts, store, mesh, dtype, chunk)
+
+    k = key(cfg)
+    assert k is not None and key(cfg, seed=1) == k  # another seed, the same programs
+    whole = streamed_parts(init_model(cfg, 2))  # the whole model's parts: the same functions as the abstract one's
+    _, store = init_host_store(cfg, 0, bf16_stream=False)
+    assert program_key(whole, store, mesh, "float32", 48) == k
+    for other in (key(ModelConfig(**{**vars(cfg), "rope_theta": 5e5})),
+                  key(ModelConfig(**{**vars(cfg), "qkv_bias": True})), key(cfg, dtype="bfloat16"), key(cfg, chunk=64)):
+        assert other is not None and other != k
+    own = StreamedModel(whole.embed_fn, from_fn(lambda w, h, aux: h, [{"w": np.zeros(2)}] * 2), whole.head_fn,
+                        whole.aux_fn, None, None, False)
+    assert program_key(own, store, mesh, "float32", 48) is None

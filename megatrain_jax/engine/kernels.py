@@ -14,7 +14,8 @@ MoE router load balancing, to the step's accumulator and takes their cotangent i
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megatrain_jax.engine.loss import chunked_cross_entropy
 from megatrain_jax.hoststore import HostStore
-from megatrain_jax.templates import StreamedModel, block_rng
+from megatrain_jax.templates import StreamedModel, block_rng, is_shareable
 
 F32 = jnp.float32
 # the memory-bound helpers over whole groups (norms, casts, slices, zeros) are not autotuned: XLA's autotuner
@@ -66,6 +67,55 @@ def accumulator_zeros(mesh: Mesh) -> Callable[[int], jax.Array]:
                    out_shardings=NamedSharding(mesh, P("data")), compiler_options=NO_AUTOTUNE)
 
 
+def _layout_key(lay: Any) -> tuple:
+    return lay.signature(), lay.size  # tree, leaf paths and shapes (the offsets follow from them)
+
+
+def program_key(parts: StreamedModel, store: HostStore, mesh: Mesh, dtype: Any, loss_chunk: int) -> tuple | None:
+    """Everything a ``Kernels``' closures read, as a hashable value: the model's functions (compared by identity;
+    ``models.streamed_parts`` hands equal models the same ones), the groups' layouts, the mesh, the compute dtype
+    and the loss chunk. None unless every function is ``templates.shareable``: a function that may close over a
+    model's weights is never kept beyond its trainer."""
+    stack, aux = parts.blocks, parts.blocks.aux_loss
+    kinds = list(dict.fromkeys(stack.kinds))
+    fns = [parts.embed_fn, parts.head_fn, parts.aux_fn] + [stack.templates[k] for k in kinds] + \
+        ([aux.fn] if aux is not None else [])
+    if not all(map(is_shareable, fns)):
+        return None
+    key = (tuple(fns), bool(parts.tied), parts.logit_softcap, tuple(stack.kinds), tuple(kinds), bool(stack.takes_rng),
+           None if aux is None else aux.kinds, _layout_key(store["embed"].layout), _layout_key(store["head"].layout),
+           tuple(_layout_key(store[f"block_{stack.kinds.index(k)}"].layout) for k in kinds),
+           mesh, jnp.dtype(dtype), int(loss_chunk))
+    try:
+        hash(key)
+    except TypeError:  # (an unhashable kind or layout tree)
+        return None
+    return key
+
+
+# Trainers of one model in one process (a resumed run, the next test case, each data-parallel run of a worker)
+# share its jitted kernels, so that the next one neither traces, lowers nor compiles them again: the
+# data-parallel worker lowered 299 of its 507 programs a second time (experiments/RESULTS.md s21), and
+# tests/test_engine.py alone, with an empty compilation cache, took 44.5 s (61 CPU s) before and 36.3 s (48 CPU s)
+# with them shared (2026-11-28, this 2-core AMD EPYC). Keyed by ``program_key``; the most recent models are kept,
+# at most _SHARED_MODELS (a bound on what a long-lived process holds, each entry its executables; not tuned).
+_SHARED_MODELS = 8
+_shared: OrderedDict[tuple, dict] = OrderedDict()
+
+
+def shared_kernels(key: tuple | None) -> dict:
+    """The kernels of the model ``key`` (``program_key``), by piece; a fresh dict where key is None."""
+    if key is None:
+        return {}
+    found = _shared.get(key)
+    if found is None:
+        found = _shared[key] = {}
+        while len(_shared) > _SHARED_MODELS:
+            _shared.popitem(last=False)
+    _shared.move_to_end(key)
+    return found
+
+
 class Kernels:
     """Jits the step's pieces for ``parts`` over ``mesh``; ``layers[i]`` is layer i's variant."""
 
@@ -73,22 +123,24 @@ class Kernels:
                  keep_residuals: int):
         self.parts, self.store, self.mesh, self.dtype = parts, store, mesh, dtype
         self.num_devices = mesh.devices.size
-        p, dt, chunk = parts, dtype, loss_chunk
+        self._shared = shared_kernels(program_key(parts, store, mesh, dtype, loss_chunk))
+        dt, chunk = dtype, loss_chunk
         lay_e, lay_h = store["embed"].layout, store["head"].layout
-        tied, cap = p.tied, p.logit_softcap
-        stack = p.blocks
+        tied, cap = parts.tied, parts.logit_softcap
+        embed_fn, head_fn = parts.embed_fn, parts.head_fn  # (the closures below keep no weights: they may be shared)
+        stack = parts.blocks
         aux_loss = stack.aux_loss
         rep, dat = P(), P("data")
         multi = self.num_devices > 1
 
         # weights arrive as the host streams them: bf16, or the fp32 master cast here, on the device
         def embed_fwd(w, tokens):
-            return p.embed_fn(lay_e.unflatten(w.astype(dt)), tokens).astype(dt)
+            return embed_fn(lay_e.unflatten(w.astype(dt)), tokens).astype(dt)
 
         def head_loss(wh, we, h, labels, mask, inv, gh, ge):
             def f(wh, we, h):
-                normed, out = p.head_fn(lay_h.unflatten(wh.astype(dt)), h,
-                                        lay_e.unflatten(we.astype(dt)) if tied else None)
+                normed, out = head_fn(lay_h.unflatten(wh.astype(dt)), h,
+                                      lay_e.unflatten(we.astype(dt)) if tied else None)
                 return chunked_cross_entropy(normed, out, labels, mask, chunk, cap) * inv
 
             loss, (dwh, dwe, dh) = jax.value_and_grad(f, argnums=(0, 1, 2))(wh, we, h)
@@ -103,19 +155,24 @@ class Kernels:
             (dw,) = vjp(dh)
             return ge + dw.astype(F32)
 
-        smap = self._smap
+        smap, once = self._smap, self.once
         self._block_raw: dict[Any, Callable] = {}  # per template: its plain forward (for kept residuals)
-        self.vjp_jits: dict[Any, tuple] = {}
-        self.embed_fwd = jax.jit(smap(embed_fwd, (rep, dat), dat))
-        self._block_fns = {k: self._block_fns_of(stack.templates[k], store[f"block_{stack.kinds.index(k)}"].layout,
-                                                 aux_loss is not None and k in aux_loss.kinds, multi)
-                           for k in dict.fromkeys(stack.kinds)}
+        self.vjp_jits: dict[Any, tuple] = {}  # (those this trainer used: the jits themselves are shared)
+        self.embed_fwd = once("embed_fwd", lambda: jax.jit(smap(embed_fwd, (rep, dat), dat)))
+        self._block_fns: dict[Any, tuple] = {}
+        for k in dict.fromkeys(stack.kinds):
+            raw, self._block_fns[k] = once(("block_fns", k), lambda k=k: self._block_fns_of(
+                stack.templates[k], store[f"block_{stack.kinds.index(k)}"].layout,
+                aux_loss is not None and k in aux_loss.kinds, multi))
+            self._block_raw[stack.templates[k]] = raw
         self._block_jits: dict[Any, tuple] = {}  # (forward, backward[, statistics shapes]) per kind and aux layout
         self._aux_cache: dict[Any, Callable] = {}
-        self.head_loss = jax.jit(smap(head_loss, (rep, rep, dat, dat, dat, rep, dat, dat), (rep, dat, dat, dat)),
-                                 donate_argnums=(6, 7))
-        self.embed_bwd = jax.jit(smap(embed_bwd, (rep, dat, dat, dat), dat), donate_argnums=(3,))
-        self.reduce = jax.jit(smap(lambda g: jax.lax.psum(g, "data"), (dat,), rep)) if multi else None
+        self.head_loss = once("head_loss", lambda: jax.jit(
+            smap(head_loss, (rep, rep, dat, dat, dat, rep, dat, dat), (rep, dat, dat, dat)), donate_argnums=(6, 7)))
+        self.embed_bwd = once("embed_bwd", lambda: jax.jit(smap(embed_bwd, (rep, dat, dat, dat), dat),
+                                                           donate_argnums=(3,)))
+        self.reduce = once("reduce", lambda: jax.jit(smap(lambda g: jax.lax.psum(g, "data"), (dat,), rep))) \
+            if multi else None
         self._reduce_scatters: dict[int, Callable] = {}
         self._aux_total = None
         if aux_loss is not None:
@@ -125,7 +182,7 @@ class Kernels:
                     total = jax.lax.psum(total, "data")
                 return jax.value_and_grad(aux_loss.fn)(total)
 
-            self._aux_total = jax.jit(smap(aux_total, (dat,), (rep, rep)))
+            self._aux_total = once("aux_total", lambda: jax.jit(smap(aux_total, (dat,), (rep, rep))))
         self._stats_zero_fn: Callable | None = None
         self.sqnorm, self.to_bf16, self.chunk = grad_sqnorm, grad_to_bf16, grad_slab_slice
         self.totals = step_totals
@@ -133,7 +190,8 @@ class Kernels:
         # (fresh zeros) and later ones (accumulated outputs) share one executable
         self.batch_sharding = NamedSharding(mesh, dat)
         self._zeros_fn = accumulator_zeros(mesh)
-        self._rng_fn = jax.jit(block_rng, out_shardings=NamedSharding(mesh, rep)) if stack.takes_rng else None
+        self._rng_fn = once("rng", lambda: jax.jit(block_rng, out_shardings=NamedSharding(mesh, rep))) \
+            if stack.takes_rng else None
         self.rng_seed, self.rng_step = 0, 0
         self.stats = _Stats()
         L = store.num_blocks
@@ -141,6 +199,13 @@ class Kernels:
         self.layers: list[Recompute] = [
             EmitsStats(self, i) if stack.emits_stats(i) else
             KeepResiduals(self, i) if i >= L - self.keep_residuals else Recompute(self, i) for i in range(L)]
+
+    def once(self, piece: Hashable, build: Callable[[], Any]) -> Any:
+        """This model's ``piece`` (``shared_kernels``): built by the first trainer that asks for it."""
+        fn = self._shared.get(piece)
+        if fn is None:
+            fn = self._shared[piece] = build()
+        return fn
 
     # ---------------------------------------------------------------------------- per step
 
@@ -157,8 +222,9 @@ class Kernels:
             def scatter(a):
                 return jax.lax.psum_scatter(jnp.pad(a, (0, total - a.shape[0])), "data", scatter_dimension=0,
                                             tiled=True)
-            fn = jax.jit(named("grad_reduce_scatter", self._smap(scatter, (P("data"),), P("data"))),
-                         compiler_options=NO_AUTOTUNE)
+            fn = self.once(("reduce_scatter", total), lambda: jax.jit(
+                named("grad_reduce_scatter", self._smap(scatter, (P("data"),), P("data"))),
+                compiler_options=NO_AUTOTUNE))
             self._reduce_scatters[total] = fn
         return fn(g)
 
@@ -190,14 +256,16 @@ class Kernels:
         key = (positions.shape, segment_ids is None)
         fn = self._aux_cache.get(key)
         if fn is None:
-            local = jax.ShapeDtypeStruct((positions.shape[0] // self.num_devices,) + positions.shape[1:], jnp.int32)
-            shapes = jax.eval_shape(self.parts.aux_fn, local, None if segment_ids is None else local)
-            specs = jax.tree_util.tree_map(
-                lambda a: P("data") if (a.ndim >= 1 and a.shape[0] == local.shape[0]) else P(), shapes)
-            in_specs = (P("data"), None if segment_ids is None else P("data"))
-            fn = jax.jit(self._smap(self.parts.aux_fn, in_specs, specs))
-            self._aux_cache[key] = fn
+            fn = self._aux_cache[key] = self.once(("aux_of",) + key, lambda: self._aux_kernel(*key))
         return fn(positions, segment_ids)
+
+    def _aux_kernel(self, shape: tuple, no_segments: bool) -> Callable:
+        local = jax.ShapeDtypeStruct((shape[0] // self.num_devices,) + shape[1:], jnp.int32)
+        shapes = jax.eval_shape(self.parts.aux_fn, local, None if no_segments else local)
+        specs = jax.tree_util.tree_map(
+            lambda a: P("data") if (a.ndim >= 1 and a.shape[0] == local.shape[0]) else P(), shapes)
+        in_specs = (P("data"), None if no_segments else P("data"))
+        return jax.jit(self._smap(self.parts.aux_fn, in_specs, specs))
 
     # ---------------------------------------------------------------------------- blocks
 
@@ -225,11 +293,12 @@ class Kernels:
     def _smap(self, f: Callable, in_specs: Any, out_specs: Any) -> Callable:
         return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    def _block_fns_of(self, template, lay, emits_stats: bool, multi: bool):
-        dt, stack = self.dtype, self.parts.blocks
+    def _block_fns_of(self, template, lay, emits_stats: bool, multi: bool) -> tuple[Callable, tuple]:
+        """(the block's plain forward, for kept residuals; its kernels' functions)."""
+        dt, takes_rng = self.dtype, self.parts.blocks.takes_rng
 
         def block_fwd(w, h, aux, rng):
-            if stack.takes_rng:
+            if takes_rng:
                 if multi:  # each device's sequences get their own masks
                     rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
                 return template(lay.unflatten(w.astype(dt)), h, aux, rng)
@@ -240,9 +309,8 @@ class Kernels:
             dw, dh_in = vjp(dh)
             return dh_in, g + dw.astype(F32)
 
-        self._block_raw[template] = block_fwd
         if not emits_stats:
-            return block_fwd, block_bwd
+            return block_fwd, (block_fwd, block_bwd)
 
         # a block that also returns statistics: (hidden, stats), the stats in fp32
         def fwd_stats(w, h, aux, rng):
@@ -261,7 +329,7 @@ class Kernels:
         def stats_only(w, h, aux, rng):  # for the accumulator's shapes (eval_shape only)
             return jax.tree_util.tree_map(lambda x: x[None], fwd_stats(w, h, aux, rng)[1])
 
-        return block_fwd_acc, block_bwd_ct, stats_only
+        return block_fwd, (block_fwd_acc, block_bwd_ct, stats_only)
 
     @staticmethod
     def _kernel_key(kind: Any, aux: Any) -> tuple[tuple, Any]:
@@ -277,73 +345,76 @@ class Kernels:
         key, specs = self._kernel_key(kind, aux)
         fns = self._block_jits.get(key)
         if fns is None:
-            rep, dat = P(), P("data")
-            if len(self._block_fns[kind]) == 2:
-                fwd, bwd = self._block_fns[kind]
-                fns = (jax.jit(self._smap(fwd, (rep, dat, specs, rep), dat)),
-                       jax.jit(self._smap(bwd, (rep, dat, specs, rep, dat, dat), (dat, dat)), donate_argnums=(4, 5)))
-            else:  # emits statistics: the forward adds them to the accumulator, the backward takes their cotangent
-                fwd, bwd, stats_only = self._block_fns[kind]
-                fns = (jax.jit(self._smap(fwd, (rep, dat, specs, rep, dat), (dat, dat)), donate_argnums=(4,)),
-                       jax.jit(self._smap(bwd, (rep, dat, specs, rep, dat, dat, rep), (dat, dat)),
-                               donate_argnums=(4, 5)),
-                       self._smap(stats_only, (rep, dat, specs, rep), dat))
-            self._block_jits[key] = fns
+            fns = self._block_jits[key] = self.once(("block",) + key, lambda: self._block_jits_of(kind, specs))
         return fns
+
+    def _block_jits_of(self, kind: Any, specs: Any) -> tuple:
+        rep, dat = P(), P("data")
+        if len(self._block_fns[kind]) == 2:
+            fwd, bwd = self._block_fns[kind]
+            return (jax.jit(self._smap(fwd, (rep, dat, specs, rep), dat)),
+                    jax.jit(self._smap(bwd, (rep, dat, specs, rep, dat, dat), (dat, dat)), donate_argnums=(4, 5)))
+        # emits statistics: the forward adds them to the accumulator, the backward takes their cotangent
+        fwd, bwd, stats_only = self._block_fns[kind]
+        return (jax.jit(self._smap(fwd, (rep, dat, specs, rep, dat), (dat, dat)), donate_argnums=(4,)),
+                jax.jit(self._smap(bwd, (rep, dat, specs, rep, dat, dat, rep), (dat, dat)), donate_argnums=(4, 5)),
+                self._smap(stats_only, (rep, dat, specs, rep), dat))
 
     def vjp_kernels(self, i: int, aux: Any) -> tuple[Callable, Callable]:
         """Layer ``i``'s forward that also returns its VJP (the residuals, kept on the device) and
         the backward that applies it: no recompute. With several devices each keeps its own micro-batch's
         residuals (a leading axis of one per device, so that every residual, even a scalar, splits by device)."""
-        stack = self.parts.blocks
-        kind = stack.kinds[i]
+        kind = self.parts.blocks.kinds[i]
         key, specs = self._kernel_key(kind, aux)
         fns = self.vjp_jits.get(key)
         if fns is None:
-            fwd = self._block_raw[stack.templates[kind]]
+            fns = self.vjp_jits[key] = self.once(("vjp",) + key, lambda: self._vjp_jits_of(kind, specs))
+        return fns
 
-            # matmul outputs are kept; the elementwise rest (norms, activations, rotary, casts) and the
-            # attention's own computation are recomputed from them in the backward, a small part of the
-            # block's forward, for residuals of a few activations per token
-            keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    def _vjp_jits_of(self, kind: Any, specs: Any) -> tuple[Callable, Callable]:
+        fwd = self._block_raw[self.parts.blocks.templates[kind]]
 
-            # the residuals leave out the block's weights and its input: the weights would be one copy per
-            # micro-batch as the jit's outputs (experiments/RESULTS.md), and the input is the boundary
-            # activation the step keeps anyway; the backward gets both again as arguments and puts them
-            # back where the VJP expects them
-            layout: dict[tuple, tuple] = {}  # per input shape: the VJP's tree and which leaves are w / h
+        # matmul outputs are kept; the elementwise rest (norms, activations, rotary, casts) and the
+        # attention's own computation are recomputed from them in the backward, a small part of the
+        # block's forward, for residuals of a few activations per token
+        keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
-            def fwd_vjp(w, h, aux, rng):
-                out, f = jax.vjp(jax.checkpoint(lambda w_, h_: fwd(w_, h_, aux, rng), policy=keep), w, h)
-                leaves, tree = jax.tree_util.tree_flatten(f)
-                slots = tuple("w" if x is w else "h" if x is h else None for x in leaves)
-                layout[h.shape, str(h.dtype)] = (tree, slots)
-                return out, [x for x, s in zip(leaves, slots) if s is None]
+        # the residuals leave out the block's weights and its input: the weights would be one copy per
+        # micro-batch as the jit's outputs (experiments/RESULTS.md), and the input is the boundary
+        # activation the step keeps anyway; the backward gets both again as arguments and puts them
+        # back where the VJP expects them
+        layout: dict[tuple, tuple] = {}  # per input shape: the VJP's tree and which leaves are w / h
 
-            def bwd_vjp(w, h, res, dh, g):
-                tree, slots = layout[h.shape, str(h.dtype)]
-                rest = iter(res)
-                f = jax.tree_util.tree_unflatten(tree, [w if s == "w" else h if s == "h" else next(rest)
-                                                        for s in slots])
-                dw, dh_in = f(dh)
-                return dh_in, g + dw.astype(F32)
+        def fwd_vjp(w, h, aux, rng):
+            out, f = jax.vjp(jax.checkpoint(lambda w_, h_: fwd(w_, h_, aux, rng), policy=keep), w, h)
+            leaves, tree = jax.tree_util.tree_flatten(f)
+            slots = tuple("w" if x is w else "h" if x is h else None for x in leaves)
+            layout[h.shape, str(h.dtype)] = (tree, slots)
+            return out, [x for x, s in zip(leaves, slots) if s is None]
 
-            if self.num_devices == 1:
-                fns = (jax.jit(fwd_vjp),
-                       jax.jit(bwd_vjp, donate_argnums=(3, 4), out_shardings=(self.batch_sharding, None)))
-            else:  # per device, as the recomputing kernels (_block_kernels): residuals stay where they were made
-                rep, dat = P(), P("data")
+        def bwd_vjp(w, h, res, dh, g):
+            tree, slots = layout[h.shape, str(h.dtype)]
+            rest = iter(res)
+            f = jax.tree_util.tree_unflatten(tree, [w if s == "w" else h if s == "h" else next(rest)
+                                                    for s in slots])
+            dw, dh_in = f(dh)
+            return dh_in, g + dw.astype(F32)
 
-                def fwd_local(w, h, aux_, rng):
-                    out, res = fwd_vjp(w, h, aux_, rng)
-                    return out, [x[None] for x in res]
+        if self.num_devices == 1:
+            fns = (jax.jit(fwd_vjp),
+                   jax.jit(bwd_vjp, donate_argnums=(3, 4), out_shardings=(self.batch_sharding, None)))
+        else:  # per device, as the recomputing kernels (_block_kernels): residuals stay where they were made
+            rep, dat = P(), P("data")
 
-                def bwd_local(w, h, res, dh, g):
-                    return bwd_vjp(w, h, [x[0] for x in res], dh, g)
+            def fwd_local(w, h, aux_, rng):
+                out, res = fwd_vjp(w, h, aux_, rng)
+                return out, [x[None] for x in res]
 
-                fns = (jax.jit(self._smap(fwd_local, (rep, dat, specs, rep), (dat, dat))),
-                       jax.jit(self._smap(bwd_local, (rep, dat, dat, dat, dat), (dat, dat)), donate_argnums=(3, 4)))
-            self.vjp_jits[key] = fns
+            def bwd_local(w, h, res, dh, g):
+                return bwd_vjp(w, h, [x[0] for x in res], dh, g)
+
+            fns = (jax.jit(self._smap(fwd_local, (rep, dat, specs, rep), (dat, dat))),
+                   jax.jit(self._smap(bwd_local, (rep, dat, dat, dat, dat), (dat, dat)), donate_argnums=(3, 4)))
         return fns
 
     def residual_bytes(self, h: Any, aux: Any) -> int:

@@ -14,7 +14,9 @@ weights and hidden state, so the same module serves fp32 and bf16 compute. Kerne
 """
 from __future__ import annotations
 
+import copy
 import math
+from collections import OrderedDict
 from typing import Any
 
 import jax
@@ -399,6 +401,38 @@ def streamed_parts(model: Decoder) -> "StreamedModel":
     cfg = model.cfg
     embed_graph, embed_state = nnx.split(model.embed)
     head_graph, head_state = nnx.split(model.head)
+    embed_fn, head_fn, aux_fn = _part_fns(embed_graph, head_graph, cfg)
+    return StreamedModel(embed_fn=embed_fn, blocks=from_nnx(list(model.layers), aux_loss=model.aux_loss_fn()),
+                         head_fn=head_fn,
+                         aux_fn=aux_fn, embed_weights=nnx.to_pure_dict(embed_state),
+                         head_weights=nnx.to_pure_dict(head_state), tied=cfg.tie_embeddings,
+                         logit_softcap=cfg.final_softcap, pad_id=model.embed.pad_id)
+
+
+# equal models get the same part functions, so that their trainers share compiled kernels (engine/kernels.py:
+# program_key compares the functions by identity); the most recent few are kept
+_PART_FNS: OrderedDict[tuple, tuple] = OrderedDict()
+_PART_FNS_KEPT = 64
+
+
+def _part_fns(embed_graph: Any, head_graph: Any, cfg: ModelConfig) -> tuple:
+    """(embed_fn, head_fn, aux_fn) of a decoder: what they compute is fixed by the two graphs (module types and
+    static attributes, as ``nnx.jit`` keys them) and the config (its fields' repr), the one ``aux_fn`` reads."""
+    try:
+        key = (embed_graph, head_graph, repr(cfg))
+        fns = _PART_FNS.get(key)
+    except TypeError:  # an unhashable graph: functions of its own
+        return _new_part_fns(embed_graph, head_graph, copy.deepcopy(cfg))
+    if fns is None:
+        fns = _PART_FNS[key] = _new_part_fns(embed_graph, head_graph, copy.deepcopy(cfg))
+        while len(_PART_FNS) > _PART_FNS_KEPT:
+            _PART_FNS.popitem(last=False)
+    _PART_FNS.move_to_end(key)
+    return fns
+
+
+def _new_part_fns(embed_graph: Any, head_graph: Any, cfg: ModelConfig) -> tuple:
+    from megatrain_jax.templates import shareable
 
     def embed_fn(w, tokens):
         return nnx.merge(embed_graph, w)(tokens)
@@ -411,11 +445,7 @@ def streamed_parts(model: Decoder) -> "StreamedModel":
     def aux_fn(positions, segment_ids=None):
         return make_aux(positions, cfg, segment_ids)
 
-    return StreamedModel(embed_fn=embed_fn, blocks=from_nnx(list(model.layers), aux_loss=model.aux_loss_fn()),
-                         head_fn=head_fn,
-                         aux_fn=aux_fn, embed_weights=nnx.to_pure_dict(embed_state),
-                         head_weights=nnx.to_pure_dict(head_state), tied=cfg.tie_embeddings,
-                         logit_softcap=cfg.final_softcap, pad_id=model.embed.pad_id)
+    return shareable(embed_fn), shareable(head_fn), shareable(aux_fn)  # (graphs and a config copy: no weights)
 
 
 def init_host_store(cfg: ModelConfig, seed: int, bf16_stream: bool, own=None):

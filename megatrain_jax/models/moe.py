@@ -43,6 +43,8 @@ Not supported (``UserError`` naming the field): Mixtral's ``router_jitter_noise`
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -52,6 +54,7 @@ from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 from megatrain_jax.models.common import MLP, Attention, Aux, RMSNorm, dense_block_params
 from megatrain_jax.models.llama import LlamaFamily, no_gemma_fields, no_qkv_bias
+from megatrain_jax.templates import shareable
 
 
 # ------------------------------------------------------------------------------- the MoE layer
@@ -80,14 +83,16 @@ def router_stats(probs: jax.Array, idx: jax.Array) -> dict[str, jax.Array]:
             "rows": jnp.asarray(probs.shape[0], jnp.float32)}
 
 
+@functools.lru_cache(maxsize=64)
 def router_aux_loss(coef: float, num_experts: int):
     """``stats`` summed over every sparse layer and token -> ``coef`` times transformers'
-    ``load_balancing_loss_func``: ``E * sum_e (counts_e / rows) * (probs_e / rows)``."""
+    ``load_balancing_loss_func``: ``E * sum_e (counts_e / rows) * (probs_e / rows)``. One function per
+    (coef, E): trainers of equal models share their compiled kernels (engine/kernels.py: ``program_key``)."""
     def fn(stats: dict[str, jax.Array]) -> jax.Array:
         rows = stats["rows"]
         return coef * num_experts * jnp.sum(stats["counts"] * stats["probs"]) / (rows * rows)
 
-    return fn
+    return shareable(fn)
 
 
 def aux_loss_of(cfg: ModelConfig):
