@@ -72,7 +72,8 @@ class DeviceUpdates(Updates):
         # an update run alike on every GPU still holds its gradients split: each GPU keeps its share of a held
         # gradient and the update gathers the whole over NVLink when it starts (four H200s held 11 groups of the
         # 110B for its resweep where one holds 17, and swept the other 69 twice: experiments/RESULTS.md s24)
-        self.hold_shards = self._hold_split() if self.k.num_devices > 1 and self.shards is None else None
+        self.hold_shards = Shards(self.k.mesh, BLOCK, self.xfer.device_sharding.memory_kind, None) \
+            if self.k.num_devices > 1 and self.shards is None else None
         self.split_held_loads = 0  # updates that gathered a gradient held split (the tests read it)
         sharded = self.o.host_state == HOST_STATE_SHARDED
         if self.k.num_devices > 1 and jax.process_count() > 1 and not sharded:
@@ -84,9 +85,6 @@ class DeviceUpdates(Updates):
             raise UserError("train.host_state", f"{HOST_STATE_SHARDED} needs an update split elementwise between the "
                             f"GPUs, which {type(self.opt).__name__} is not", "use optim.name=adamw, or set "
                             "train.host_state=replicated")
-
-    def _hold_split(self) -> Shards:
-        return Shards(self.k.mesh, BLOCK, self.xfer.device_sharding.memory_kind, None)
 
     def hold(self, name: str, grad: jax.Array) -> None:
         super().hold(name, grad)
