@@ -109,16 +109,19 @@ def run_case(name: str, spec: str, args, procs: int = 1) -> dict:
                 if q.poll() is None:
                     q.send_signal(signal.SIGKILL)
 
+        # callers with their own options (bench_data_parallel, bench_gpu_budgets) may lack the case-ending ones
+        limit_s, end_after = getattr(args, "limit_s", None), getattr(args, "end_after_last_step", None)
+
         def sample():
             last_step_at = None
             while any(q.poll() is None for q in ps):
-                if not ended and args.limit_s and time.perf_counter() - t0 > args.limit_s:
-                    end(f"the case's wall limit ({args.limit_s:.0f} s)")
-                if not ended and args.end_after_last_step is not None:
+                if not ended and limit_s and time.perf_counter() - t0 > limit_s:
+                    end(f"the case's wall limit ({limit_s:.0f} s)")
+                if not ended and end_after is not None:
                     if last_step_at is None and _records(mpath) >= args.steps:
                         last_step_at = time.perf_counter()
-                    if last_step_at is not None and time.perf_counter() - last_step_at > args.end_after_last_step:
-                        end(f"{args.end_after_last_step:.0f} s after the last step's record, the process still exiting")
+                    if last_step_at is not None and time.perf_counter() - last_step_at > end_after:
+                        end(f"{end_after:.0f} s after the last step's record, the process still exiting")
                 peak["rss_kb"] = max(peak["rss_kb"], sum(_status_kb(q.pid, "VmRSS:") for q in ps))
                 # each process's own peak: the kernel's high-water mark, read while it lives
                 peak["hwm_kb"] = [max(h, _status_kb(q.pid, "VmHWM:")) for h, q in zip(peak["hwm_kb"], ps)]
