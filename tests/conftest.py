@@ -67,10 +67,11 @@ SLOW_MODULES = {"test_seq_tiling", "test_stream", "test_train", "test_engine", "
 # named_optimizers 75, long_context 74, families 56, boundary_every 50, device_update 41, plan_search 39, trainer 35,
 # cli_properties 33, compact_adamw 28, attention 27, chat 25, plan 24, templates 24, working_set 21, muon 19,
 # device_adamw 18, cli 16, plan_fixes 14, checkpoint 12, finetune_hf 12, optim 11; the LoRA modules and grad_hold
-# where a clean-clone run's durations put them (test_lora: its transformers reference, the costliest)
-COST_ORDER = ["test_lora", "test_seq_tiling", "test_engine", "test_stream_io", "test_train", "test_device_optax",
+# where a clean-clone run's durations put them (test_lora: its transformers reference, the costliest); since the
+# device-side optax updates moved into test_named_optimizers (2026-11-28) it takes test_device_optax's place
+COST_ORDER = ["test_lora", "test_seq_tiling", "test_engine", "test_stream_io", "test_train", "test_named_optimizers",
               "test_data_parallel", "test_plan_properties", "test_sharded_state", "test_hf", "test_stream", "test_moe",
-              "test_named_optimizers", "test_long_context", "test_lora_dp", "test_lora_trainer", "test_families",
+              "test_device_optax", "test_long_context", "test_lora_dp", "test_lora_trainer", "test_families",
               "test_boundary_every", "test_grad_hold", "test_device_update", "test_plan_search", "test_trainer",
               "test_cli_properties", "test_lora_export", "test_compact_adamw", "test_attention", "test_chat",
               "test_plan", "test_templates", "test_working_set", "test_muon", "test_device_adamw", "test_cli",

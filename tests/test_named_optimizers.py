@@ -4,6 +4,7 @@ refuses a checkpoint of another optimizer and every bad field in one line."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -68,32 +69,16 @@ def _state(trainer) -> dict[str, dict[str, np.ndarray]]:
             for g in trainer.store}
 
 
-@pytest.mark.parametrize("name", list(NAMED))
-def test_streamed_equals_optax_reference_and_resumes_bit_exactly(name, tmp_path):
-    cfg = _cfg(name)
-    batches = _batches()
-    ref = ReferenceTrainer.from_config(cfg)
-    with Trainer.from_config(cfg) as tr:
-        assert isinstance(tr.opt, NamedOptaxOptimizer) and tr.opt.label == (
-            "optax.lamb" if name == "optax" else name)
-        for i, batch in enumerate(batches, start=1):
-            r, s = ref.step(batch), tr.step(batch)
-            assert r.grad_norm > CLIP, "clipping must trigger"
-            assert abs(r.loss - s.loss) <= 1e-5 * abs(r.loss), (i, r.loss, s.loss)
-            assert not s.skipped
-            if i == 3:
-                tr.save(str(tmp_path))
-        assert tr.lr_at(5) == pytest.approx(float(ref.lr_at(5)))
-    errs = _group_rel_errors(ref.params_tree(), tr.store)
-    assert max(errs.values()) < 1e-5, errs
-    moved = np.linalg.norm(np.asarray(init_model(MODEL, 0).layers[0].mlp.up_proj.kernel[...])
-                           - tr.store["block_0"].tree()["mlp"]["up_proj"]["kernel"])
-    assert moved > 1e-3, "the run must move the weights, or equality proves nothing"
-    straight = _state(tr)
-    assert all(k.startswith(tr.opt.label + "/") for k in straight["block_0"] if k != "master")
+DEVICE_NAMED = ["adamw", "lion", "adafactor", "sgd", "muon"]  # those with update_on=device (test_device_optax.py)
 
-    # resumed from step 3: steps 4 and 5 again, bit for bit (weights and every state array)
-    resumed, _, state = Trainer.resume(cfg, str(tmp_path), log=lambda _: None)
+
+def _on_device(cfg: Config) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, update_on="device"))
+
+
+def _resumed_equals(cfg: Config, ckpt: str, straight: dict, batches) -> None:
+    """Resumed from step 3: steps 4 and 5 again equal ``straight`` bit for bit (weights and every state array)."""
+    resumed, _, state = Trainer.resume(cfg, ckpt, log=lambda _: None)
     assert state["count"] == 3
     with resumed:
         for batch in batches[3:]:
@@ -105,10 +90,53 @@ def test_streamed_equals_optax_reference_and_resumes_bit_exactly(name, tmp_path)
         for k in straight[g]:
             assert np.array_equal(again[g][k], straight[g][k]), (g, k)
 
+
+@pytest.mark.parametrize("name", list(NAMED))
+def test_streamed_equals_optax_reference_and_resumes_bit_exactly(name, tmp_path):
+    """The host update and, for DEVICE_NAMED, the device-side update (``train.update_on=device``: each group's state
+    crossing as flat buffers, written back in place; issue 44's test_device_optax case, merged here so that both
+    trainers step beside one reference run) each equal the reference and resume bit-exactly."""
+    cfg = _cfg(name)
+    batches = _batches()
+    ref = ReferenceTrainer.from_config(cfg)
+    trainers = {"host": Trainer.from_config(cfg)}
+    if name in DEVICE_NAMED:
+        trainers["device"] = Trainer.from_config(_on_device(cfg))
+        assert trainers["device"].engine.updates.on_device
+    tr = trainers["host"]
+    assert isinstance(tr.opt, NamedOptaxOptimizer) and tr.opt.label == ("optax.lamb" if name == "optax" else name)
+    for where, t in trainers.items():
+        os.makedirs(tmp_path / where)
+    for i, batch in enumerate(batches, start=1):
+        r = ref.step(batch)
+        assert r.grad_norm > CLIP, "clipping must trigger"
+        for where, t in trainers.items():
+            s = t.step(batch)
+            assert abs(r.loss - s.loss) <= 1e-5 * abs(r.loss), (where, i, r.loss, s.loss)
+            assert where == "device" or not s.skipped
+            if i == 3:
+                t.save(str(tmp_path / where))
+    assert tr.lr_at(5) == pytest.approx(float(ref.lr_at(5)))
+    straight = {}
+    for where, t in trainers.items():
+        t.close()
+        errs = _group_rel_errors(ref.params_tree(), t.store)
+        assert max(errs.values()) < 1e-5, (where, errs)
+        straight[where] = _state(t)
+    moved = np.linalg.norm(np.asarray(init_model(MODEL, 0).layers[0].mlp.up_proj.kernel[...])
+                           - tr.store["block_0"].tree()["mlp"]["up_proj"]["kernel"])
+    assert moved > 1e-3, "the run must move the weights, or equality proves nothing"
+    assert all(k.startswith(tr.opt.label + "/") for k in straight["host"]["block_0"] if k != "master")
+
+    # resumed from step 3: steps 4 and 5 again, bit for bit (weights and every state array)
+    _resumed_equals(cfg, str(tmp_path / "host"), straight["host"], batches)
+    if "device" in trainers:
+        _resumed_equals(_on_device(cfg), str(tmp_path / "device"), straight["device"], batches)
+
     # resuming with another optimizer is refused in one line naming both
     other = "lion" if name != "lion" else "sgd"
     with pytest.raises(UserError) as e:
-        Trainer.resume(_cfg(other), str(tmp_path), log=lambda _: None)
+        Trainer.resume(_cfg(other), str(tmp_path / "host"), log=lambda _: None)
     msg = str(e.value)
     assert e.value.field == "optim" and "\n" not in msg and other in msg, msg
     assert (tr.opt.label in msg), msg
