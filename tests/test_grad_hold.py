@@ -215,6 +215,41 @@ def test_a_resweep_holding_every_block_runs_no_block_again(case, monkeypatch):
     assert swept == [(2, False), (1, False), (0, False)] * STEPS
 
 
+def test_a_resweep_starts_the_embeddings_host_update_at_the_norm_and_updates_from_the_swept_weights(monkeypatch):
+    """The 110B's one-GPU plan: resweep with its first groups held, stream_io, update_on=device. The embedding's
+    gradient waits in host memory, and its host update starts once the norm is known, before the second sweep's
+    first block (applied after the sweep, it held back the next forward 6.6 s: RESULTS.md s26 call 1); each block
+    the second sweep updates starts from the weights its backward used, with no second fetch of its master. Five
+    clipped steps still equal the host hold bit for bit, counted once."""
+    from megatrain_jax.engine.device_updates import DeviceUpdates
+
+    events, start, state = [], DeviceUpdates._start_on_host, DeviceUpdates._state_to_device
+    real = StreamedTrainer._backward_block
+
+    def started(self, name, grad, scale, count):
+        events.append(("host update", name))
+        return start(self, name, grad, scale, count)
+
+    def fetched(self, name, master=True):
+        events.append(("state", name, master))
+        return state(self, name, master)
+
+    def swept(self, i, w, acts, mbs, dhs, again=False):
+        events.append(("backward", i, again))
+        return real(self, i, w, acts, mbs, dhs, again)
+
+    monkeypatch.setattr(DeviceUpdates, "_start_on_host", started)
+    monkeypatch.setattr(DeviceUpdates, "_state_to_device", fetched)
+    monkeypatch.setattr(StreamedTrainer, "_backward_block", swept)
+    _resweep_equals_the_host_hold(dict(micro_batches=2, stream_io=True, update_on="device", early_state_groups=0),
+                                  2, monkeypatch)
+    step = events[:events.index(("backward", 2, False), 1)]  # the first step (the next starts at its backward)
+    second = step.index(("backward", 2, True))
+    assert step.index(("host update", "embed")) < step.index(("host update", "head")) < second, step
+    fetches = [e for e in step[second:] if e[0] == "state" and e[1] in ("block_2", "block_1")]
+    assert fetches == [("state", "block_2", False), ("state", "block_1", False)], step
+
+
 def _resweep_equals_the_host_hold(kw: dict, held: int, monkeypatch) -> list[tuple[int, bool]]:
     """Five clipped steps of a resweep holding its first ``held`` groups on the GPU equal, bit for bit, the host
     hold that keeps the same groups there (steps counted once); returns the (block, second sweep?) backward calls
@@ -303,8 +338,8 @@ def test_a_resweeps_sent_gradients_wait_on_the_device_at_most_the_planned_few(mo
 
     waiting, send = [], HostUpdates.send
 
-    def counted(self, name, grad, scale=1.0):
-        send(self, name, grad, scale)
+    def counted(self, name, grad, scale=1.0, current=None):
+        send(self, name, grad, scale, current)
         waiting.append(sum(1 for _, out in self._queue if not out.on_host))
 
     monkeypatch.setattr(HostUpdates, "send", counted)

@@ -64,6 +64,9 @@ CASES = {
     # no hold: a second backward sweep from the kept top cotangents; the embedding's and head's gradients wait
     # in host memory where they were made (tied: the head's part is in the embedding's)
     "resweep": (dict(vocab_size=250), 2, 0.5, 64, dict(grad_hold="resweep"), None),
+    # nothing held on the GPU: the embedding's gradient (made in host memory) still waits there for the norm, and
+    # each block the second sweep updates on the device starts from the weights its backward used
+    "resweep_device_update": (dict(vocab_size=250), 2, 0.5, 64, dict(grad_hold="resweep", update_on="device"), None),
     "resweep_tied_pinned": (dict(vocab_size=250, tie_embeddings=True), 1, 0.5, 64,
                             dict(grad_hold="resweep", activations="pinned_host", transfer_mode="pinned",
                                  grad_slab_elems=3000), 30),

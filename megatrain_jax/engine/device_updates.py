@@ -118,15 +118,18 @@ class DeviceUpdates(Updates):
             return self.send(name, grad)  # no norm to wait for: updated now, nothing held
         self.hold(name, grad)
 
-    def send(self, name: str, grad: jax.Array, scale: float = 1.0) -> None:
+    def send(self, name: str, grad: jax.Array, scale: float = 1.0, current: jax.Array | None = None) -> None:
         """The resweep's second sweep: the update runs now, on the device, with the clip scale known
-        (the next forward then fetches the updated weights from the host store)."""
+        (the next forward then fetches the updated weights from the host store). ``current``: the group's
+        fp32 master on the device already (the weights its backward just computed with), which the update
+        starts from instead of fetching it again: 5.4 GB less over PCIe for each of the 110B's blocks."""
         if name == HEAD:
             self.count += 1
         if isinstance(grad, np.ndarray):  # complete in host memory (stream_io): updated there
-            self.pending[name] = self._host.submit(self._host_update, name, HostArray(grad, self.xfer), scale,
-                                                   self.count)
+            self._start_on_host(name, HostArray(grad, self.xfer), scale, self.count)
             return
+        if current is not None:
+            self._resident[name] = current
         self._queued[name] = (grad, scale, self.count)
         self._done[name] = Future()
         self.dispatch(self.load(name))
@@ -144,12 +147,15 @@ class DeviceUpdates(Updates):
         for name in [n for n in self.groups.order if n in held]:  # (a resweep holds only its first groups)
             grad = held.pop(name)
             if isinstance(grad, HostArray):  # complete in host memory (stream_io): updated there, now
-                self.pending[name] = self._host.submit(self._host_update, name, grad, scale, self.count)
+                self._start_on_host(name, grad, scale, self.count)
                 continue
             self._queued[name] = (grad, scale, self.count)
             self._done[name] = Future()  # set once this update is back in the host store
         self._resident = dict(resident)
         self._early = {n: e for n, e in self._early.items() if n in self._queued}  # (only what a load will take)
+
+    def _start_on_host(self, name: str, grad: HostArray, scale: float, count: int) -> None:
+        self.pending[name] = self._host.submit(self._host_update, name, grad, scale, count)
 
     def _host_update(self, name: str, grad: HostArray, scale: float, count: int) -> None:
         """On the host-optimizer thread: a group whose gradient is in host memory, updated in place by the

@@ -68,6 +68,7 @@ class ResidentIO:
     """Today's path: the embedding and head resident for the step, whole."""
 
     second_loss_reads_outputs = True  # a resweep's second sweep runs the loss again, from the last block's outputs
+    embed_grad_on_host = False  # the embedding's gradient is made on the device (a resweep's second sweep makes it again)
 
     def __init__(self, io: IOParts):
         self.k, self.weights, self.store = io.kernels, io.weights, io.store
@@ -117,6 +118,7 @@ class StreamIO:
     """``stream_io``: the embedding's rows and the head's vocabulary chunks, neither resident."""
 
     second_loss_reads_outputs = False  # a resweep's second sweep starts from the first's top cotangents
+    embed_grad_on_host = True  # the first sweep's embedding gradient waits in host memory (its update starts at the norm)
 
     def __init__(self, io: IOParts):
         parts, o = io.parts, io.options

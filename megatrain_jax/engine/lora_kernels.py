@@ -143,6 +143,7 @@ class FrozenEnds:
     stream and resident for the run; no gradient of either, so nothing is delivered for them."""
 
     second_loss_reads_outputs = True
+    embed_grad_on_host = False
 
     def __init__(self, io: Any):  # io: io.IOParts
         self.k = io.kernels

@@ -230,6 +230,7 @@ class StreamedTrainer:
         skipped = self.updates.deferred and not (np.isfinite(loss) and np.isfinite(grad_norm))
         scale = None if skipped else global_norm_scale(grad_norm ** 2, self.options.clip_norm)
         if self.updates.resweep and scale is not None:
+            self.updates.start_on_host(scale)  # (the embedding's waiting gradient: its update overlaps the sweep)
             self._resweep(head, emb, hs, mbs, inv, scale)
         self.updates.apply(scale, resident={**io.resident(emb, head), "block_0": w})
         self.pace.reset()
@@ -278,12 +279,13 @@ class StreamedTrainer:
             g = self._backward_block(i, w, h, mbs, dhs, again=scale is not None)
             if scale is None:
                 self.updates.fetch_early(L - 1 - i)  # (device-side updates: a first group's state, in flight now)
-            sq.append(self._gradient(i, g, scale))  # g: (devices x block size,) fp32
+            sq.append(self._gradient(i, g, scale, w))  # g: (devices x block size,) fp32
             self._trace("compute", f"bwd {i}", sq[-1])  # (g itself may be donated later)
             self.pace.dispatched(sq[-1])  # waits for block i+1's backward
         if scale is None:
             self.updates.fetch_early(L + 1)  # (the early groups past the blocks: the last block's, the head's)
-        if scale is None or not self.updates.resweep_held:  # (held: the first sweep's embedding gradient waits)
+        # (the first sweep's embedding gradient waited: held on the GPU, or in host memory where it was made)
+        if scale is None or not (self.updates.resweep_held or self.io.embed_grad_on_host):
             sq.append(self.io.embed_backward(emb, mbs, dhs, scale))
         return losses, sq, w
 
@@ -315,17 +317,18 @@ class StreamedTrainer:
             dhs[m], g = backward(w, acts[m], mb.aux, m, dhs[m], g)
         return g
 
-    def _gradient(self, key: Any, g: jax.Array, scale: float | None = None) -> jax.Array:
+    def _gradient(self, key: Any, g: jax.Array, scale: float | None = None, w: jax.Array | None = None) -> jax.Array:
         """A group's gradient is complete on the devices: summed over them (one collective per
         group), its squared norm taken in fp32, then held for the norm or sent to be applied (with
-        ``scale``: the resweep's second sweep)."""
+        ``scale``: the resweep's second sweep, where a device-side update starts from ``w``, the weights
+        the block's backward computed with, and may donate them)."""
         name = self.weights.groups.names[key]
         g = self.updates.reduce(name, g)  # summed over the devices (several GPUs updating on the device: each its share)
         sq = self.kernels.sqnorm(g)
         if scale is None:
             self.updates.gradient(name, g)
         else:
-            self.updates.send(name, g, scale)
+            self.updates.send(name, g, scale, current=w)
         return sq
 
     def _trace(self, lane: str, label: str, arr: Any) -> None:

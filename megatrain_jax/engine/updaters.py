@@ -159,9 +159,10 @@ class HostUpdates(Updates):
             return self.hold(name, grad)
         self.send(name, grad)
 
-    def send(self, name: str, grad: jax.Array, scale: float = 1.0) -> None:
+    def send(self, name: str, grad: jax.Array, scale: float = 1.0, current: jax.Array | None = None) -> None:
         """A gradient whose clip scale is known (unclipped, or the resweep's second sweep) goes to the
-        host now, and its update starts as soon as it lands."""
+        host now, and its update starts as soon as it lands (``current``, the weights on the device: unused,
+        the host updates its own master)."""
         if name == HEAD:  # first gradient of the step: the step counts from here
             self.count += 1
         out = self.grad_out(name, grad)
@@ -194,6 +195,9 @@ class HostUpdates(Updates):
                 self._queue.append((name, out))
             self._submit(name, out, scale)
         self.issue_ahead(-1)
+
+    def _start_on_host(self, name: str, grad: HostArray, scale: float, count: int) -> None:
+        self.pending[name] = self._pool.submit(self._update, name, self.grad_out(name, grad), scale, count)
 
     def grad_out(self, name: str, grad: Any) -> GradOut:
         n = self.store[name].size

@@ -110,8 +110,10 @@ class Updates:
         Host copies are issued here, before the next block's backward, which they then overlap. A
         numpy gradient (``stream_io``'s embedding and head) waits where it is."""
         pos = self.groups.pos[name]
-        if self.resweep and pos >= self.resweep_held:
-            return  # dropped: the second sweep recomputes it once the norm is known
+        if self.resweep and pos >= self.resweep_held and not (name == EMBED and isinstance(grad, np.ndarray)):
+            # dropped: the second sweep makes it again once the norm is known (the head's, kept in host memory by
+            # stream_io, is sent as that sweep starts; the embedding's, made in host memory, waits: start_on_host)
+            return
         if isinstance(grad, np.ndarray):  # complete in host memory already (stream_io): it waits there
             grad = HostArray(grad, self.xfer)
         elif self.held_in.split and pos < self.o.grad_hold_gpu_groups:
@@ -119,6 +121,17 @@ class Updates:
         else:  # (a pageable buffer's last reader, a device-side update, goes first: ``after``)
             grad = self.held_in.put(name, grad, self.store[name].size, after=self.pending.get(name))
         self._held[name] = grad
+
+    def start_on_host(self, scale: float) -> None:
+        """A resweep's norm is known: the held gradients complete in host memory already (``stream_io``'s
+        embedding) start their host updates now, before the second sweep, which they then overlap. Applied
+        after it (``apply``), the 110B's embedding update (6.6 s) held back the next forward: the step was
+        79.8 s with the GPU idle for those 6.6 s (experiments/RESULTS.md s26, call 1)."""
+        for name in [n for n in self.groups.order if isinstance(self._held.get(n), HostArray)]:
+            self._start_on_host(name, self._held.pop(name), scale, self.count + 1)  # (the head's send counts it)
+
+    def _start_on_host(self, name: str, grad: HostArray, scale: float, count: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} holds no gradient in host memory")
 
     def _close_hold(self) -> None:
         if self.held_in is not None:
