@@ -17,6 +17,9 @@ from megatrain_jax.plan.sizes import (DISPATCH_BLOCK_S, DISPATCH_CALL_S, HOLD_RE
                                       RATES, Shapes, early_params, kept_on_gpu)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
+# an H200's (4.8 TB/s): a device-to-device copy on this project's H200 machines moved 4.3 TB/s, read and written
+# (docs/design.md section 1); its matmul rates are the H100's (the same chip)
+GPU_MEMORY_RATES = {"H200": 4.3e12}
 
 
 _OPTAX_COSTS: dict[str, Any] = {}
@@ -45,6 +48,7 @@ def _host_trees(model_cfg) -> dict[str, Any]:
 def step_rates(machine: Machine) -> dict[str, float]:
     """The floor rates of the predicted step: the H100 machine's (RATES), or a target's PCIe and TFLOPS."""
     rates = {k: v for k, v in RATES.items() if k != "adamw_elems"}
+    rates["gpu_memory"] = next((r for name, r in GPU_MEMORY_RATES.items() if name in machine.gpu_name), GPU_MEMORY_RATE)
     if machine.pcie_bytes_s:
         rates["h2d"] = rates["d2h"] = machine.pcie_bytes_s
     if machine.gpu_flops:
@@ -59,7 +63,8 @@ def _step_basis(machine: Machine) -> str:
     if machine.pcie_bytes_s or machine.gpu_flops:
         return "the target's rates" + ("" if machine.pcie_bytes_s and machine.gpu_flops else
                                        " where given, the H100's elsewhere")
-    return "H100 rates"
+    memory = next((name for name in GPU_MEMORY_RATES if name in machine.gpu_name), None)
+    return f"H100 rates, the {memory}'s memory" if memory else "H100 rates"
 
 
 def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_dev: int, n_keep: int, stream_bytes: int,
@@ -100,12 +105,13 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     compute_s = hw_flops / rate
     # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
     cast = shapes.params if hold in BF16_HOLDS else (p.grad_hold_gpu_params if p else 0)
-    memory_s = 6.0 * cast / GPU_MEMORY_RATE
+    memory_rate = rates.get("gpu_memory", GPU_MEMORY_RATE)
+    memory_s = 6.0 * cast / memory_rate
     # each micro-batch's gradient accumulation in fp32, per block (a resweep's second sweep accumulates again)
     mb = p.micro_batches if p else (train.micro_batches if isinstance(train.micro_batches, int) else 1)
     per_param = MICRO_BATCH_BYTES_PER_PARAM / (1 if (stream_bytes == 4 and train.compute_dtype == "bfloat16") else 2)
     # (each GPU of a data-parallel run accumulates every micro-batch of its share: not divided by the GPUs)
-    memory_s += per_param * shapes.layers * shapes.block * mb * (1 + again) / GPU_MEMORY_RATE
+    memory_s += per_param * shapes.layers * shapes.block * mb * (1 + again) / memory_rate
     compute_s += memory_s  # (the GPU's memory-bound passes: they do not scale with its TFLOPS)
     if p and p.blocks_queued == 1:  # a dispatch bubble per block, forward and backward (and each recompute)
         sweeps = 2 + (k - 1) / k + 2 * again
@@ -162,7 +168,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         if optim.kernel == "optax":  # its update runs on the compute stream (Muon: Newton-Schulz matmuls)
             cost = _optax_cost(cfg) if optax_cost is None else optax_cost
             step["update_s"] = device_update_s(cost, rates["matmul_bf16" if cost.matmul_dtype == "bfloat16"
-                                                         else "matmul_fp32"], GPU_MEMORY_RATE)
+                                                         else "matmul_fp32"], memory_rate)
             step["compute_s"] += step["update_s"]
     compute_s = step["compute_s"]
     terms = ("compute_s", "h2d_s", "d2h_s", "optimizer_s", "host_copy_s")
@@ -176,8 +182,12 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     else:
         state_s = _state_traffic_s((4 + moment_bytes) * (shapes.params - host_params), n_dev, shares, rates,
                                    early=(4 + moment_bytes) * early_params(shapes, n_early))
-        step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, state_s) \
-            + (shapes.embed / opt_rate if host_params else 0.0)
+        # stream_io's embedding, updated on the host: the next forward waits for it; a resweep starts it at the
+        # norm, and its second sweep hides it (engine: Updates.start_on_host; 6.6 s exposed before, s26 call 1)
+        embed_s = shapes.embed / opt_rate if host_params else 0.0
+        if hold == "resweep":
+            embed_s = max(embed_s - 3 * fwd_blocks * again / rate, 0.0)
+        step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, state_s) + embed_s
         if hold in PAGEABLE_HOLDS:  # a pageable hold comes back through the copier on that path
             step["updates_after_norm_s"] += held / HOLD_RETURN_RATE
     step["work_s"] = sum(step[t] for t in terms)
