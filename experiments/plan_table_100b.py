@@ -5,11 +5,12 @@ auto, clipping 1.0, fp32 master, 8 x 4096 tokens. Planned on this machine for th
 
 Host limits: 540.9 GB is the 512 GiB four-GPU machine's MemTotal (measured, docs/design.md section 7); 591.6 GB for
 560 GiB is that scaled by 560/512 (not measured). GPUs: an H100 (81559 MiB) and an H200 (143771 MiB) as nvidia-smi
-reports them.
+reports them, each named as nvidia-smi names it (the step model counts an H200's memory passes at its own rate).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from megatrain_jax.config import load_config
@@ -22,6 +23,7 @@ MODELS = {"Llama-2-70B, AdamW int8": ("configs/llama2-70b.yaml", ["train.batch_s
           "Mistral-Large-123B, lean": ("configs/lean-110b.yaml", M123)}
 HOSTS = {"512 GiB": 540.9, "560 GiB": 591.6}
 GPUS = {"H100": 81559 * 2 ** 20 / 1e9, "H200": 143771 * 2 ** 20 / 1e9}
+NAMES = {"H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
 
 
 def main() -> None:
@@ -35,8 +37,9 @@ def main() -> None:
         for gname, gpu in GPUS.items():
             for hname, host in HOSTS.items():
                 cfg = load_config(config, ["train.final_checkpoint=false", *sets])
-                p = make_plan(cfg, target_machine(gpu_memory_gb=gpu, host_memory_gb=host, cpu_cores=64),
-                              _mode_table=False)
+                m = dataclasses.replace(target_machine(gpu_memory_gb=gpu, host_memory_gb=host, cpu_cores=64),
+                                        gpu_name=NAMES[gname])
+                p = make_plan(cfg, m, _mode_table=False)
                 v, o = p.verdict(), p.options
                 step = p.step["predicted_step_s"]
                 tflops = 6 * p.params * cfg.train.batch_size * cfg.data.seq_len / step / 1e12
