@@ -80,8 +80,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     a pageable one is copied by one host thread; ``stream_io`` sends the head twice and the batch's
     embedding rows instead of the whole embedding and head once. ``non_emb``, ``optax_cost``: the model's
     ``non_embedding_params()`` and ``_optax_cost(cfg)``, where the caller has them (the search asks thousands)."""
-    train, optim, model = cfg.train, cfg.optim, cfg.model
-    p = placement
+    train, optim, model, p = cfg.train, cfg.optim, cfg.model, placement
     k = p.boundary_every if p else 1
     hold = p.grad_hold if p else "gpu_fp32"
     io = bool(p and p.stream_io)
@@ -182,16 +181,19 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     else:
         state_s = _state_traffic_s((4 + moment_bytes) * (shapes.params - host_params), n_dev, shares, rates,
                                    early=(4 + moment_bytes) * early_params(shapes, n_early))
-        # stream_io's embedding, updated on the host: the next forward waits for it; a resweep starts it at the
-        # norm, and its second sweep hides it (engine: Updates.start_on_host; 6.6 s exposed before, s26 call 1)
-        embed_s = shapes.embed / opt_rate if host_params else 0.0
-        if hold == "resweep":
-            embed_s = max(embed_s - 3 * fwd_blocks * again / rate, 0.0)
+        embed_s = _embed_wait_s(shapes.embed / opt_rate if host_params else 0.0, 3 * fwd_blocks * again / rate)
         step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, state_s) + embed_s
         if hold in PAGEABLE_HOLDS:  # a pageable hold comes back through the copier on that path
             step["updates_after_norm_s"] += held / HOLD_RETURN_RATE
     step["work_s"] = sum(step[t] for t in terms)
     return _bound(step, terms + ("updates_after_norm_s",))
+
+
+def _embed_wait_s(update_s: float, second_sweep_s: float) -> float:
+    """What the next forward waits for ``stream_io``'s embedding, updated on the host: all of its update, or with
+    a resweep what its second sweep does not hide (the update starts at the norm, before that sweep: engine
+    ``Updates.start_on_host``; 6.6 s exposed a step before, RESULTS.md s26 call 1)."""
+    return max(update_s - second_sweep_s, 0.0)
 
 
 def _bound(step: dict[str, Any], terms: tuple[str, ...]) -> dict[str, Any]:
