@@ -130,3 +130,25 @@ def cli_env() -> dict:
     from cli_runner import cli_env as make_env
 
     return make_env(os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+# ``MEGATRAIN_TEST_CPU_LOG=FILE``: each test's CPU seconds (this worker's and its finished subprocesses'), one JSON
+# line per test appended to FILE, to find where the suite's CPU goes (on CI's two cores the suite is CPU-bound,
+# so a test's wall time under xdist says little). Diagnosis only.
+_CPU_LOG = os.environ.get("MEGATRAIN_TEST_CPU_LOG")
+
+
+if _CPU_LOG:
+    import json as _json
+    import resource as _resource
+
+    def _cpu_s() -> float:
+        a, b = _resource.getrusage(_resource.RUSAGE_SELF), _resource.getrusage(_resource.RUSAGE_CHILDREN)
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        t0 = _cpu_s()
+        yield
+        with open(_CPU_LOG, "a") as f:
+            f.write(_json.dumps({"test": item.nodeid, "cpu_s": _cpu_s() - t0}) + "\n")
