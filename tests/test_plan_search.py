@@ -413,7 +413,8 @@ def test_the_110b_on_one_h200_hides_the_embeddings_host_update_in_the_second_swe
     """The 110B lean on one H200 of the 512 GiB machine, as s26 call 2 planned it (resweep, 24 groups held,
     stream_io, a device-side update): the embedding's host update starts at the norm and runs under the second
     sweep (engine: Updates.start_on_host), so the step waits for no update the forward does not hide; an H200's
-    memory passes are counted at its 4.3 TB/s (an H100's 3.0). Predicted 79.5 s against 68.8 measured (s26)."""
+    memory passes are counted at its 4.3 TB/s (an H100's 3.0), and the backward sweeps that recompute at their own
+    rate (RECOMPUTE_BACKWARD_SPEEDUP): the prediction within 10% of each step s26 call 2 measured."""
     import dataclasses as dc
 
     from megatrain_jax.plan.step_model import step_rates
@@ -425,4 +426,5 @@ def test_the_110b_on_one_h200_hides_the_embeddings_host_update_in_the_second_swe
     o, s = p.options, p.step
     assert (o.grad_hold, o.grad_hold_gpu_groups, o.stream_io, o.update_on) == ("resweep", 24, True, "device")
     assert s["updates_after_norm_s"] == pytest.approx(s["compute_s"]) and "H200's memory" in p.step_basis
-    assert 75 < s["predicted_step_s"] < 80
+    measured = (70.90, 68.76, 72.82)  # steps 2-4, RESULTS.md s26 call 2 (79.5 s predicted before, 82.4 before that)
+    assert all(abs(s["predicted_step_s"] / m - 1) < 0.10 for m in measured), s["predicted_step_s"]

@@ -20,6 +20,11 @@ GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for a
 # an H200's (4.8 TB/s): a device-to-device copy on this project's H200 machines moved 4.3 TB/s, read and written
 # (docs/design.md section 1); its matmul rates are the H100's (the same chip)
 GPU_MEMORY_RATES = {"H200": 4.3e12}
+# the backward of a block that recomputes its forward (and a resweep's second sweep) runs its matmuls faster than the
+# one rate: 584-652 TFLOP/s on an H100 (an 8B, three traces), 648-701 on an H200 (7B, Qwen2.5-7B and -14B, the 110B),
+# 648 the mean of the seven, against 600; the forward and a kept block's backward stay at it (572-720 and 559-593;
+# RESULTS.md s27, experiments/fit_backward_rate.py)
+RECOMPUTE_BACKWARD_SPEEDUP = 1.08
 
 
 _OPTAX_COSTS: dict[str, Any] = {}
@@ -90,18 +95,14 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     tokens = train.batch_size * cfg.data.seq_len
     non_emb = model.non_embedding_params() if non_emb is None else non_emb
     attn = 12.0 * model.num_layers * model.num_heads * model.dim_per_head * cfg.data.seq_len if attention else 0.0
-    hw_flops = tokens * (8 * non_emb - 2 * n_keep * shapes.block + 8 * shapes.vocab * shapes.hidden
-                         + 4.0 / 6.0 * attn)
     fwd_blocks = tokens * (2 * non_emb + attn / 6.0)
-    hw_flops += (k - 1) / k * fwd_blocks
     # a resweep runs the recompute (1 forward) and backward (2 forwards) once more: ~+75%, over the blocks above
     # those whose gradients it holds on the GPU (grad_hold_gpu_groups: the embedding and the lowest blocks)
     again = 0.0
     if hold == "resweep":
         again = (shapes.layers - min(max((p.grad_hold_gpu_groups if p else 0) - 1, 0), shapes.layers)) / shapes.layers
-        hw_flops += 3 * fwd_blocks * again
     rate = rates["matmul_bf16" if train.compute_dtype == "bfloat16" else "matmul_fp32"] * n_dev
-    compute_s = hw_flops / rate
+    compute_s = _matmul_s(tokens, non_emb, attn, fwd_blocks, shapes, n_keep, k, again, rate)
     # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
     cast = shapes.params if hold in BF16_HOLDS else (p.grad_hold_gpu_params if p else 0)
     memory_rate = rates.get("gpu_memory", GPU_MEMORY_RATE)
@@ -187,6 +188,17 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
             step["updates_after_norm_s"] += held / HOLD_RETURN_RATE
     step["work_s"] = sum(step[t] for t in terms)
     return _bound(step, terms + ("updates_after_norm_s",))
+
+
+def _matmul_s(tokens: int, non_emb: int, attn: float, fwd_blocks: float, shapes: Shapes, n_keep: int, k: int,
+              again: float, rate: float) -> float:
+    """The step's matmuls: forward, backward and recompute of every block (the kept ones' forward not again), the
+    head's, a boundary's segment recompute, a resweep's second sweep; the sweeps that recompute at their own rate."""
+    hw_flops = tokens * (8 * non_emb - 2 * n_keep * shapes.block + 8 * shapes.vocab * shapes.hidden
+                         + 4.0 / 6.0 * attn)
+    hw_flops += (k - 1) / k * fwd_blocks + 3 * fwd_blocks * again
+    recompute_flops = 3 * fwd_blocks * ((shapes.layers - min(n_keep, shapes.layers)) / shapes.layers + again)
+    return (hw_flops - recompute_flops) / rate + recompute_flops / (rate * RECOMPUTE_BACKWARD_SPEEDUP)
 
 
 def _embed_wait_s(update_s: float, second_sweep_s: float) -> float:

@@ -1,4 +1,4 @@
-# Prepared in session 26, not yet run (issue 42's no-regression bar): s26 calls 3-4 measured Llama-2-7B 16 x 4096 at
+# Run as s27 call 1 (RESULTS.md s27: 1.003x and 0.997x). Prepared in session 26 (issue 42's no-regression bar): s26 calls 3-4 measured Llama-2-7B 16 x 4096 at
 # 0.970x and 0.961x of 0fee47b on one H200 (Qwen2.5-7B level, 0.999x), on a path the change does not reach (gpu_fp32
 # hold, host update, no resweep). Here the pair alternates twice in one call: before, after, before, after.
 # Ask nvidia-h200 with >= 330 s of device time left. before = 0fee47b, an untracked _before/ carried with the call:

@@ -1,4 +1,4 @@
-# Prepared in session 26, not yet run (issue 42: the step model's backward rate). The one matmul rate (600 TFLOP/s)
+# Run as s27 call 2 (RESULTS.md s27; fitted with experiments/fit_backward_rate.py). Prepared in session 26 (issue 42: the step model's backward rate). The one matmul rate (600 TFLOP/s)
 # puts the 110B's first backward at 0.457 s a block where an H200 ran 0.40 (s26 call 2; the forward is right, 0.148
 # against 0.152), while the 7B defaults are predicted within 1-3% or under. One traced step per shape on one H200 gives
 # each one's forward and backward time a block (the timeline JSONs' "fwd i" / "bwd i" bars), to fit a rate that grows
