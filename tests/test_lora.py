@@ -237,6 +237,16 @@ def test_plan_scaling_is_refused(capsys):
     assert err.count("\n") == 1 and "--scaling" in err
 
 
+def test_a_sharded_host_state_is_refused(capsys):
+    """A sharded host state is for full training (each process backs its GPUs' shares of the master and moments);
+    LoRA's frozen base streams whole: ``train.host_state=sharded`` is refused in one line naming the field."""
+    from megatrain_jax.cli import main as cli_main
+
+    assert cli_main(["plan", str(ROOT / "configs" / "lora-tiny.yaml"), "--set", "train.host_state=sharded"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.host_state" in err and "replicated" in err
+
+
 # ---------------------------------------------------------------------------------------- the training loop
 
 

@@ -16,6 +16,7 @@ from megatrain_jax.errors import UserError
 import megatrain_jax.plan.decisions as choose
 import megatrain_jax.plan.search as search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
+from megatrain_jax.plan.lora import refuse_lora_sharded
 from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS, EngineOptions
 from megatrain_jax.optim.costs import auto_update_on
 from megatrain_jax.plan.rows import PlacementCosts, disk_rows, xla_pool
@@ -254,9 +255,7 @@ def _sharded_state(cfg: Config) -> Config:
     if cfg.optim.kernel != "fused":
         raise UserError("train.host_state", f"sharded splits each update elementwise, which {cfg.optim.name} "
                         f"(optim.kernel={cfg.optim.kernel}) is not", f"use optim.name=adamw, {fix}")
-    if cfg.model.lora is not None:
-        raise UserError("train.host_state", "sharded is for full training; LoRA's frozen base is streamed whole",
-                        "set train.host_state=replicated")
+    refuse_lora_sharded(cfg)
     return dataclasses.replace(cfg, train=dataclasses.replace(t, update_on="device", fetch="split", stream_io=False))
 
 

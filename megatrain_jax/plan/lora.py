@@ -52,6 +52,14 @@ def refuse_lora_scaling(cfg: Config) -> None:
                         "slice of the batch)", "plan it without --scaling")
 
 
+def refuse_lora_sharded(cfg: Config) -> None:
+    """``train.host_state=sharded`` on a LoRA config: refused in one line (``make_lora_plan``, the plan and the train
+    command's; ``build._sharded_state``, a LoRA config planned as a full one)."""
+    if cfg.train.host_state == "sharded" and variant(cfg.model.lora) == LORA:
+        raise UserError("train.host_state", "sharded is for full training; LoRA's frozen base is streamed whole",
+                        "set train.host_state=replicated")
+
+
 @dataclass
 class LoraPlan:
     rows: list[Row]
@@ -139,6 +147,7 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
     from megatrain_jax.plan.machine import detect_machine
     from megatrain_jax.templates import Layout
 
+    refuse_lora_sharded(cfg)
     machine = machine or detect_machine()
     m, t, d = cfg.model, cfg.train, cfg.data
     lora = m.lora
