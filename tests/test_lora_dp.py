@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from cli_runner import cpu_xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -70,8 +72,7 @@ def _losses(cfg, train) -> list[float]:
 @pytest.mark.slow  # a child process compiling the engine four times (~30 s idle CPU)
 def test_two_devices_train_what_one_trains(tmp_path):
     out = tmp_path / "dp.npz"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=ROOT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_xla_flags(2), PYTHONPATH=ROOT)  # -O0 as conftest's
     r = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     z = np.load(out)

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from cli_runner import cpu_xla_flags
+from cli_runner import HOOKS_SCRIPT, cpu_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETS = ["--set", "optim.schedule.warmup_steps=1", "--set", "train.batch_size=4", "--set", "data.seq_len=32",
@@ -37,9 +37,10 @@ def _env(devices: int, **extra) -> dict:
 
 def _train(out, processes: int, *extra: str) -> list[str]:
     """``megatrain-jax train configs/tiny.yaml`` as ``processes`` processes of one device each (1: one process of
-    two devices); returns each process's output."""
-    args = [sys.executable, "-m", "megatrain_jax", "train", "configs/tiny.yaml", *SETS, "--set",
-            f"train.out_dir={out}", *extra]
+    two devices); returns each process's output. Through the test entry point without hooks (``cli.main`` as the
+    console script runs it): there process 1 caches its compiled programs too (tests/every_process_caches.py)."""
+    args = [sys.executable, HOOKS_SCRIPT, "--", "train", "configs/tiny.yaml", *SETS, "--set", f"train.out_dir={out}",
+            *extra]
     if processes == 1:
         envs = [_env(2)]
     else:

@@ -10,6 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import every_process_caches  # noqa: E402 - tests/, this script's folder
 from megatrain_jax import cli, train  # noqa: E402
 
 
@@ -29,6 +30,7 @@ def main() -> int:
                              sigint_after_step=a.sigint_after_step, sigint_in_save=a.sigint_in_save,
                              hang_in_step=a.hang_in_step)
     train.train = functools.partial(train.train, hooks=hooks)  # what cli._train calls
+    every_process_caches.enable()  # the next run's processes 1..N-1 load their programs instead of compiling them
     return cli.main(argv)
 
 
