@@ -269,7 +269,7 @@ from megatrain_jax.config import load_config
 from megatrain_jax.train import train
 orig = mem.apply_gpu_settings
 def check(plan):
-    assert not mem._jax_backend_ready(), "a JAX backend started before the plan configured XLA"
+    assert not mem.jax_backend_ready(), "a JAX backend started before the plan configured XLA"
     orig(plan)
 mem.apply_gpu_settings = check
 train(load_config("configs/tiny.yaml", ["train.steps=1", "optim.schedule.kind=constant", "optim.schedule.warmup_steps=0", "train.batch_size=2", "data.seq_len=16",

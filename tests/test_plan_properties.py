@@ -63,7 +63,7 @@ SHAPES = {  # name -> (config, model overrides); None: one of SYNTHETIC_BASES, d
 }
 SYNTHETIC_BASES = ("configs/llama2-70b.yaml", "configs/lean-22b.yaml")
 _NOT_ADAFACTOR = ("optim.factored=null", "optim.momentum=null")  # lean-22b's adafactor fields, cleared
-# an optax optimizer's update cost is compiled once per model and optim section (step_model._optax_cost, 1-5 s of
+# an optax optimizer's update cost is compiled once per model and optim section (step_model.optax_update_cost, 1-5 s of
 # CPU): the same optim section whatever the base config (lean-22b.yaml's), so that the cost is one per shape
 _OPTAX_COMMON = ("optim.kernel=optax", "optim.moments=float32", "optim.lr=0.01", "optim.weight_decay=0.0",
                  "optim.clip_norm=1.0", "optim.schedule.kind=warmup_cosine", "optim.schedule.warmup_steps=100",

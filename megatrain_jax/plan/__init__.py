@@ -19,7 +19,7 @@ from megatrain_jax.plan.build import Plan, make_plan  # noqa: F401
 from megatrain_jax.plan.step_model import predicted_step  # noqa: F401
 from megatrain_jax.plan.lora import LoraPlan, lora_plan, lora_plan_or_refuse
 from megatrain_jax.plan.decisions import MODES, Placement, RuntimeSettings  # noqa: F401
-from megatrain_jax.plan.machine import (Machine, _jax_backend_ready, detect_machine, host_limit,  # noqa: F401
+from megatrain_jax.plan.machine import (Machine, detect_machine, host_limit,  # noqa: F401
                                         jax_backend_ready, memory_snapshot, target_machine)
 from megatrain_jax.plan.options import EngineOptions  # noqa: F401
 from megatrain_jax.plan.report import plan_json, plan_table, scaling_rows, scaling_table  # noqa: F401
@@ -68,9 +68,9 @@ def plan_or_refuse(cfg, log: Log = print) -> Plan | LoraPlan:
     lora_rows = lora_plan_or_refuse(cfg, log)
     if lora_rows is not None:
         return lora_rows
-    started_before = _jax_backend_ready()
+    started_before = jax_backend_ready()
     plan = make_plan(cfg)
-    if not started_before and _jax_backend_ready() and plan.machine.backend == "gpu":
+    if not started_before and jax_backend_ready() and plan.machine.backend == "gpu":
         # planning must start nothing (tests/test_device_optax.py checks it): XLA read its budgets just now
         log("plan: warning: JAX started while planning, before the plan could give XLA its GPU pool and pinned "
             "limit: XLA's defaults apply (0.75 of the GPU); please report this with the config")

@@ -23,7 +23,7 @@ from megatrain_jax.plan.rows import PlacementCosts, disk_rows, xla_pool
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN, IO_VOCAB_CHUNK,
                                       MOMENT_BYTES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes, pinned_in_rows,
                                       early_params, pinned_limit, usable)
-from megatrain_jax.plan.step_model import _optax_cost, _step_basis, step_rates
+from megatrain_jax.plan.step_model import optax_update_cost, step_basis, step_rates
 
 
 @dataclass
@@ -194,7 +194,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         return _both_updates(cfg, update_on, lim.machine, devices, attention)
     stream_copy = _stream_copy(cfg, shapes, lim, update_on, moment_bytes, bf16)
     device_cast = bf16 and stream_copy == "device"
-    optax = _optax_cost(cfg) if cfg.optim.kernel == "optax" else None
+    optax = optax_update_cost(cfg) if cfg.optim.kernel == "optax" else None
     costs = PlacementCosts(cfg, shapes, lim.machine, lim.n_dev, lim.gpu_budget, update_on, moment_bytes,
                            stream_bytes=2 if (bf16 and not device_cast) else 4, host_copy=bf16 and not device_cast,
                            rates=lim.rates, attention=attention,
@@ -312,7 +312,7 @@ def _update_on_rule(cfg: Config, shapes: Shapes, lim: _Limits, bf16: bool) -> tu
     update_on = choose.choose_update_on(train.update_on, on_gpu=lim.on_gpu, devices=lim.n_dev, kernel=optim.kernel,
                                         moments=optim.moments, bf16=bf16, stream_copy=train.stream_copy)
     if optim.kernel == "optax":
-        cost = _optax_cost(cfg)
+        cost = optax_update_cost(cfg)
         moment_bytes = cost.host_state
         shapes = dataclasses.replace(shapes, update_temp=cost.device_temp, update_chunked=cost.chunked)
         if train.update_on == "auto":
@@ -510,7 +510,7 @@ def _assemble(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
                 gpu_need=gpu_need if lim.gpu_budget else None, gpu_budget=lim.gpu_budget, gpu_phases=placed.phases,
                 disk_need=disk_need, disk_free=m.disk_free.get(train.out_dir) if m.disk_free else None,
                 step=step, params=costs.shapes.params, machine=m, notes=notes,
-                step_basis=_step_basis(m), search=search_summary(found))
+                step_basis=step_basis(m), search=search_summary(found))
     plan.found = found  # the search itself (not a field: not in the JSON): what tests re-check
     return plan
 
@@ -525,7 +525,7 @@ def _device_update_runs(cfg: Config, bf16: bool) -> bool:
     streams, and the optimizer has a device form (the fused AdamW's, or an optax transformation's)."""
     if bf16 and cfg.train.stream_copy == "host":
         return False
-    return cfg.optim.kernel == "fused" or _optax_cost(cfg).runs_on_device
+    return cfg.optim.kernel == "fused" or optax_update_cost(cfg).runs_on_device
 
 
 def _faster(mine: Plan, alt: Plan, option: str) -> Plan:

@@ -121,8 +121,6 @@ def jax_backend_ready() -> bool:
         return False
 
 
-_jax_backend_ready = jax_backend_ready  # the name tests patch and read
-
 
 def detect_machine(paths: tuple[str, ...] = ()) -> Machine:
     """This machine's limits. GPUs are counted with nvidia-smi unless JAX is already initialised

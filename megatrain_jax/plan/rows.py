@@ -46,7 +46,7 @@ class PlacementCosts:
     rates: dict[str, float]
     attention: bool
     optax_group: float = 0.0  # an optax host update's working set per parameter of its group (0: no optax update)
-    optax_cost: Any = None  # the optax update's cost (step_model._optax_cost, looked up once: its cache's key is the
+    optax_cost: Any = None  # the optax update's cost (step_model.optax_update_cost, looked up once: its cache's key is the
     #                         config's repr); None: the fused kernel
     on_gpu: bool = field(init=False)
     chunked: bool = field(init=False)  # the fused kernel takes the gradient in slabs of GRAD_SLAB_ELEMS values

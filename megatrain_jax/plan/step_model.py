@@ -31,8 +31,9 @@ _OPTAX_COSTS: dict[str, Any] = {}
 _HOST_TREES: dict[str, Any] = {}
 
 
-def _optax_cost(cfg: Config):
-    """The configured optax optimizer's ``UpdateCost`` (compiled once per model and optimizer)."""
+def optax_update_cost(cfg: Config):
+    """The configured optax optimizer's ``UpdateCost`` (compiled once per model and optimizer; shared with
+    ``build.py``, which places the update by it, so that both read the one cached cost)."""
     key = repr((cfg.model, cfg.optim))
     if key not in _OPTAX_COSTS:
         _OPTAX_COSTS[key] = update_cost(cfg.optim, _host_trees(cfg.model), cfg.train.steps)
@@ -62,7 +63,8 @@ def step_rates(machine: Machine) -> dict[str, float]:
     return rates
 
 
-def _step_basis(machine: Machine) -> str:
+def step_basis(machine: Machine) -> str:
+    """What the predicted step's rates are (the plan's report names them beside the figure: ``build.py``)."""
     if machine.backend != "gpu":
         return "H100 rates: a GPU prediction; this run is on the CPU backend, which is far slower"
     if machine.pcie_bytes_s or machine.gpu_flops:
@@ -84,7 +86,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     pinned activations cross both ways; a host hold's gradient crosses back for a device-side update and
     a pageable one is copied by one host thread; ``stream_io`` sends the head twice and the batch's
     embedding rows instead of the whole embedding and head once. ``non_emb``, ``optax_cost``: the model's
-    ``non_embedding_params()`` and ``_optax_cost(cfg)``, where the caller has them (the search asks thousands)."""
+    ``non_embedding_params()`` and ``optax_update_cost(cfg)``, where the caller has them (the search asks thousands)."""
     train, optim, model, p = cfg.train, cfg.optim, cfg.model, placement
     k = p.boundary_every if p else 1
     hold = p.grad_hold if p else "gpu_fp32"
@@ -166,7 +168,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         step["d2h_s"] = ((4 + moment_bytes) * dev_params / n_dev + 4.0 * host_params + extra_d2h) / rates["d2h"]
         step["optimizer_s"] = host_params / opt_rate
         if optim.kernel == "optax":  # its update runs on the compute stream (Muon: Newton-Schulz matmuls)
-            cost = _optax_cost(cfg) if optax_cost is None else optax_cost
+            cost = optax_update_cost(cfg) if optax_cost is None else optax_cost
             step["update_s"] = device_update_s(cost, rates["matmul_bf16" if cost.matmul_dtype == "bfloat16"
                                                          else "matmul_fp32"], memory_rate)
             step["compute_s"] += step["update_s"]
