@@ -184,7 +184,8 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     else:
         state_s = _state_traffic_s((4 + moment_bytes) * (shapes.params - host_params), n_dev, shares, rates,
                                    early=(4 + moment_bytes) * early_params(shapes, n_early))
-        embed_s = _embed_wait_s(shapes.embed / opt_rate if host_params else 0.0, 3 * fwd_blocks * again / rate)
+        embed_s = _embed_wait_s(shapes.embed / opt_rate if host_params else 0.0,  # (the second sweep: its rate)
+                                3 * fwd_blocks * again / (rate * RECOMPUTE_BACKWARD_SPEEDUP))
         step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, state_s) + embed_s
         if hold in PAGEABLE_HOLDS:  # a pageable hold comes back through the copier on that path
             step["updates_after_norm_s"] += held / HOLD_RETURN_RATE
