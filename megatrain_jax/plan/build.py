@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
@@ -17,6 +17,7 @@ import megatrain_jax.plan.decisions as choose
 import megatrain_jax.plan.search as search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.lora import refuse_lora_sharded
+from megatrain_jax.plan.memo import PlanMemo
 from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS, EngineOptions
 from megatrain_jax.optim.costs import auto_update_on
 from megatrain_jax.plan.rows import PlacementCosts, disk_rows, xla_pool
@@ -106,29 +107,31 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     is short): the same verdict, fix and options, with ``modes`` partial (the tests' property runs)."""
     from megatrain_jax.plan.refusal import find_fix, fits
 
-    plan = _make_plan(cfg, machine, devices, attention)
+    memo = PlanMemo()  # (the call's plans share what they compute alike)
+    plan = _make_plan(cfg, machine, devices, attention, memo)
     if not _modes:
         return plan
     if cfg.optim.kernel == "fused" and _mode_table:
         for name, over in choose.MODES.items():
-            mode = _mode_plan(cfg, plan.machine, devices, attention, over)
+            mode = _mode_plan(cfg, plan.machine, devices, attention, over, memo)
             plan.modes[name] = {"host_gb": mode.host_need / GB, "bytes_per_param": mode.host_bytes_per_param,
                                 "fits_host": mode.fits_host(), "fits": fits(mode),
                                 "settings": choose.mode_settings(over)}
     if not fits(plan):
         def replan(variant: Config, m: Machine | None = None) -> Plan:
-            return _make_plan(variant, m or plan.machine, devices, attention)
+            return _make_plan(variant, m or plan.machine, devices, attention, memo)
 
         plan.fix, plan.token_bytes = find_fix(cfg, plan, replan)
     return plan
 
 
-def _mode_plan(cfg: Config, machine: Machine, devices: int | None, attention: bool, over: dict[str, str]) -> Plan:
+def _mode_plan(cfg: Config, machine: Machine, devices: int | None, attention: bool, over: dict[str, str],
+               memo: PlanMemo) -> Plan:
     """The plan of ``cfg`` in a state mode, with the kept residuals its GPU room holds."""
     t = dataclasses.replace(cfg.train, stream_copy=over.get("stream_copy", cfg.train.stream_copy),
                             keep_residuals="auto")
     o = dataclasses.replace(cfg.optim, moments=over["moments"])
-    return _make_plan(dataclasses.replace(cfg, train=t, optim=o), machine, devices, attention)
+    return _make_plan(dataclasses.replace(cfg, train=t, optim=o), machine, devices, attention, memo)
 
 
 @dataclass
@@ -167,15 +170,16 @@ def _limits_of(cfg: Config, machine: Machine | None, devices: int | None) -> _Li
                    step_rates(machine))
 
 
-def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attention: bool = True) -> Plan:
+def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attention: bool, memo: PlanMemo) -> Plan:
     """The plan of ``cfg`` (its state mode and fix aside): the run's limits, where the update runs, what streams,
-    the placement searched, the GPU's peak with kept residuals, the host rows with their slabs."""
+    the placement searched, the GPU's peak with kept residuals, the host rows with their slabs (``memo``: the
+    make_plan call's, shared by its plans)."""
     cfg = _sharded_state(cfg)
     if cfg.train.update_on == "auto" and cfg.train.early_state_groups not in ("auto", 0):  # (a device update's)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, update_on="device"))
     lim = _limits_of(cfg, machine, devices)
     if cfg.train.fetch == "auto":
-        return _either_fetch(cfg, lim, devices, attention)
+        return _either_fetch(cfg, lim, devices, attention, memo)
     train = cfg.train
     bf16 = train.compute_dtype == "bfloat16"
     per_dev_batch = train.batch_size // lim.n_dev if train.batch_size % lim.n_dev == 0 else train.batch_size
@@ -191,7 +195,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
         _check_device_update(cfg, lim.n_dev)
     if train.update_on == "auto" and lim.on_gpu and _device_update_runs(cfg, bf16) \
             and (lim.n_dev == 1 or _device_update_several(cfg)):
-        return _both_updates(cfg, update_on, lim.machine, devices, attention)
+        return _both_updates(cfg, update_on, lim.machine, devices, attention, memo)
     stream_copy = _stream_copy(cfg, shapes, lim, update_on, moment_bytes, bf16)
     device_cast = bf16 and stream_copy == "device"
     optax = optax_update_cost(cfg) if cfg.optim.kernel == "optax" else None
@@ -201,7 +205,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
                            # an optax update on the host (every group, or with a device-side update the embedding
                            # and head that stream_io makes in host memory) runs on the jax CPU device: its group's
                            # inputs, outputs and temporaries in host memory
-                           optax_group=optax.device_group if optax is not None else 0.0, optax_cost=optax)
+                           optax_group=optax.device_group if optax is not None else 0.0, optax_cost=optax, memo=memo)
     found, attn_info = _search_placement(cfg, costs, lim, device_cast)
     placed = found.best
     notes.extend(placed.notes)
@@ -259,7 +263,7 @@ def _sharded_state(cfg: Config) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(t, update_on="device", fetch="split", stream_io=False))
 
 
-def _either_fetch(cfg: Config, lim: _Limits, devices: int | None, attention: bool) -> Plan:
+def _either_fetch(cfg: Config, lim: _Limits, devices: int | None, attention: bool, memo: PlanMemo) -> Plan:
     """``train.fetch=auto``: with several GPUs of one process both fetches are planned and split taken unless full
     is faster by UPDATE_SWITCH_TOL (split's links carry 1/N of each block, so the step model's transfer term is
     never larger; measured 1.8% faster at Qwen2.5-7B 4 x 128 x 1024 and the same at 4 x 32 x 1024, four H200s,
@@ -267,7 +271,7 @@ def _either_fetch(cfg: Config, lim: _Limits, devices: int | None, attention: boo
     GPUs would gather from the others over the network: measured only with full)."""
     def planned(fetch: str) -> Plan:
         return _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fetch=fetch)), lim.machine,
-                          devices, attention)
+                          devices, attention, memo)
 
     if lim.n_dev == 1 or process_count() > 1:
         return planned("full")
@@ -322,7 +326,8 @@ def _update_on_rule(cfg: Config, shapes: Shapes, lim: _Limits, bf16: bool) -> tu
     return update_on, moment_bytes, shapes
 
 
-def _both_updates(cfg: Config, rule: str, machine: Machine, devices: int | None, attention: bool) -> Plan:
+def _both_updates(cfg: Config, rule: str, machine: Machine, devices: int | None, attention: bool,
+                  memo: PlanMemo) -> Plan:
     """``update_on=auto``: both placements of the update are planned and the faster fitting one taken (steps within
     UPDATE_SWITCH_TOL equal: then the one the rule names, the measured path; a note names the other). A device-side
     update carries its state in flight and must hold every gradient (or resweep) on a small GPU; a host update waits
@@ -330,13 +335,13 @@ def _both_updates(cfg: Config, rule: str, machine: Machine, devices: int | None,
     train, optim = cfg.train, cfg.optim
     other = "host" if rule == "device" else "device"
     mine = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=rule)), machine,
-                      devices, attention)
+                      devices, attention, memo)
     if rule == "host" and optim.kernel == "fused" and optim.moments == "float32" and mine.found.best.fits \
             and mine.settings.devices == 1:
         return mine  # fp32 moments on one GPU: 16 bytes/param more over PCIe, not measured to pay; tried where
         #              the host update does not fit (several GPUs split it: each link carries its share)
     alt = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=other)), machine,
-                     devices, attention)
+                     devices, attention, memo)
     return _faster(mine, alt, "update_on")
 
 
@@ -363,13 +368,13 @@ def _search_placement(cfg: Config, costs: PlacementCosts, lim: _Limits,
     train, shapes = cfg.train, costs.shapes
     micro_candidates = choose.micro_batch_candidates(train.micro_batches, shapes.batch, shapes.seq, lim.n_dev)
     cpu_only = not lim.on_gpu and lim.gpu_budget is None
-    attn_info, attn_extra = _attention(cfg, shapes, micro_candidates[0], lim.on_gpu, lim.machine.target) \
-        if costs.attention else (None, None)
+    attn_info, attn_extra = _attention(cfg, shapes, micro_candidates[0], lim.on_gpu, lim.machine.target,
+                                       costs.memo) if costs.attention else (None, None)
     ctx = search.Context(
         stream_bytes=costs.stream_bytes, device_cast=device_cast, attn=attn_extra,
         update_state_bytes=costs.moment_bytes if costs.update_on == "device" else None, gpu_usable=lim.gpu_usable,
         host_usable=lim.host_usable, host_of=costs.host_of, step_of=costs.step_of,
-        update_shards=lim.n_dev if (costs.update_on == "device" and _update_shards(cfg)) else 1,
+        update_shards=lim.n_dev if (costs.update_on == "device" and _update_shards(cfg)) else 1, memo=costs.memo,
         hold_shards=lim.n_dev if costs.update_on == "device" else 1)  # (engine/device_updates: held split)
     axes = search.axes_of(train, micro_candidates, on_gpu=lim.on_gpu, cpu_only=cpu_only, update_on=costs.update_on,
                           devices=lim.n_dev, shares=_update_shards(cfg))
@@ -565,9 +570,10 @@ def search_summary(found: search.Result) -> dict[str, Any]:
             "gpu_fits_any": bool(on_gpu), "least_host_on_gpu": min((c.host_need for c in on_gpu), default=None)}
 
 
-def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool, target: bool = False):
+def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool, target: bool, memo: PlanMemo):
     """The attention path (attention.py) and its working set beyond what the coefficients include. A
-    described GPU (``target``) has cuDNN with the pre-Hopper head-dim limit (128), whatever this machine has."""
+    described GPU (``target``) has cuDNN with the pre-Hopper head-dim limit (128), whatever this machine has.
+    The working set's function is the memo's for its inputs: searches share GPU phases by it (search._phases)."""
     from megatrain_jax import attention as attn_mod
 
     m, backend = cfg.model, "gpu" if on_gpu else "cpu"
@@ -577,13 +583,16 @@ def _attention(cfg: Config, shapes: Shapes, first_micro: int, on_gpu: bool, targ
         return attn_mod.describe(m, cfg.data.seq_len, cfg.train.compute_dtype, backend, batch=batch,
                                  doc_masking=cfg.data.doc_masking, cudnn_max_head_dim=limit)
 
-    cache: dict[int, tuple[float, str]] = {}
+    def new_extra() -> Callable[[int], tuple[float, str]]:
+        cache: dict[int, tuple[float, str]] = {}
 
-    def extra(batch: int) -> tuple[float, str]:
-        if batch not in cache:  # the search asks for the same few batches many times
-            d = describe(batch)
-            cache[batch] = float(max(d["extra_over_cudnn_bytes"], 0)), d["impl"]
-        return cache[batch]
+        def extra(batch: int) -> tuple[float, str]:
+            if batch not in cache:  # the search asks for the same few batches many times
+                d = describe(batch)
+                cache[batch] = float(max(d["extra_over_cudnn_bytes"], 0)), d["impl"]
+            return cache[batch]
+        return extra
 
-    return describe(max(shapes.batch // first_micro, 1)), extra
+    key = ("attention", repr(m), cfg.data.seq_len, cfg.train.compute_dtype, backend, cfg.data.doc_masking, limit)
+    return describe(max(shapes.batch // first_micro, 1)), memo.once(key, new_extra)
 

@@ -4,6 +4,7 @@ compares and for the plan it takes, so the figures it compares are the plan's).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,7 @@ from megatrain_jax.config import Config
 import megatrain_jax.plan.decisions as choose
 from megatrain_jax.placements import PAGEABLE_HOLDS, PINNED_HOLDS
 from megatrain_jax.plan.machine import Machine, process_count
+from megatrain_jax.plan.memo import PlanMemo
 from megatrain_jax.plan.options import GRAD_SLAB_ELEMS
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_HOLD_BYTES,
                                       IO_HEAD_GRADS_IN_FLIGHT, IO_VOCAB_CHUNK, MULTI_PROCESS_HOST_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
@@ -48,6 +50,8 @@ class PlacementCosts:
     optax_group: float = 0.0  # an optax host update's working set per parameter of its group (0: no optax update)
     optax_cost: Any = None  # the optax update's cost (step_model.optax_update_cost, looked up once: its cache's key is the
     #                         config's repr); None: the fused kernel
+    memo: PlanMemo | None = field(default=None, repr=False, compare=False)  # the make_plan call's: its plans that
+    #                                                                       cost placements alike share the tables
     on_gpu: bool = field(init=False)
     chunked: bool = field(init=False)  # the fused kernel takes the gradient in slabs of GRAD_SLAB_ELEMS values
     slab: int = field(init=False)  # bytes of one pinned gradient slab
@@ -67,6 +71,18 @@ class PlacementCosts:
         self.local_dev = max(self.n_dev // process_count(), 1)
         self.host_act_bytes = float(s.layers * s.batch * s.seq * s.hidden * s.dtype_bytes * self.local_dev)
         self.non_emb = self.cfg.model.non_embedding_params()
+        if self.memo is not None:
+            key = self.costs_key()
+            self._steps, self._placed_sums, self._gpu_side_sums = (self.memo.table(name, key) for name in
+                                                                   ("steps", "placed sums", "GPU-side sums"))
+
+    def costs_key(self) -> tuple:
+        """Everything the costs of a placement are computed from: the config (its host limit aside: that decides
+        what fits, never what a placement costs), the shapes, machine and fixed choices, and the processes."""
+        cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, host_memory_gb=None))
+        return (repr(cfg), repr(self.shapes), repr(self.machine), self.n_dev, self.gpu_budget, self.update_on,
+                self.moment_bytes, self.stream_bytes, self.host_copy, repr(self.rates), self.attention,
+                self.optax_group, repr(self.optax_cost), process_count())
 
     @property
     def hold_share(self) -> float:

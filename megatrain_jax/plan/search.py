@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from megatrain_jax.placements import ACTIVATIONS, GRAD_HOLDS, HOST_HOLDS
 from megatrain_jax.plan.decisions import Placement
+from megatrain_jax.plan.memo import PlanMemo
 from megatrain_jax.plan.sizes import (AUTO_SEQ_TILE, GPU_HOLD_BYTES, TILE_ABOVE, AttentionExtra, PhaseInputs, Shapes,
                                       block_working_set, gpu_phases)
 
@@ -102,10 +103,13 @@ class Context:
     step_of: Callable[[Placement], dict]  # the candidate's predicted step (step_model.predicted_step)
     update_shards: int = 1  # GPUs sharing each group's device-side update (sizes.PhaseInputs.update_shards)
     hold_shards: int = 1  # GPUs sharing each gradient held on them (sizes.PhaseInputs.hold_shards)
-    # each candidate's GPU phases by what they depend on (``_phases``): candidates differing only in what the
-    # phases do not read (a host hold's kind, its host side) share them
-    _phases: dict[tuple, tuple[Shapes, dict[tuple, tuple[dict[str, float], float]]]] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
+    memo: PlanMemo | None = field(default=None, repr=False, compare=False)  # the make_plan call's: its searches
+    #                      of the same shapes with the same fixed inputs (``attn`` the same function) share tables
+    # per Shapes object (``_tables``): each candidate's GPU phases by what they depend on (``_phases``: candidates
+    # differing only in what the phases do not read, a host hold's kind or its host side, share them), and the
+    # split searches' counts by the phases of their base (``_once``)
+    _tables: dict[int, tuple[Shapes, dict, dict]] = field(default_factory=dict, init=False, repr=False,
+                                                          compare=False)
 
 
 @dataclass
@@ -198,15 +202,28 @@ def _phase_inputs(shapes: Shapes, ctx: Context, micro: int, act: str, hold: str,
         hold_shards=ctx.hold_shards)
 
 
+def _tables(shapes: Shapes, ctx: Context) -> tuple[Shapes, dict, dict]:
+    """(``shapes``, its GPU phases table, its split counts table) for this search. Keyed per ``Shapes`` object,
+    which the entry keeps alive (so its ``id`` is not reused); with the plan's memo, shared by every search of
+    equal shapes and context inputs in the ``make_plan`` call (the counts also read the GPU room)."""
+    got = ctx._tables.get(id(shapes))
+    if got is None:
+        if ctx.memo is None:
+            got = (shapes, {}, {})
+        else:
+            key = (repr(shapes), ctx.stream_bytes, ctx.device_cast, ctx.attn, ctx.update_state_bytes,
+                   ctx.update_shards, ctx.hold_shards)
+            got = (shapes, ctx.memo.table("phases", *key), ctx.memo.table("split counts", *key, ctx.gpu_usable))
+        ctx._tables[id(shapes)] = got
+    return got
+
+
 def _phases(shapes: Shapes, ctx: Context, micro: int, act: str, hold: str, k: int, io: bool, chunk: int, groups: int,
             activations_gpu_blocks: int) -> tuple[dict[str, float], float]:
-    """(GPU phases, their peak) of a candidate, computed once per search for each distinct ``PhaseInputs``
-    (``gpu_phases`` is a pure function of the shapes and them; the rest of ``PhaseInputs`` is the context's).
-    Keyed per ``Shapes`` object, which the memo keeps alive (so its ``id`` is not reused)."""
-    per_shapes = ctx._phases.get(id(shapes))
-    if per_shapes is None:
-        per_shapes = ctx._phases[id(shapes)] = (shapes, {})
-    memo = per_shapes[1]
+    """(GPU phases, their peak) of a candidate, computed once per search (or plan memo: ``_tables``) for each
+    distinct ``PhaseInputs`` (``gpu_phases`` is a pure function of the shapes and them; the rest of
+    ``PhaseInputs`` is the context's)."""
+    memo = _tables(shapes, ctx)[1]
     key = (micro, act == "device", GPU_HOLD_BYTES[hold], chunk, k, io, groups, hold == "resweep",
            activations_gpu_blocks)  # (the hold's GPU bytes and whether it resweeps: all of it the phases read)
     got = memo.get(key)
@@ -248,8 +265,26 @@ def _again(shapes: Shapes, ctx: Context, base: Placement, **change: int) -> Plac
                    k=base.boundary_every, io=base.stream_io, chunk=base.loss_chunk, **kw)
 
 
+def _once(shapes: Shapes, ctx: Context, base: Placement, what: Any, count: Callable[[], int | None]) -> int | None:
+    """``count()``, a split search's count ``what`` for ``base``, once for bases of equal GPU phases: the split
+    searches read only those (by ``base``'s decisions, as ``_phases`` keys them), its peak and the GPU room."""
+    counts = _tables(shapes, ctx)[2]
+    key = (what, base.micro_batches, base.activations == "device", GPU_HOLD_BYTES[base.grad_hold],
+           base.grad_hold == "resweep", base.loss_chunk, base.boundary_every, base.stream_io,
+           base.grad_hold_gpu_groups, base.activations_gpu_blocks, base.gpu_need)
+    if key not in counts:
+        counts[key] = count()
+    return counts[key]
+
+
 def _most(shapes: Shapes, ctx: Context, base: Placement, what: str, top: int) -> Placement | None:
-    """``base`` with the largest count ``what`` (1..``top``) whose GPU phases fit: each phase grows by
+    """``base`` with the largest count ``what`` (1..``top``) whose GPU phases fit (``_most_count``)."""
+    n = _once(shapes, ctx, base, (what, top), lambda: _most_count(shapes, ctx, base, what, top))
+    return None if n is None else _again(shapes, ctx, base, **{what: n})
+
+
+def _most_count(shapes: Shapes, ctx: Context, base: Placement, what: str, top: int) -> int | None:
+    """The largest count ``what`` (1..``top``) whose GPU phases fit on ``base``: each phase grows by
     a fixed number of bytes per unit of it (a layer of activations, a group's bf16 gradient), read off
     the counts 1 and 2, so the largest that fits is computed, then checked."""
     if ctx.gpu_usable is None or top < 1:
@@ -258,7 +293,7 @@ def _most(shapes: Shapes, ctx: Context, base: Placement, what: str, top: int) ->
     if need_one > ctx.gpu_usable:
         return None
     if top == 1:
-        return _again(shapes, ctx, base, **{what: 1})
+        return 1
     two, need_two = _counted(shapes, ctx, base, **{what: 2})
     n = top
     for name, at_one in one.items():
@@ -269,9 +304,9 @@ def _most(shapes: Shapes, ctx: Context, base: Placement, what: str, top: int) ->
         if n <= 1:
             break
         if (need_two if n == 2 else _counted(shapes, ctx, base, **{what: n})[1]) <= ctx.gpu_usable:
-            return _again(shapes, ctx, base, **{what: n})
+            return n
         n -= max(1, n // 8)
-    return _again(shapes, ctx, base, **{what: 1})
+    return 1
 
 
 def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
@@ -282,13 +317,19 @@ def _split(shapes: Shapes, ctx: Context, base: Placement) -> Placement | None:
         return None
     if base.activations_gpu_blocks:
         return _most(shapes, ctx, base, "grad_hold_gpu_groups", shapes.layers + 1)
+    n = _once(shapes, ctx, base, "groups in the room", lambda: _split_count(shapes, ctx, base))
+    return None if n is None else _again(shapes, ctx, base, grad_hold_gpu_groups=n)
+
+
+def _split_count(shapes: Shapes, ctx: Context, base: Placement) -> int | None:
+    """The groups ``_split`` holds on the GPU beside ``base`` (not a split of the activations), None for none."""
     n = _groups_within(shapes, (ctx.gpu_usable - base.gpu_need) * max(ctx.update_shards, ctx.hold_shards),
                        base.stream_io)  # (each GPU holds its share)
     for _ in range(4):  # the room is the peak's; another phase may be where the groups do not fit
         if n <= 0:
             break
         if _counted(shapes, ctx, base, grad_hold_gpu_groups=n)[1] <= ctx.gpu_usable:
-            return _again(shapes, ctx, base, grad_hold_gpu_groups=n)
+            return n
         n -= max(1, n // 4)
     return None
 
@@ -335,10 +376,10 @@ def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
     def consider(p: Placement) -> None:
         nonlocal closest, closest_key
         every.append(p)
-        if not p.fits:
-            key = (shortfall(p, ctx), rank(p))  # (the closest one's key kept: it does not change)
-            if closest is None or key < closest_key:
-                closest, closest_key = p, key
+        if not p.fits:  # the least (shortfall, rank): the rank only where the shortfall does not decide
+            short = shortfall(p, ctx)  # (the closest one's key kept: it does not change)
+            if closest is None or short < closest_key[0] or (short == closest_key[0] and rank(p) < closest_key[1]):
+                closest, closest_key = p, (short, rank(p))
 
     for micro in axes.micro:
         for act in axes.activations:
