@@ -35,6 +35,12 @@ _XLA_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _XLA_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# the host kernels' OpenMP threads (numba's parallel kernels: host AdamW, the store's casts) sleep as soon as a
+# kernel ends instead of spinning for the next one: on CI's two cores three workers and their subprocesses share
+# them, and a spinning thread takes a core another worker is computing on. Waiting only: no result changes.
+# test_engine + test_stream_io, -n 3 --dist load, warm cache: 92-104 CPU-s in four runs, 100-107 spinning in three
+# (2026-11-28, this 2-core Intel Xeon)
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
