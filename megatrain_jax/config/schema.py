@@ -72,8 +72,9 @@ class ModelConfig:
     experts_per_token: int | None = None  # top-k: experts each token is routed to
     moe_intermediate_size: int | None = None  # each expert's MLP width; None: intermediate_size
     norm_topk_prob: bool = True  # renormalise the k chosen router weights to sum to 1 (Mixtral: always)
-    moe_impl: str = "dense"  # expert computation: dense (every expert on every token, weighted by the router; the
-    #                         faster on CPU and H100 with JAX 0.11) | sorted (tokens sorted by expert, ragged_dot)
+    moe_impl: str = "auto"  # expert computation: auto (each expert only for its tokens, grouped matmuls, the GPU
+    #                        kernel where there is one) | sorted (the same, portable XLA matmuls) | dense (every
+    #                        expert on every token: E/k times the work; the tests' reference)
     router_aux_loss_coef: float = 0.0  # > 0: add coef x the router's load-balancing loss over the step's whole
     #                                   batch (transformers' load_balancing_loss_func; from_hf: config.json's
     #                                   router_aux_loss_coef when its output_router_logits is true); 0: off

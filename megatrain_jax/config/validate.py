@@ -11,7 +11,7 @@ from megatrain_jax.config.schema import (GRAD_HOLDS, OPTIMIZER_FIELDS, Config, D
 from megatrain_jax.errors import UserError
 from megatrain_jax.families import get_family
 
-MOE_IMPLS = ("dense", "sorted")  # model.moe_impl: models/moe.py's two expert computations
+MOE_IMPLS = ("auto", "sorted", "dense")  # model.moe_impl: models/grouped_experts.py's expert computations
 OPTAX_FIX = "name an optax optimizer function, e.g. lion, adafactor, adabelief"  # the fix of every optim.optax_name error; public: optim/named.py refuses with it too
 
 

@@ -15,15 +15,10 @@ so a block streams as one group like any other. Hugging Face checkpoints hold on
 up_proj/down_proj``); ``MoEFamily.hf_name`` returns those names with ``*`` for the expert index, and
 ``megatrain_jax.hf`` maps each slice of the stack to its tensor on import and export.
 
-Two expert computations (``ModelConfig.moe_impl``), both static-shape and capacity-free (no token
-is ever dropped): ``sorted`` sorts the ``T * k`` (token, expert) pairs by expert and runs the three
-projections as grouped matmuls over the contiguous groups (``jax.lax.ragged_dot`` with the group
-sizes); ``dense`` (the default) runs every expert on every token and weights the results by the
-(mostly zero) router weights (``E / k`` times the FLOPs, no gather/scatter, plain matmuls). With
-JAX 0.11.2 ``ragged_dot`` lowers as a product over every group with masks on CPU *and* on GPU (the
-Pallas/Triton lowering is not in the wheel), so ``dense`` is the faster of the two on both: 1.4x
-(8 experts, top-2) to 5x (32, top-8) on the CPU, 1.9x (Mixtral-like) to 10x (OLMoE's 64 experts,
-top-8) on an H100 (``experiments/bench_moe.py``; docs/families.md has the numbers).
+The experts run through ``grouped_experts.routed_experts`` (``ModelConfig.moe_impl``): each expert
+only for the tokens routed to it, as grouped matmuls with one custom VJP, exact and dropless
+(``auto``, the default; ``sorted`` forces the portable XLA matmuls), or every expert on every token
+(``dense``, E/k times the work: the tests' reference).
 
 Qwen3-MoE also has Qwen3's per-head q/k RMSNorm, and may make some layers dense
 (``ModelConfig.mlp_only_layers``: transformers' ``mlp_only_layers`` and ``decoder_sparse_step``):
@@ -52,6 +47,7 @@ from flax import nnx
 import megatrain_jax.hf.config as hfc
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
+from megatrain_jax.models.grouped_experts import experts_dense, routed_experts  # noqa: F401  (re-exported)
 from megatrain_jax.models.common import MLP, Attention, Aux, RMSNorm, dense_block_params
 from megatrain_jax.models.llama import LlamaFamily, no_gemma_fields, no_qkv_bias
 from megatrain_jax.templates import shareable
@@ -102,34 +98,6 @@ def aux_loss_of(cfg: ModelConfig):
     return router_aux_loss(float(cfg.router_aux_loss_coef), int(cfg.num_experts))
 
 
-def experts_sorted(x: jax.Array, weights: jax.Array, idx: jax.Array, wg: jax.Array, wu: jax.Array,
-                   wd: jax.Array) -> jax.Array:
-    """Sorted dispatch: the T*k (token, expert) pairs sorted by expert, each projection one grouped
-    matmul (``ragged_dot``) over the contiguous groups, then un-sorted and weighted. x: (T, H)."""
-    t, k = idx.shape
-    e = wg.shape[0]
-    flat = idx.reshape(-1)  # pair p = token p // k, slot p % k
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    xs = jnp.take(x, order // k, axis=0)  # (T*k, H), grouped by expert
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, sizes)) * jax.lax.ragged_dot(xs, wu, sizes)
-    ys = jax.lax.ragged_dot(h, wd, sizes)  # (T*k, H)
-    inv = jnp.argsort(order)  # back to (token, slot) order
-    y = jnp.take(ys, inv, axis=0).reshape(t, k, -1)
-    return jnp.einsum("tkh,tk->th", y, weights)
-
-
-def experts_dense(x: jax.Array, weights: jax.Array, idx: jax.Array, wg: jax.Array, wu: jax.Array,
-                  wd: jax.Array) -> jax.Array:
-    """Every expert on every token, the outputs weighted by the router weights (zero for the experts
-    not chosen). x: (T, H)."""
-    e = wg.shape[0]
-    combine = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(idx, e, dtype=weights.dtype))  # (T, E)
-    h = jax.nn.silu(jnp.einsum("th,ehf->tef", x, wg)) * jnp.einsum("th,ehf->tef", x, wu)
-    y = jnp.einsum("tef,efh->teh", h, wd)
-    return jnp.einsum("teh,te->th", y, combine)
-
-
 class Experts(nnx.Module):
     """The experts' stacked SwiGLU weights: gate_proj, up_proj (E, H, F), down_proj (E, F, H)."""
 
@@ -141,7 +109,7 @@ class Experts(nnx.Module):
 
 
 class SparseMoE(nnx.Module):
-    """Router + stacked SwiGLU experts; ``impl``: dense | sorted (static: part of the graph).
+    """Router + stacked SwiGLU experts; ``impl``: auto | sorted | dense (models/grouped_experts.py).
     ``stats``: also return the layer's ``router_stats`` (for the load-balancing loss)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, normalize: bool, stats: bool = False):
@@ -160,8 +128,7 @@ class SparseMoE(nnx.Module):
         weights, idx = route_probs(probs, self.top_k, self.normalize, logits.dtype)
         ex = self.experts
         wg, wu, wd = (p[...].astype(x.dtype) for p in (ex.gate_proj, ex.up_proj, ex.down_proj))
-        fn = experts_sorted if self.impl == "sorted" else experts_dense
-        out = fn(flat, weights, idx, wg, wu, wd).reshape(b, s, h)
+        out = routed_experts(flat, weights, idx, wg, wu, wd, impl=self.impl).reshape(b, s, h)
         return (out, router_stats(probs, idx)) if self.stats else out
 
 
