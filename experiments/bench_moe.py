@@ -1,64 +1,154 @@
-"""Sorted dispatch (ragged_dot) vs dense (every expert on every token) for the MoE layer's experts:
-forward + backward of route + experts, jitted, median of N runs (``models/moe.py``'s two ``moe_impl``).
+"""One MoE SwiGLU layer, forward + backward (router, top-k, experts, weighted combine), this engine's
+expert computation at the five shapes of the MoE issue, 16,384 tokens, bf16.
 
-    python experiments/bench_moe.py cpu   # small shapes, fp32 (the 2-core dev machine)
-    python experiments/bench_moe.py gpu   # OLMoE-1B-7B / Mixtral-like layer shapes, bf16
+    python experiments/bench_moe.py layer [--tokens 16384] [--impl auto] [--out FILE]
+    python experiments/bench_moe.py kernels [--tokens 16384]   # each grouped matmul alone, tile sweep
+    python experiments/bench_moe.py cpu                        # a small shape, fp32 (runs anywhere)
+
+The transformers side of the comparison is ``experiments/bench_moe_torch.py`` (run in the same call,
+with the GPU image's torch). Active TFLOPS count only the routed work: 3 matmuls x 2 x T x k x H x F,
+x3 for forward + backward. Results: ``experiments/results/moe_layer_<device>_<date>.json``.
 """
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megatrain_jax.models.moe import experts_dense, experts_sorted, route
+from megatrain_jax.models import grouped_experts as ge
+from megatrain_jax.models.moe import route
 
-SHAPES = {  # name: (tokens, hidden, expert width, experts, top-k)
-    "cpu": [("small-8x2", 1024, 128, 64, 8, 2), ("small-32x8", 1024, 128, 64, 32, 8)],
-    "gpu": [("mixtral-like-8x2", 4096, 1024, 3584, 8, 2), ("olmoe-64x8-4k", 4096, 2048, 1024, 64, 8),
-            ("olmoe-64x8-16k", 16384, 2048, 1024, 64, 8)],
+SHAPES = {  # hidden, experts, top-k, expert width
+    "olmoe": (2048, 64, 8, 1024),
+    "qwen3_30b_a3b": (2048, 128, 8, 768),
+    "gpt_oss_120b": (2880, 128, 4, 2880),
+    "mixtral_8x7b": (4096, 8, 2, 14336),
+    "qwen3_235b_a22b": (4096, 128, 8, 1536),
 }
 
 
-def bench(t, h, f, e, k, dtype, impl, reps):
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(t, h)), dtype)
-    wr = jnp.asarray(rng.normal(size=(h, e)) * h ** -0.5, dtype)
-    ws = [jnp.asarray(rng.normal(size=s) * 0.02, dtype) for s in ((e, h, f), (e, h, f), (e, f, h))]
-    fn = experts_sorted if impl == "sorted" else experts_dense
+def timed(fn, args, reps):
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / reps
 
+
+def layer_inputs(t, h, e, k, f, dtype, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    x = jax.random.normal(ks[0], (t, h), dtype)
+    wr = (jax.random.normal(ks[1], (h, e)) * 0.02).astype(dtype)
+    ws = [(jax.random.normal(kk, s) * 0.02).astype(dtype) for kk, s in zip(ks[2:], ((e, h, f), (e, h, f), (e, f, h)))]
+    return x, wr, ws
+
+
+def layer_step(k, impl):
+    """jit(grad) of sum(layer(x)^2) with respect to x, the router and the three expert weights."""
     def loss(x, wr, ws):
         weights, idx = route(x @ wr, k, True)
-        return jnp.sum(fn(x, weights, idx, *ws).astype(jnp.float32) ** 2)
+        y = ge.routed_experts(x, weights, idx, *ws, impl=impl)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    jax.block_until_ready(step(x, wr, ws))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(x, wr, ws))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def main(where: str) -> None:
-    dtype = jnp.float32 if where == "cpu" else jnp.bfloat16
-    reps = 5 if where == "cpu" else 20
-    out = []
-    for name, t, h, f, e, k in SHAPES[where]:
-        row = {"shape": name, "T": t, "H": h, "F": f, "E": e, "k": k, "dtype": jnp.dtype(dtype).name,
-               "backend": jax.default_backend()}
-        for impl in ("sorted", "dense"):
-            try:
-                row[impl + "_ms"] = round(1e3 * bench(t, h, f, e, k, dtype, impl, reps), 2)
-            except Exception as err:  # e.g. out of memory: say so, go on
-                row[impl + "_ms"] = f"failed: {str(err).splitlines()[0][:200]}"
-        out.append(row)
+def bench_layer(tokens, impl, reps, shapes):
+    rows = []
+    for name in shapes:
+        h, e, k, f = SHAPES[name]
+        row = {"shape": name, "tokens": tokens, "H": h, "E": e, "k": k, "F": f, "impl": impl}
+        try:
+            x, wr, ws = layer_inputs(tokens, h, e, k, f, jnp.bfloat16)
+            sec = timed(layer_step(k, impl), (x, wr, ws), reps)
+            active = 3 * 2 * tokens * k * h * f
+            row.update(ours_ms=round(sec * 1e3, 2), active_tflops=round(3 * active / sec / 1e12, 1))
+        except Exception as err:  # noqa: BLE001  (out of memory at one shape: say so, go on)
+            row["error"] = str(err).splitlines()[0][:300]
         print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def bench_kernels(tokens, reps, shapes):
+    """Each grouped matmul of the layer alone at a few tile sizes, and one plain matmul of the same
+    routed size (the ceiling)."""
+    from megatrain_jax.models.grouped_kernels import MatmulTiles, MosaicGroupedMatmul
+
+    rows = []
+    for name in shapes:
+        h, e, k, f = SHAPES[name]
+        x, wr, ws = layer_inputs(tokens, h, e, k, f, jnp.bfloat16)
+        _, idx = route(x @ wr, k, True)
+        lay = jax.jit(lambda i: ge.dispatch_layout(i, e, 128))(idx)
+        xs = jax.random.normal(jax.random.PRNGKey(1), (lay.rows, h), jnp.bfloat16)
+        hs = jax.random.normal(jax.random.PRNGKey(2), (lay.rows, f), jnp.bfloat16)
+        work = 2 * tokens * k * h * f
+        cases = {
+            "fwd_up (R,H)x(E,H,F)": (lambda mm: (lambda a, w: mm.gmm(a, w, lay)), (xs, ws[0])),
+            "fwd_down (R,F)x(E,F,H)": (lambda mm: (lambda a, w: mm.gmm(a, w, lay)), (hs, ws[2])),
+            "dx (R,F)x(E,H,F)^T": (lambda mm: (lambda a, w: mm.gmm(a, w, lay, transpose_w=True)), (hs, ws[0])),
+            "dw (R,H)^T(R,F)": (lambda mm: (lambda a, b: mm.tgmm(a, b, lay, e)), (xs, hs)),
+        }
+        fwd_tiles = [None, MatmulTiles(128, 128, 64, 4, 1), MatmulTiles(128, 128, 64, 4, 4),
+                     MatmulTiles(128, 192, 64, 3, 1), MatmulTiles(64, 128, 64, 4, 1), MatmulTiles(128, 64, 64, 5, 1)]
+        wg_tiles = [None, MatmulTiles(128, 128, 64, 4, 1), MatmulTiles(128, 128, 128, 3, 1),
+                    MatmulTiles(64, 128, 64, 4, 1), MatmulTiles(128, 64, 64, 4, 2)]
+        for case, (make, args) in cases.items():
+            for tiles in (wg_tiles if case.startswith("dw") else fwd_tiles):
+                mm = MosaicGroupedMatmul(wgrad=tiles) if case.startswith("dw") else MosaicGroupedMatmul(fwd=tiles)
+                row = {"shape": name, "case": case, "tiles": None if tiles is None else tiles.__dict__}
+                try:
+                    sec = timed(jax.jit(make(mm)), args, reps)
+                    row.update(ms=round(sec * 1e3, 3), tflops=round(work / sec / 1e12, 1))
+                except Exception as err:  # noqa: BLE001
+                    row["error"] = str(err).splitlines()[0][:200]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        a = jax.random.normal(jax.random.PRNGKey(3), (tokens * k, h), jnp.bfloat16)
+        sec = timed(jax.jit(lambda a, b: a @ b), (a, ws[0][0]), reps)
+        row = {"shape": name, "case": "one plain matmul (T*k,H)x(H,F)", "ms": round(sec * 1e3, 3),
+               "tflops": round(work / sec / 1e12, 1)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["layer", "kernels", "cpu"])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    shapes = a.shapes.split(",")
+    head = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+            "date": datetime.date.today().isoformat(), "mode": a.mode}
+    print(json.dumps(head), flush=True)
+    if a.mode == "cpu":
+        rows = []
+        for impl in ("sorted", "dense"):
+            x, wr, ws = layer_inputs(1024, 128, 32, 8, 64, jnp.float32)
+            sec = timed(layer_step(8, impl), (x, wr, ws), 3)
+            rows.append({"shape": "cpu-32x8", "impl": impl, "ms": round(sec * 1e3, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+    elif a.mode == "layer":
+        rows = bench_layer(a.tokens, a.impl, a.reps, shapes)
+    else:
+        rows = bench_kernels(a.tokens, a.reps, shapes)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump({**head, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    main()
