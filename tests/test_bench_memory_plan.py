@@ -1,4 +1,4 @@
-"""The benchmark's case runner (experiments/bench_memory_plan.py), which every GPU figure in RESULTS comes through."""
+"""The benchmark's case runner (experiments/bench_memory_plan.py), which every GPU figure in experiments/RESULTS.md comes through."""
 import argparse
 import os
 import sys
@@ -9,7 +9,7 @@ from bench_memory_plan import run_case  # noqa: E402
 
 def test_run_case_samples_memory_with_a_callers_own_options(tmp_path):
     """bench_data_parallel and bench_gpu_budgets pass a namespace without the case-ending options; the sampler
-    must still run (s25: it died on the missing attribute and left the sampled peaks at 0)."""
+    must still run (it once died on the missing attribute and left the sampled peaks at 0)."""
     args = argparse.Namespace(steps=2, trace=False, out=str(tmp_path))
     r = run_case("tiny", "configs/tiny.yaml;train.batch_size=2;data.seq_len=32;train.devices=1", args)
     assert r["rc"] == 0, r["log_tail"]
