@@ -1,10 +1,8 @@
-"""The benchmark's case runner (experiments/bench_memory_plan.py), which every GPU figure in experiments/RESULTS.md comes through."""
+"""The benchmarks' case runner (megatrain_jax/bench/runner.py, run by experiments/bench_memory_plan.py), which every
+GPU figure in experiments/RESULTS.md comes through."""
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
-from bench_memory_plan import run_case  # noqa: E402
+from megatrain_jax.bench.runner import run_case
 
 
 def test_run_case_samples_memory_with_a_callers_own_options(tmp_path):

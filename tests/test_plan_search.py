@@ -251,13 +251,10 @@ def test_a_refusals_fix_fits_when_applied(case, gpu, host):
 
 
 def test_budget_benchmark_dry_mode_plans_every_case_and_writes_the_result_fields(tmp_path):
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("bench_gpu_budgets",
-                                                  os.path.join(REPO, "experiments", "bench_gpu_budgets.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    import megatrain_jax.bench.budgets as bench
+
     rows = bench.main(["--dry", "--gpu-gb", "80", "--host-gb", "128", "--shapes", "8b", "--budgets", "10,24,whole",
                        "--out", str(tmp_path)])
     assert [r["case"] for r in rows] == ["8b_10", "8b_24", "8b_whole"]

@@ -7,19 +7,13 @@ cuDNN attention) and were fit to the H100's compiled executable; experiments/pro
 prints the same comparison there. What this test holds on any backend is the model's form: a per-token
 term of the whole sequence, one of the tile, one per block parameter, and nothing else that grows."""
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import jax
 import pytest
 
+import megatrain_jax.bench.working_set as probe
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.plan.sizes import Shapes, block_working_set
-
-_spec = importlib.util.spec_from_file_location(
-    "probe_block_working_set", Path(__file__).resolve().parents[1] / "experiments" / "probe_block_working_set.py")
-probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe)
 
 # a reduced Llama width (GQA, head dim 64): compiles in seconds; the coefficients were also checked at the
 # 8B width (hidden 4096) and half of it on this backend, within 2% (the probe, --width 0.5 / 1)
