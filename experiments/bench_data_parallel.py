@@ -24,8 +24,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_memory_plan import run_case  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatrain_jax.bench.runner import run_case  # noqa: E402
 
 
 def main() -> None:

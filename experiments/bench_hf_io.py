@@ -33,16 +33,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # only abstract shapes are needed
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flax.nnx  # noqa: E402,F401  (imported up front so that the import phase measures the loader only)
-import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
+from megatrain_jax.bench.random_hf import LLAMA2_7B, drop_from_page_cache, write_random_checkpoint  # noqa: E402
 from megatrain_jax.config import ModelConfig  # noqa: E402
-from megatrain_jax.hf import INDEX, SafetensorsWriter, export_hf, load_hf_into_store  # noqa: E402
+from megatrain_jax.hf import export_hf, load_hf_into_store  # noqa: E402
 
 GB = 1e9
-LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5, rope_theta=10000.0,
-                 max_position_embeddings=4096, hidden_act="silu", tie_word_embeddings=False)
 
 
 def _status(key: str) -> int:
@@ -90,68 +87,6 @@ class RssSampler:
                 "rss_peak_sampled_gb": round(self.peak / GB, 3),
                 "rss_hwm_gb": None if self.hwm is None else round(self.hwm / GB, 3),
                 "end_rss_gb": round(_status("VmRSS") / GB, 3)}
-
-
-def hf_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
-    h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    d = h // c["num_attention_heads"]
-    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    out = [("model.embed_tokens.weight", (v, h))]
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                (p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)),
-                (p + "mlp.down_proj.weight", (h, f)), (p + "input_layernorm.weight", (h,)),
-                (p + "post_attention_layernorm.weight", (h,))]
-    out += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
-    return out
-
-
-def write_random_checkpoint(d: str, c: dict, shard_bytes: int, seed: int = 0) -> tuple[int, dict]:
-    """bf16 shards written tensor by tensor; returns (bytes, {name: pool offset}) to check values later."""
-    shapes = hf_shapes(c)
-    largest = max(int(np.prod(s)) for _, s in shapes)
-    rng = np.random.default_rng(seed)
-    pool = (rng.standard_normal(largest + largest // 4, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-    shards, size = [[]], 0
-    for name, shape in shapes:
-        n = int(np.prod(shape)) * 2
-        if shards[-1] and size + n > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += n
-    k = len(shards)
-    weight_map, offsets, total = {}, {}, 0
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{k:05d}.safetensors" if k > 1 else "model.safetensors"
-        with SafetensorsWriter(os.path.join(d, fname), [(n, ml_dtypes.bfloat16, s) for n, s in shard], {"format": "pt"}) as w:
-            for name, shape in shard:
-                n = int(np.prod(shape))
-                off = int(rng.integers(0, len(pool) - n + 1))
-                w.write(name, pool[off:off + n].reshape(shape))
-                offsets[name] = off
-                weight_map[name] = fname
-        total += w.nbytes
-    if k > 1:
-        with open(os.path.join(d, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
-                   "bos_token_id": 1, "eos_token_id": 2, **c}, f, indent=2)
-    check = {name: offsets[name] for name in ("model.layers.0.mlp.down_proj.weight", "lm_head.weight")}
-    return total, {"pool": pool, "offsets": check}
-
-
-def drop_from_page_cache(d: str) -> None:
-    for f in os.listdir(d):
-        fd = os.open(os.path.join(d, f), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def main() -> int:

@@ -1,9 +1,9 @@
 """How the GPU pool fragments during a streamed step: the train command run in this process while a thread
 samples XLA's allocator (``memory_stats``) every few milliseconds. Reported: the most bytes in use, the least
 ``largest_free_block_bytes`` (the biggest single allocation that could still succeed) and the free bytes at that
-moment, and the XLA_/TF_ environment the backend started with (s18 found it started without the plan's budgets).
+moment, and the XLA_/TF_ environment the backend started with (a run once started without the plan's budgets).
 
-s18 (one H200, a 12-layer slice of the 110B lean shape): the per-step allocation of the GPU-held gradients left the
+Measured (one H200, a 12-layer slice of the 110B lean shape): the per-step allocation of the GPU-held gradients left the
 least largest free block at 18.7 GB (30.7 GB free); a tried alternative, one buffer per held group made before the
 first step and rewritten in place, left 7.2 GB (17.9 GB free: the buffers outlive the updates that used to free them
 during the forward) and was dropped.

@@ -5,7 +5,7 @@ difference between the trees lies elsewhere (the host side, the machine).
 
     (cd TREE && PYTHONPATH=. JAX_PLATFORMS=cpu python experiments/probe_hlo_identity.py configs/7b.yaml ...)
 
-s18: b5fa91a and 11e4477 gave byte-identical block forward and backward for configs/7b.yaml and
+For example b5fa91a and 11e4477 gave byte-identical block forward and backward for configs/7b.yaml and
 configs/qwen2.5-7b.yaml (4 x 4096 tokens, bf16, fp32 streamed weights) on the CPU backend.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_block_working_set import _Layouts  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatrain_jax.bench.working_set import Layouts  # noqa: E402
 
 from megatrain_jax.config import load_config  # noqa: E402
 from megatrain_jax.engine.kernels import Kernels  # noqa: E402
@@ -32,7 +32,7 @@ def block_hlo(config: str, batch: int = 4, seq: int = 4096) -> dict[str, str]:
     m = load_config(config, ["model.num_layers=2"]).model
     parts = streamed_parts(abstract_model(m))
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    k = Kernels(parts, _Layouts(parts), mesh, jnp.dtype("bfloat16"), 4096, 0)
+    k = Kernels(parts, Layouts(parts), mesh, jnp.dtype("bfloat16"), 4096, 0)
     dat, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=dat)
     aux = jax.tree_util.tree_map(

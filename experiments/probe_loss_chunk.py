@@ -1,6 +1,6 @@
 """How fast is the chunked cross-entropy (value and gradient) against its three matmuls, by chunk size?
 
-Last session's Qwen3-8B timeline: the loss took 0.53 s per step for 3 x 2 x 65536 x 4096 x 151936
+A Qwen3-8B timeline (bench_memory_plan.py --trace): the loss took 0.53 s per step for 3 x 2 x 65536 x 4096 x 151936
 FLOPs (~460 TFLOPS) while the blocks ran at ~640. This times the engine's own ``chunked_cross_entropy``
 under ``value_and_grad`` for one micro-batch (tokens x hidden) and vocabulary, by chunk size, next to
 the three bare matmuls of one chunk repeated (the floor).

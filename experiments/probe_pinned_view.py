@@ -1,4 +1,4 @@
-"""Is np.asarray of a pinned_host array a view of its buffer, or a copy, by dtype? (session 16: the 8B at 10 GB
+"""Is np.asarray of a pinned_host array a view of its buffer, or a copy, by dtype? (the 8B at 10 GB
 with a pinned bf16 hold ran 8.6 GB over its plan while the fp32 hold had matched.) Prints, per dtype, whether the
 numpy array shares the jax buffer's address and the process RSS growth over 16 reads of 256 MiB arrays kept alive."""
 import json

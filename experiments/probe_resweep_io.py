@@ -1,7 +1,7 @@
-"""Where does ``grad_hold=resweep`` with ``stream_io`` put its GPU bytes? (issue 27; RESULTS.md s14)
+"""Where does ``grad_hold=resweep`` with ``stream_io`` put its GPU bytes? (issue 27)
 
 The Llama-3.2-3B shape (from configs/3b.yaml, ``model.init=fast``), 16 x 4096 tokens of byte-range ids, the placement
-session 14's plan chose at a 10 GB budget (16 micro-batches, activations on the GPU every 4th input, stream_io), once
+the plan chose at a 10 GB budget (16 micro-batches, activations on the GPU every 4th input, stream_io), once
 with the resweep and once with a host_bf16 hold, each in its own process with XLA's pool unbounded (no budget): per
 block of each sweep, XLA's bytes in use and peak, and at the step's largest bytes in use the live arrays by shape.
 Writes ``$OUT/probe_resweep_io_<hold>.json``.

@@ -1,7 +1,7 @@
 """Which stage of starting JAX on a GPU makes the fixed ~2.5 GB anonymous host mapping, and whether an
 environment setting removes it.
 
-Last session's smaps probe found one 2.52 GB resident anonymous mapping in every GPU training process
+The smaps probe (probe_host_runtime.py) found one 2.52 GB resident anonymous mapping in every GPU training process
 (a tiny model's too): a fixed runtime cost that is 0.33 bytes/param at 7.6B. This runs a child per
 variant (environment), steps it through JAX's start-up (import, backend, a jit, a pinned_host copy, a
 cuDNN attention call, numba's threads) and records RssAnon/RssFile/RssShmem and the largest anonymous

@@ -1,6 +1,6 @@
-"""Which array of the 110B lean step asks jit_grad_sqnorm for 10.1 GiB (session 17 calls 2-3: RESOURCE_EXHAUSTED
+"""Which array of the 110B lean step asks jit_grad_sqnorm for 10.1 GiB (a 110B run: RESOURCE_EXHAUSTED
 there, 10842578432 bytes)? XLA's compiled memory analysis of the squared norm, both forms (a loop over slices, as
-session 17 tried in engine/kernels.py and reverted, and the whole-array sum the engine keeps), for the 110B's
+once tried in engine/kernels.py and reverted, and the whole-array sum the engine keeps), for the 110B's
 groups in fp32 and bf16, on this GPU. H100 result: at most 394 KB of temporaries either way.
 
     PYTHONPATH=. python experiments/probe_sqnorm_temps.py [OUT_DIR]

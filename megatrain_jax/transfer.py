@@ -141,7 +141,7 @@ class Transfers:
         With several GPUs ``x`` is one GPU's array (a replicated device update writes back from the group's
         own GPU), and the DMA runs on that GPU's link. Through pinned memory it would stage a whole group
         in XLA's pinned pool, which the plan does not count: the 110B on four H200s ran out of it in its
-        first step, asking for a 5.06 GiB group (experiments/RESULTS.md s24 call 1)."""
+        first step, asking for a 5.06 GiB group (experiments/bench_memory_plan.py)."""
         if self.mesh is not None and len(self.devices) > 1:
             wait = self.direct_into(x, dst)
             if wait is not None:
@@ -254,7 +254,7 @@ class _DirectCopy:
         """Issue the copy on this thread's stream of this device and return what waits for it (the source must
         stay alive until then): a thread copying from several GPUs starts each before waiting for any, and the
         GPUs' links run at once (one at a time, four H200s wrote back a split update's state at ~45 GB/s in all,
-        one link's rate: experiments/RESULTS.md s22)."""
+        one link's rate: experiments/bench_data_parallel.py)."""
         c, lib = self._c, self._lib
         s = getattr(self._streams, "s", None)
         # (current on every call: one thread may copy from several devices, each its own context)

@@ -1,6 +1,6 @@
 """Ends a run whose step stops making progress, instead of letting it hang.
 
-A GPU that fails inside a collective can leave the others waiting for it forever: in s19 one of four H100s ran out of
+A GPU that fails inside a collective can leave the others waiting for it forever: in one run one of four H100s ran out of
 memory in step 4 and the three others sat in XLA's rendezvous until the job's time limit, printing only warnings.
 ``StallWatchdog`` watches the training loop from a thread: when a step has run longer than its limit it writes every
 thread's stack to ``out_dir/error.log``, prints one line that names the step, the limit and the setting, and ends the

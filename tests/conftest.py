@@ -8,7 +8,7 @@ import tempfile
 # Python caches compiled bytecode here even where the machine says not to (PYTHONDONTWRITEBYTECODE=1 on this
 # project's machines): without the cache every subprocess the tests start (CLI runs, the data-parallel
 # processes, ~60 a run) compiles the source of jax, numpy, flax and optax again, 3.4 s of CPU each; a tiny
-# train run took 6.5 s and takes 3.2 s with it (2026-11-26, this 2-core AMD EPYC). Set before jax is imported,
+# train run took 6.5 s and takes 3.2 s with it (a 2-core AMD EPYC). Set before jax is imported,
 # so this worker caches its own imports too; subprocesses inherit the environment.
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -18,7 +18,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 # The tests compile with LLVM at -O0 on CPU (cli_runner.CPU_TEST_XLA_FLAGS; subprocesses inherit it):
 # MEGATRAIN_TEST_O3=1 compiles as a user's run does. Half of a clean-clone run is XLA:CPU compiling hundreds of
 # tiny kernels (the same suite took 286 s with a warm compilation cache, ~600 s cold), and -O0 cuts that: 484 s
-# cold, 879 passed (2026-11-26, this 2-core AMD EPYC). Every comparison is between two programs compiled alike;
+# cold, 879 passed (a 2-core AMD EPYC). Every comparison is between two programs compiled alike;
 # -O0 moves float rounding (no multiply-add contracted) and the tightest margins stay wide: the AdamW named
 # optimizer 3.1e-6 of its 1e-5 bound (2.2e-6 at -O3), the GPT-2 nnx example 2.6e-6 of 1e-5 (2.7e-6), a LoRA
 # adapter entry 6e-7 of 1e-5 (3.4e-6). (-O1 moved the GPT-2 nnx example to 1.46e-5: not taken.)
@@ -27,7 +27,7 @@ from cli_runner import CPU_TEST_XLA_FLAGS  # noqa: E402
 if CPU_TEST_XLA_FLAGS and os.environ["JAX_PLATFORMS"] == "cpu" and CPU_TEST_XLA_FLAGS not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + CPU_TEST_XLA_FLAGS
 
-# one persistent XLA compilation cache, kept between sessions, for the tests and every process they start
+# one persistent XLA compilation cache, kept between runs, for the tests and every process they start
 # (set in the environment before JAX is imported, so subprocesses inherit it): the same kernels compiled by
 # another jit object, worker or process (a resumed trainer, the next test's engine, a CLI run) load instead
 # of compiling again
@@ -39,7 +39,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # kernel ends instead of spinning for the next one: on CI's two cores three workers and their subprocesses share
 # them, and a spinning thread takes a core another worker is computing on. Waiting only: no result changes.
 # test_engine + test_stream_io, -n 3 --dist load, warm cache: 92-104 CPU-s in four runs, 100-107 spinning in three
-# (2026-11-28, this 2-core Intel Xeon)
+# (a 2-core Intel Xeon)
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import jax  # noqa: E402
@@ -68,13 +68,13 @@ SLOW_MODULES = {"test_seq_tiling", "test_stream", "test_train", "test_engine", "
                 "test_lora_export", "test_lora_dp", "test_sharded_state"}
 # every module that takes more than a few seconds, costliest first: the order the workers get them in (the rest
 # follow, in xdist's order). Measured as each module's CPU seconds alone with an empty compilation cache
-# (`/usr/bin/time pytest tests/<module>.py`, this 2-core machine, 2026-11-27): seq_tiling 107, engine 106,
+# (`/usr/bin/time pytest tests/<module>.py`, a 2-core machine): seq_tiling 107, engine 106,
 # stream_io 104, train 93, device_optax 93, data_parallel 89, plan_properties 88, hf 82, stream 78, moe 78,
 # named_optimizers 75, long_context 74, families 56, boundary_every 50, device_update 41, plan_search 39, trainer 35,
 # cli_properties 33, compact_adamw 28, attention 27, chat 25, plan 24, templates 24, working_set 21, muon 19,
 # device_adamw 18, cli 16, plan_fixes 14, checkpoint 12, finetune_hf 12, optim 11; the LoRA modules and grad_hold
 # where a clean-clone run's durations put them (test_lora: its transformers reference, the costliest); since the
-# device-side optax updates moved into test_named_optimizers (2026-11-28) it takes test_device_optax's place
+# device-side optax updates moved into test_named_optimizers it takes test_device_optax's place
 COST_ORDER = ["test_lora", "test_seq_tiling", "test_engine", "test_stream_io", "test_train", "test_named_optimizers",
               "test_data_parallel", "test_plan_properties", "test_sharded_state", "test_hf", "test_stream", "test_moe",
               "test_device_optax", "test_long_context", "test_lora_dp", "test_lora_trainer", "test_families",

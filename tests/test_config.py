@@ -46,7 +46,7 @@ def test_shipped_presets_load_and_validate(name):
     ("7b", 6_738_415_616),  # Llama-2-7B
     ("1b", 1_235_814_400),  # Llama-3.2-1B
     ("3b", 3_212_749_824),  # Llama-3.2-3B
-    ("lean-123b", 122_610_069_504),  # the Mistral-Large-123B shape (as the 512 GiB machine ran it, RESULTS.md s27)
+    ("lean-123b", 122_610_069_504),  # the Mistral-Large-123B shape (as the 512 GiB machine ran it, bench_memory_plan.py)
 ])
 def test_preset_parameter_counts_match_the_real_models(name, params):
     assert _preset(name).model.total_params() == params

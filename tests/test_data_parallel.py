@@ -242,7 +242,7 @@ def test_plan_predicts_1_2_4_8_gpus_without_them():
     assert d4.step["d2h_s"] < d1.step["d2h_s"] / 3
     # the state crosses in the forward, each group's in just before its block and back just after its update: the
     # forward lasts at least every GPU's read and write of host memory together (4 H200s: 91 GB each way for
-    # Qwen2.5-7B, a 1.55 s forward, where its matmuls alone take ~0.7 s: RESULTS.md s22), so four GPUs at a small
+    # Qwen2.5-7B, a 1.55 s forward, where its matmuls alone take ~0.7 s: bench_data_parallel.py), so four GPUs at a small
     # per-GPU batch are bound by it, and one GPU at the same per-GPU batch by its own link's share
     from megatrain_jax.plan.sizes import RATES
     q = load_config(os.path.join(os.path.dirname(HERE), "configs/qwen2.5-7b.yaml"),

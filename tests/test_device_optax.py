@@ -241,7 +241,7 @@ print("ok")
 def test_planning_starts_no_jax_backend():
     """The plan gives XLA its GPU budgets (pool fraction, preallocation, pinned limit) through environment
     variables read when JAX starts its backends: planning itself must start none, for every optimizer (an
-    optax optimizer's cost did, s18: a 110B run got XLA's default GPU pool, 0.75 of the GPU, under a plan of
+    optax optimizer's cost once did: a 110B run got XLA's default GPU pool, 0.75 of the GPU, under a plan of
     0.95). Run in a fresh process that plans as if a GPU were there."""
     import os
     import subprocess
@@ -263,7 +263,7 @@ plan_or_refuse(load_config("configs/tiny.yaml", ["optim.name=adafactor", "train.
 
 
 def test_a_plan_that_started_jax_says_so():
-    """Were planning ever to start JAX again (here: the optax cost compiled in-process, as before s18), the run
+    """Were planning ever to start JAX again (here: the optax cost compiled in-process, as it once was), the run
     says in one line that XLA took its default budgets, not the plan's."""
     import os
     import subprocess

@@ -1,12 +1,11 @@
 """End to end: a random Hugging Face checkpoint is imported, fine-tuned on prepared prompt/response
-data for 3 steps and exported, through ``experiments/finetune_hf.py`` (which runs ``train()`` on
+data for 3 steps and exported, through ``megatrain_jax/bench/finetune.py`` (experiments/finetune_hf.py: ``train()`` on
 ``configs/finetune_hf.yaml``) and through the CLI on the same config."""
 from __future__ import annotations
 
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +14,11 @@ import pytest
 from megatrain_jax import cli
 from megatrain_jax.config import ModelConfig, load_config
 from megatrain_jax.data import prepare_main
+from megatrain_jax.bench import finetune as finetune_hf
+from megatrain_jax.bench.random_hf import make_random_hf
 from megatrain_jax.hf import index_checkpoint, load_hf_into_store
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-import finetune_hf  # noqa: E402
 
 # a Llama-2-shaped model at toy size: 2 blocks, hidden 64, 4 heads of 16 (2 kv heads)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
@@ -29,9 +27,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("ft")
-    made = finetune_hf.make_random_hf(str(d / "hf"), layers=2, drop_cache=False, **TINY)
+    made = make_random_hf(str(d / "hf"), layers=2, drop_cache=False, **TINY)
     assert not made["reused"]
-    again = finetune_hf.make_random_hf(str(d / "hf"), layers=2, drop_cache=False, **TINY)
+    again = make_random_hf(str(d / "hf"), layers=2, drop_cache=False, **TINY)
     assert again["reused"]  # same config.json: the checkpoint is reused, not rewritten
     rows = [{"prompt": f"Q{i}: what is {i} + {i}? ", "response": f"A: {2 * i}. " * 3} for i in range(40)]
     (d / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

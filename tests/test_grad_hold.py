@@ -209,7 +209,7 @@ def test_a_resweep_holding_its_first_groups_reruns_only_the_blocks_above_them(ca
 def test_a_resweep_holding_every_block_runs_no_block_again(case, monkeypatch):
     """grad_hold_gpu_groups=4 of a 3-block model: the embedding and every block wait on the GPU, so the second
     sweep sends the head's gradient and runs no block (it failed on an unset variable where the plan held all but
-    the head: a 12-layer slice of the 110B shape on an H200, s18), and five clipped steps equal the host hold that
+    the head: a 12-layer slice of the 110B shape on an H200), and five clipped steps equal the host hold that
     keeps the same four groups on the GPU, bit for bit."""
     swept = _resweep_equals_the_host_hold(RESWEEP_SPLIT[case], 4, monkeypatch)
     assert swept == [(2, False), (1, False), (0, False)] * STEPS
@@ -218,7 +218,7 @@ def test_a_resweep_holding_every_block_runs_no_block_again(case, monkeypatch):
 def test_a_resweep_starts_the_embeddings_host_update_at_the_norm_and_updates_from_the_swept_weights(monkeypatch):
     """The 110B's one-GPU plan: resweep with its first groups held, stream_io, update_on=device. The embedding's
     gradient waits in host memory, and its host update starts once the norm is known, before the second sweep's
-    first block (applied after the sweep, it held back the next forward 6.6 s: RESULTS.md s26 call 1); each block
+    first block (applied after the sweep, it held back the next forward 6.6 s: bench_memory_plan.py); each block
     the second sweep updates starts from the weights its backward used, with no second fetch of its master. Five
     clipped steps still equal the host hold bit for bit, counted once."""
     from megatrain_jax.engine.device_updates import DeviceUpdates
@@ -332,7 +332,7 @@ def test_host_hold_keeps_pinned_memory_at_the_slab_pool(hold):
 def test_a_resweeps_sent_gradients_wait_on_the_device_at_most_the_planned_few(monkeypatch):
     """A resweep's second sweep sends each block's gradient as it completes, and its copies wait for the pinned
     slabs: at most HOLD_COPIES_IN_FLIGHT gradients may wait on the device for theirs, as the plan counts. Unbounded,
-    26 of the 3B's 28 block gradients piled up on the H100 (experiments/RESULTS.md s14, call 5)."""
+    26 of the 3B's 28 block gradients piled up on the H100 (experiments/probe_resweep_io.py)."""
     from megatrain_jax.engine.updaters import HostUpdates
     from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT
 

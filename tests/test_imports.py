@@ -209,7 +209,7 @@ def test_no_file_names_the_design_notes_outside_the_repository():
 # ---- no reaching into another module's privates; no long functions (issue 44, item 4)
 
 # Imports of another module's ``_private`` names allowed, (importing file, module.name): none (the last three,
-# in plan/, were made public in their home modules in s27).
+# in plan/, were made public in their home modules).
 PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str]] = set()
 MAX_FUNCTION_LINES = 120
 # Functions over MAX_FUNCTION_LINES being split by others: (file, function name).

@@ -203,7 +203,7 @@ def test_plan_shows_each_state_mode_and_suggests_the_fullest_that_fits():
 
 
 def test_moe_working_set_counts_every_expert_of_the_dense_formulation():
-    """OLMoE shape on the H100 (measured peaks 40.1 GB at 8 micro-batches and 48.3 GB at 4, 2026-11-24): the
+    """OLMoE shape on the H100 (measured peaks 40.1 GB at 8 micro-batches and 48.3 GB at 4, bench_memory_plan.py): the
     plan counts the (tokens x experts x expert width) intermediates with the MoE coefficient, so it lands at
     or above each measurement and within 10% (33.9 GB without them; 43.1 at 4 with the dense coefficient). (5% before
     the plan counted the engine's pace: a third block's weights and a second fp32 accumulator, 2.6 GB at this
@@ -320,7 +320,7 @@ def test_the_pool_decision_reaches_xla_and_a_users_own_setting_wins(monkeypatch)
 def test_stream_io_gradients_are_counted_in_host_memory_and_in_no_hold(hold):
     """With train.stream_io the embedding's and head's fp32 gradients are made in host memory and wait there
     (engine/holds.HostArray), outside any hold: the H100's 524k slice ran 3.9 GB over a plan that counted them
-    in the GPU hold instead (RESULTS.md s12)."""
+    in the GPU hold instead (bench_memory_plan.py)."""
     vocab, hidden = 128256, 4096  # Llama-3.1-8B, untied: embedding, and head = final norm + output matrix
     io_params = vocab * hidden + (hidden + vocab * hidden)
     sets = ("optim.clip_norm=1.0", "optim.moments=int8", "train.stream_copy=device", "train.stream_io=true",
@@ -338,7 +338,7 @@ def test_stream_io_gradients_are_counted_in_host_memory_and_in_no_hold(hold):
     on_gpu = max(min(n, m.num_layers + 1) - 1, 0) * m.block_params()
     assert rows[name].bytes == held_bytes * (p.params - io_params - on_gpu)
     # the head's vocabulary chunks: one staging buffer each (the whole head, gathered once a step in the background),
-    # two chunk gradients in XLA's pinned pool (RESULTS.md s14)
+    # two chunk gradients in XLA's pinned pool (bench_memory_plan.py)
     chunk = 4 * hidden * 16384
     assert rows["head chunks' staging (train.stream_io)"].bytes == -(-vocab // 16384) * chunk / 2  # in bf16
     assert rows["head chunks' gradients on their way (pinned)"].bytes == 2 * chunk

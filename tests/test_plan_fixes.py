@@ -140,7 +140,7 @@ def test_decisions_stay_a_dict_built_from_the_typed_options():
 
 
 def test_kept_residuals_are_planned_and_taken_with_several_gpus():
-    """No setting runs on one GPU only any more (kept residuals ran on one until s21): EngineOptions takes them with
+    """No setting runs on one GPU only any more (kept residuals once ran on one only): EngineOptions takes them with
     two devices, and the plan for two GPUs keeps what is asked, each GPU its own micro-batches' residuals (the row is
     per GPU: the same bytes a block as one GPU with the same per-GPU batch)."""
     assert EngineOptions(devices=2, keep_residuals=1).keep_residuals == 1

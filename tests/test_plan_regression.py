@@ -1,4 +1,4 @@
-"""A few plans of the plan's regression set (experiments/plan_regression_set.py, issue 44) against a committed
+"""A few plans of the plan's regression set (megatrain_jax/bench/regression.py) against a committed
 fixture, so that any change to what the plan decides, sizes, predicts or says shows here: the options, the host and
 GPU rows and phases, the predicted step, the verdict and its fix, each compared exactly.
 
@@ -11,14 +11,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "experiments"))
+import megatrain_jax.bench.regression as regression
 
-import plan_regression_set as regression  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "plan_regression_subset.json")
 

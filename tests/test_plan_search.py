@@ -126,7 +126,7 @@ def test_the_pinned_pool_is_counted_as_xla_grows_it(monkeypatch):
 def test_held_gradients_reuse_the_pinned_space_of_the_activations_they_follow():
     """With pinned activations and a pinned hold, block i's gradient lands while only the inputs of blocks <= i
     still wait: the pool holds the larger of those sums (+ PINNED_REUSE_ROOM), not activations + hold. H100,
-    Llama-3.1-8B shape 16 x 4096, int8, clipping 1.0 (RESULTS.md s13): at 10 GB (16 micro-batches, host update)
+    Llama-3.1-8B shape 16 x 4096, int8, clipping 1.0 (bench_gpu_budgets.py): at 10 GB (16 micro-batches, host update)
     88.5 GB RSS where the plan now says 88.7 (it said 103.7 counting both), and with XLA's limit at 30 GiB (the
     exchange without the room) it ran out of pinned memory; at 24 GB (8 micro-batches, 17 groups on the GPU,
     device update) 83.1 GB against 83.8."""
@@ -143,7 +143,7 @@ def test_held_gradients_reuse_the_pinned_space_of_the_activations_they_follow():
         assert abs(p.host_need / GB - measured) / measured < 0.05, (budget, p.host_need / GB)
         if budget == 10:
             assert p.options.grad_hold_gpu_groups == 0 and pinned_limit(in_use) > 30 * GiB
-    # the bf16 hold: half the hold's pool, and XLA's limit follows the pool the host rows count (session 16: the limit
+    # the bf16 hold: half the hold's pool, and XLA's limit follows the pool the host rows count (when the limit
     # was taken with 4-byte gradients, and the 8B at 10 GB ran 88.7 GB against a plan of 80.1)
     held = {}
     for hold in ("pinned_host", "pinned_bf16"):
@@ -251,13 +251,10 @@ def test_a_refusals_fix_fits_when_applied(case, gpu, host):
 
 
 def test_budget_benchmark_dry_mode_plans_every_case_and_writes_the_result_fields(tmp_path):
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("bench_gpu_budgets",
-                                                  os.path.join(REPO, "experiments", "bench_gpu_budgets.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    import megatrain_jax.bench.budgets as bench
+
     rows = bench.main(["--dry", "--gpu-gb", "80", "--host-gb", "128", "--shapes", "8b", "--budgets", "10,24,whole",
                        "--out", str(tmp_path)])
     assert [r["case"] for r in rows] == ["8b_10", "8b_24", "8b_whole"]
@@ -307,7 +304,7 @@ def test_each_placement_pays_its_cost_in_the_predicted_step():
 def test_a_split_placement_keeps_the_last_blocks_inputs_in_the_gpus_free_room():
     """Llama-3.1-8B 16 x 4096 at a 24 GB budget with a 72 GB host limit: parking every input does not fit the host,
     keeping every input does not fit the GPU; the plan keeps the last blocks' inputs on the GPU and parks the others
-    (H100, RESULTS.md s15: 67.1 GB RSS against 68.7, 19.1 GB GPU against 21.7). Each row counts only its share,
+    (H100, bench_memory_plan.py: 67.1 GB RSS against 68.7, 19.1 GB GPU against 21.7). Each row counts only its share,
     and the activations' PCIe traffic is the parked share's."""
     sets = ("configs/llama3.1-8b.yaml", "optim.moments=int8", "train.stream_copy=device", "optim.clip_norm=1.0",
             "train.gpu_memory_gb=24", "train.host_memory_gb=72")
@@ -351,7 +348,7 @@ def test_on_a_gpu_budget_the_host_update_is_planned_beside_the_device_side_one()
 
 def test_an_optax_update_on_the_gpu_keeps_no_residuals():
     """H100, Llama-3.2-3B shape: with the room filled by kept residuals the optax updates on the GPU ran out
-    of memory, and without them they ran as fast (RESULTS.md, seventh session): ``auto`` keeps none there,
+    of memory, and without them they ran as fast (bench_memory_plan.py): ``auto`` keeps none there,
     and the fused AdamW keeps its own."""
     import dataclasses
 
@@ -392,7 +389,7 @@ def test_a_resweep_splits_the_gpus_room_between_activation_blocks_and_held_group
 def test_an_optax_update_over_several_gpus_holds_each_gradient_split_between_them():
     """A device-side optax update (Adafactor) runs whole on every GPU, and each GPU holds only its share of a held
     gradient (engine/device_updates: gathered when the update starts). The 110B lean on 4 H200s held 11 groups for
-    its resweep where one GPU holds 17, and swept the other 69 twice (RESULTS.md s24); held split, all 82 groups fit
+    its resweep where one GPU holds 17, and swept the other 69 twice (bench_memory_plan.py); held split, all 82 groups fit
     and no second sweep runs. The held row is a quarter of the one-GPU hold's bytes, and the gathered gradients are
     counted in the update's row."""
     m4 = target_machine(gpu_memory_gb=150.75, host_memory_gb=540.9, cpu_cores=64, gpu_count=4)
@@ -410,11 +407,11 @@ def test_an_optax_update_over_several_gpus_holds_each_gradient_split_between_the
 
 
 def test_the_110b_on_one_h200_hides_the_embeddings_host_update_in_the_second_sweep():
-    """The 110B lean on one H200 of the 512 GiB machine, as s26 call 2 planned it (resweep, 24 groups held,
+    """The 110B lean on one H200 of the 512 GiB machine, as its measured run planned it (resweep, 24 groups held,
     stream_io, a device-side update): the embedding's host update starts at the norm and runs under the second
     sweep (engine: Updates.start_on_host), so the step waits for no update the forward does not hide; an H200's
     memory passes are counted at its 4.3 TB/s (an H100's 3.0), and the backward sweeps that recompute at their own
-    rate (RECOMPUTE_BACKWARD_SPEEDUP): the prediction within 10% of each step s26 call 2 measured."""
+    rate (RECOMPUTE_BACKWARD_SPEEDUP): the prediction within 10% of each step measured (bench_memory_plan.py)."""
     import dataclasses as dc
 
     from megatrain_jax.plan.step_model import step_rates
@@ -426,5 +423,5 @@ def test_the_110b_on_one_h200_hides_the_embeddings_host_update_in_the_second_swe
     o, s = p.options, p.step
     assert (o.grad_hold, o.grad_hold_gpu_groups, o.stream_io, o.update_on) == ("resweep", 24, True, "device")
     assert s["updates_after_norm_s"] == pytest.approx(s["compute_s"]) and "H200's memory" in p.step_basis
-    measured = (70.90, 68.76, 72.82)  # steps 2-4, RESULTS.md s26 call 2 (79.5 s predicted before, 82.4 before that)
+    measured = (70.90, 68.76, 72.82)  # steps 2-4, bench_memory_plan.py, one H200
     assert all(abs(s["predicted_step_s"] / m - 1) < 0.10 for m in measured), s["predicted_step_s"]

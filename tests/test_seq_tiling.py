@@ -266,7 +266,7 @@ def test_plan_tiles_long_sequences_by_itself_and_leaves_short_ones_untiled():
     # the tiled working set grows only with what attention needs of the whole sequence
     a, b = (_ws_row(_plan_for(s, seq_tile=AUTO_SEQ_TILE)).bytes for s in (65536, 131072))
     ua, ub = (_ws_row(_plan_for(s, seq_tile=0)).bytes for s in (65536, 131072))
-    # compiled (sm_90): 82 KB per token tiled (the H200, 131k-524k, RESULTS.md s11) against 168 untiled (the H100)
+    # compiled (sm_90): 82 KB per token tiled (the H200, 131k-524k, probe_block_working_set.py) against 168 untiled (the H100)
     assert (b - a) < 0.55 * (ub - ua)
 
 

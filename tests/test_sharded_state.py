@@ -267,7 +267,7 @@ def test_one_of_four_processes_killed_mid_save_loses_nothing_and_a_nan_step_is_s
 
 def test_a_device_update_run_saving_at_its_last_step_ends(tmp_path):
     """update_on=device, a checkpoint every 2 steps of 4: the save at step 4 waits for updates that only the final
-    save applies; the final save used to wait for it first, and the run hung until its watchdog (s20)."""
+    save applies; the final save used to wait for it first, and the run hung until its watchdog."""
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "megatrain_jax", "train", "configs/tiny.yaml", "--set", "train.steps=4",
                         "--set", "train.ckpt_every=2", "--set", "optim.schedule.warmup_steps=1", "--set",

@@ -1,6 +1,6 @@
 """engine/shards.py: a split group's shares back into the host store. With a direct DMA per GPU (on GPUs,
 transfer.Transfers.direct_into) every share's copy starts before the first is waited for, so the GPUs' links run
-together (one at a time, four H200s wrote a split update's state back at one link's rate: RESULTS.md s22)."""
+together (one at a time, four H200s wrote a split update's state back at one link's rate: bench_data_parallel.py)."""
 import subprocess
 import sys
 import textwrap

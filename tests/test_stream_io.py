@@ -162,7 +162,7 @@ def test_the_head_is_gathered_once_per_step_off_the_dispatching_thread(monkeypat
 def test_at_most_two_head_chunk_gradients_are_on_their_way_to_the_host(monkeypatch):
     """Each chunk's gradient crosses to the host through XLA's pinned pool, whose size the plan sets for
     IO_HEAD_GRADS_IN_FLIGHT (2) chunks. The engine issued every chunk's copy without waiting, and kept each until
-    the loss ended: the Qwen1.5-110B shape's ten 0.54 GB chunks ran the pool out in step 1 (RESULTS.md s23 call 5).
+    the loss ended: the Qwen1.5-110B shape's ten 0.54 GB chunks ran the pool out in step 1 (bench_memory_plan.py).
     Counted here: the chunk gradients' host copies alive as each next one is issued (8 chunks + the small ones)."""
     import gc
     import weakref

@@ -1,7 +1,7 @@
 """End to end: the CLI in a subprocess, killed, resumed, signalled, fed NaNs; runs of a tiny model.
 
 Every subprocess shares one persistent XLA compilation cache (conftest's ``cli_env``, kept between
-sessions), and independent runs go side by side, so each wave takes seconds, mostly imports. Faults
+runs), and independent runs go side by side, so each wave takes seconds, mostly imports. Faults
 are injected as ``train.TrainHooks`` through the test-only entry point ``tests/train_with_hooks.py``.
 """
 import json

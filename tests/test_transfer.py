@@ -37,7 +37,7 @@ def test_gradients_come_back_through_pinned_host_memory():
 def test_a_write_back_from_one_of_several_gpus_takes_that_gpus_direct_dma_not_the_pinned_pool():
     """A replicated device update (several GPUs, optax) writes each group back from one GPU's copy. Through the
     pinned path that stages a whole group in XLA's pinned pool, which the plan does not count (the 110B on four
-    H200s ran out of it, RESULTS.md s24 call 1); it must be the GPU's own direct DMA into the registered store."""
+    H200s ran out of it, bench_memory_plan.py); it must be the GPU's own direct DMA into the registered store."""
     import subprocess
     import sys
     import textwrap

@@ -7,19 +7,13 @@ cuDNN attention) and were fit to the H100's compiled executable; experiments/pro
 prints the same comparison there. What this test holds on any backend is the model's form: a per-token
 term of the whole sequence, one of the tile, one per block parameter, and nothing else that grows."""
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import jax
 import pytest
 
+import megatrain_jax.bench.working_set as probe
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.plan.sizes import Shapes, block_working_set
-
-_spec = importlib.util.spec_from_file_location(
-    "probe_block_working_set", Path(__file__).resolve().parents[1] / "experiments" / "probe_block_working_set.py")
-probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe)
 
 # a reduced Llama width (GQA, head dim 64): compiles in seconds; the coefficients were also checked at the
 # 8B width (hidden 4096) and half of it on this backend, within 2% (the probe, --width 0.5 / 1)
@@ -42,8 +36,8 @@ def test_planned_block_working_set_is_within_10_percent_of_the_compiled_one(seq,
 
 
 def test_gpu_coefficients_bound_the_h100_measurements():
-    """The H100's compiled block VJP (experiments/probe_block_working_set.py, 2026-11-25 s7: Llama-2-7B at 4k,
-    16k, 65k tokens, Llama-3.1-8B at 32k and 131k, untiled and in 8192-token tiles; the H200's, s11, to 524k): the plan is never under
+    """The H100's compiled block VJP (experiments/probe_block_working_set.py: Llama-2-7B at 4k,
+    16k, 65k tokens, Llama-3.1-8B at 32k and 131k, untiled and in 8192-token tiles; the H200's to 524k): the plan is never under
     what XLA compiled (an accepted plan must not run out of memory) and at most 15% over untiled, 35% tiled.
     A re-measurement that moves these must move the coefficients."""
     from megatrain_jax.config import load_config
@@ -52,7 +46,7 @@ def test_gpu_coefficients_bound_the_h100_measurements():
                                  (65536, 8192, 6.93e9)),
              "configs/llama3.1-8b-128k.yaml": ((32768, 0, 5.79e9), (32768, 8192, 4.92e9), (131072, 0, 25.03e9),
                                                (131072, 8192, 11.71e9))}
-    # the H200's (sm_90 as the H100: the same 131k figure), 2026-11-25 s11: the long sequences' slope
+    # the H200's (sm_90 as the H100: the same 131k figure): the long sequences' slope
     cases["configs/7b.yaml"] += ((131072, 8192, 12.86e9), (262144, 8192, 24.70e9))
     cases["configs/llama3.1-8b-128k.yaml"] += ((65536, 8192, 6.45e9), (262144, 8192, 22.48e9), (524288, 8192, 44.02e9))
     for path, points in cases.items():

@@ -71,7 +71,7 @@ class DeviceUpdates(Updates):
             else None
         # an update run alike on every GPU still holds its gradients split: each GPU keeps its share of a held
         # gradient and the update gathers the whole over NVLink when it starts (four H200s held 11 groups of the
-        # 110B for its resweep where one holds 17, and swept the other 69 twice: experiments/RESULTS.md s24)
+        # 110B for its resweep where one holds 17, and swept the other 69 twice: experiments/bench_memory_plan.py)
         self.hold_shards = Shards(self.k.mesh, BLOCK, self.xfer.device_sharding.memory_kind, None) \
             if self.k.num_devices > 1 and self.shards is None else None
         self.split_held_loads = 0  # updates that gathered a gradient held split (the tests read it)

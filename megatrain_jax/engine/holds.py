@@ -41,7 +41,7 @@ from megatrain_jax.transfer import Transfers
 
 # host copies of a slab (its landing in the pageable buffer, bf16 widened to fp32 for the update) split over
 # threads: numpy's copies release the GIL, and one thread moved ~4 GB/s, which made an 8B step's 16 GB of
-# bf16 gradients seconds of serial work (RESULTS.md s7: the 24 GB budget ran at 0.42x)
+# bf16 gradients seconds of serial work (bench_gpu_budgets.py: the 24 GB budget ran at 0.42x)
 _COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 _COPIERS = ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="hold-copy")
 _SPLIT_ABOVE = 1 << 22  # values: smaller slices are copied by the calling thread

@@ -29,7 +29,7 @@ from megatrain_jax.templates import StreamedModel, block_rng, is_shareable
 F32 = jnp.float32
 # the memory-bound helpers over whole groups (norms, casts, slices, zeros) are not autotuned: XLA's autotuner
 # profiles a fusion on redzone copies of its operands, a second copy of a 2 GB gradient at the step's peak
-# (an 8B embedding's norm ran out of memory under a 24 GB budget there, RESULTS.md s7); nothing to tune
+# (an 8B embedding's norm ran out of memory under a 24 GB budget there, bench_gpu_budgets.py); nothing to tune
 NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
 
 
@@ -95,9 +95,9 @@ def program_key(parts: StreamedModel, store: HostStore, mesh: Mesh, dtype: Any, 
 
 # Trainers of one model in one process (a resumed run, the next test case, each data-parallel run of a worker)
 # share its jitted kernels, so that the next one neither traces, lowers nor compiles them again: the
-# data-parallel worker lowered 299 of its 507 programs a second time (experiments/RESULTS.md s21), and
+# data-parallel worker lowered 299 of its 507 programs a second time (experiments/bench_data_parallel.py), and
 # tests/test_engine.py alone, with an empty compilation cache, took 44.5 s (61 CPU s) before and 36.3 s (48 CPU s)
-# with them shared (2026-11-28, this 2-core AMD EPYC). Keyed by ``program_key``; the most recent models are kept,
+# with them shared (a 2-core AMD EPYC). Keyed by ``program_key``; the most recent models are kept,
 # at most _SHARED_MODELS (a bound on what a long-lived process holds, each entry its executables; not tuned).
 _SHARED_MODELS = 8
 _shared: OrderedDict[tuple, dict] = OrderedDict()

@@ -176,7 +176,7 @@ class HostUpdates(Updates):
         """At most HOLD_COPIES_IN_FLIGHT gradients sent during a backward wait on the device for their copies
         (the plan counts that many): beyond, the dispatching thread issues the oldest's copies as slabs free.
         Unbounded, a resweep's second sweep ran ahead of the slabs and kept 26 of the 3B's 28 block gradients on
-        the GPU (10.5 GB; RESULTS.md s14)."""
+        the GPU (10.5 GB; experiments/bench_memory_plan.py)."""
         with self._copy_lock:
             while sum(1 for _, o in self._queue if not o.on_host) > HOLD_COPIES_IN_FLIGHT:
                 self._issue_oldest(wait=True)

@@ -126,7 +126,7 @@ class Updates:
         """A resweep's norm is known: the held gradients complete in host memory already (``stream_io``'s
         embedding) start their host updates now, before the second sweep, which they then overlap. Applied
         after it (``apply``), the 110B's embedding update (6.6 s) held back the next forward: the step was
-        79.8 s with the GPU idle for those 6.6 s (experiments/RESULTS.md s26, call 1)."""
+        79.8 s with the GPU idle for those 6.6 s (experiments/bench_memory_plan.py --trace)."""
         for name in [n for n in self.groups.order if isinstance(self._held.get(n), HostArray)]:
             self._start_on_host(name, self._held.pop(name), scale, self.count + 1)  # (the head's send counts it)
 

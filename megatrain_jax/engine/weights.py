@@ -183,7 +183,7 @@ class Boundaries:
         """To pinned host memory. At most ``PINNED_ACT_LAYERS_ON_GPU`` layers' copies are in flight (their
         device buffers live until they land): the dispatching thread waits for the oldest beyond that,
         which has had a whole block's compute to land, so the GPU's queue does not run dry. Unbounded, async
-        dispatch ran ~4 layers ahead and the 8B at 10 GB ran out of memory (RESULTS.md s8)."""
+        dispatch ran ~4 layers ahead and the 8B at 10 GB ran out of memory (experiments/bench_gpu_budgets.py)."""
         if not self.offload:
             return hs
         if self.gpu_from is not None and i >= self.gpu_from:

@@ -12,9 +12,9 @@ Asking JAX for its CPU device starts every backend JAX has, the GPU's too, with 
 the plan's (its GPU pool fraction, whether the pool is made at the start, the pinned-pool limit) are
 environment variables read once, when the backends start, and the plan sets them after planning. So
 where a GPU may be there and JAX has not started yet, the compile runs in a child process that sees
-the CPU only (``JAX_PLATFORMS=cpu``). Measured (s18, one H200): planned in-process, a 110B-shape run got
+the CPU only (``JAX_PLATFORMS=cpu``). Measured (one H200, experiments/bench_memory_plan.py): planned in-process, a 110B-shape run got
 XLA's default pool (0.75 of the GPU, 112.6 GB) under a plan of 124.9 of 143.2 GB, and the full 110B
-run of s17 ran out of GPU memory there.
+run ran out of GPU memory there.
 """
 from __future__ import annotations
 

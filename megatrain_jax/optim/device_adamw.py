@@ -45,7 +45,7 @@ in the elements (int8: the blocks) where a subnormal occurs; for ``nu`` of |g| ~
 that ``nu`` differs, by the subnormal itself (its root vanishes next to eps). NaN payloads and signs
 follow the backend's arithmetic, not the host's (only where a value is NaN anyway). On the GPU
 (``xla_gpu_ftz`` defaults to false, mul/add are IEEE, FMA blocked, / and sqrt as above) it was expected
-bit-identical, and measured on an H100 (2026-11-24) it is not quite: after three steps of a tiny model
+bit-identical, and measured on an H100 it is not quite: after three steps of a tiny model
 ~7% of master values differ from the host kernel's by at most 1.6e-5 relative (fp32 moments), and 4 of
 6,661 int8 codes by one step. Where the GPU still differs is not found yet; the tests take a tolerance
 on a GPU and stay bit-exact on the CPU.

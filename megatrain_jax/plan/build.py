@@ -267,7 +267,7 @@ def _either_fetch(cfg: Config, lim: _Limits, devices: int | None, attention: boo
     """``train.fetch=auto``: with several GPUs of one process both fetches are planned and split taken unless full
     is faster by UPDATE_SWITCH_TOL (split's links carry 1/N of each block, so the step model's transfer term is
     never larger; measured 1.8% faster at Qwen2.5-7B 4 x 128 x 1024 and the same at 4 x 32 x 1024, four H200s,
-    experiments/RESULTS.md s21); full on one GPU, and across the processes of a replicated store (each process's
+    experiments/bench_data_parallel.py); full on one GPU, and across the processes of a replicated store (each process's
     GPUs would gather from the others over the network: measured only with full)."""
     def planned(fetch: str) -> Plan:
         return _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fetch=fetch)), lim.machine,
@@ -280,7 +280,7 @@ def _either_fetch(cfg: Config, lim: _Limits, devices: int | None, attention: boo
 
 def _split_update_headroom(shapes: Shapes, lim: _Limits, notes: list[str]) -> float:
     """GPU bytes kept free beyond the phases where several GPUs split a device-side update (engine/shards.py): the
-    same fragmentation margin as a huge group's, two fp32 copies of the largest group. Measured without it (s19, 4 x
+    same fragmentation margin as a huge group's, two fp32 copies of the largest group. Measured without it (4 x
     H100, Llama-2-70B 8 x 4096 per GPU): three steps at 4,279 tok/s, then one GPU could not find 6.66 GiB for the
     block backward's temporary with the plan at 75.3 of 81.2 GB, and the other GPUs waited for it in a collective.
     Whether this margin suffices is not yet measured."""
@@ -294,11 +294,11 @@ def _split_update_headroom(shapes: Shapes, lim: _Limits, notes: list[str]) -> fl
 def _huge_group_headroom(shapes: Shapes, lim: _Limits, notes: list[str]) -> float:
     """GPU bytes kept free beyond the phases where a group is over HUGE_GROUP parameters (0 elsewhere): a margin
     for fragmentation, where single allocations are many GB. The 110B lean shape's block backward asks for one
-    10.8 GB temporary (XLA's buffer assignment, s18), which must find one free piece among 5.4 GB accumulators
+    10.8 GB temporary (XLA's buffer assignment), which must find one free piece among 5.4 GB accumulators
     and 2.7 GB held gradients; in a 12-layer slice of that shape the least largest free piece was 18.7 GB with
-    30.7 GB free (s18). The s17 run that ran out of GPU memory on that request had XLA's default pool (0.75 of
+    30.7 GB free (probe_gpu_fragmentation.py). The run that ran out of GPU memory on that request had XLA's default pool (0.75 of
     the GPU, the plan's budgets never applied: optim/costs.py), not a plan error; whether this margin is needed
-    is not measured, and the 110B ran within it (GPU peak 108.9 of a planned 122.8 GB, s18)."""
+    is not measured, and the 110B ran within it (GPU peak 108.9 of a planned 122.8 GB, bench_memory_plan.py)."""
     if not (lim.on_gpu and lim.gpu_usable is not None and shapes.largest_group > HUGE_GROUP):
         return 0.0
     headroom = 2 * 4.0 * shapes.largest_group
@@ -395,7 +395,7 @@ def _gpu_peak(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
         moe=bool(getattr(cfg.model, "num_experts", None)))
     if optim.kernel == "optax" and costs.update_on == "device" and train.keep_residuals == "auto" and n_keep:
         # an optax update on the GPU works on whole groups (no chunking): with the room filled by kept residuals
-        # the 3B shape ran out of memory, and without them it was as fast (RESULTS.md s7, H100): none kept
+        # the 3B shape ran out of memory, and without them it was as fast (bench_memory_plan.py, H100): none kept
         notes.append(f"train.keep_residuals=auto: 0 with an optax update on the GPU (the room would keep {n_keep})")
         n_keep = 0
     n_early, n_keep = _early_state(cfg, costs, lim, placed, n_keep, per_block, gpu_need, notes)

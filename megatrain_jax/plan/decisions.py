@@ -125,7 +125,7 @@ def choose_keep_residuals(asked: Any, shapes: Shapes, *, on_gpu: bool, devices: 
     """How many of the last blocks keep their forward residuals (no recompute in the backward), and
     the bytes of one (on each GPU: each keeps its own micro-batches'). ``auto``: as many as the GPU room the plan
     leaves holds, with the activations on the GPU (with several GPUs, each keeps its own micro-batches' residuals
-    in its own room: Qwen2.5-7B on four H200s kept 3 with 101.0 GB of a planned 115.4, RESULTS.md s21); with int8
+    in its own room: Qwen2.5-7B on four H200s kept 3 with 101.0 GB of a planned 115.4, bench_data_parallel.py); with int8
     moments (the state chosen for host memory) only within the room that keeps XLA's pool growing on demand, whose
     allocator table is host memory (``gpu_room``)."""
     per_block = residual_bytes_per_block(shapes, shapes.head_dim)

@@ -192,10 +192,10 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
     runtime = RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"]
     host_acts = acts_all if place == "pinned_host" else 0
     # XLA's GPU allocator keeps a host table of 8 bytes per 256 of its pool, which a LoRA run makes whole at the
-    # start (XLA_FRACTION of the GPU): the ~3 GB the H100 runs measured over the plan (RESULTS.md s7)
+    # start (XLA_FRACTION of the GPU): the ~3 GB the H100 runs measured over the plan (bench_memory_plan.py)
     table = XLA_FRACTION * machine.gpu_bytes * BFC_TABLE_BYTES_PER_POOL_BYTE if on_gpu and machine.gpu_bytes else 0.0
     # beyond the rows: 1.5% of the base's bytes, calibrated (the H100 runs measured 0.4-0.5 GB over them with a 65.5 GB bf16
-    # base, 0.7 GB with a 70 GB int8 one: RESULTS.md s9); stated, not derived
+    # base, 0.7 GB with a 70 GB int8 one: bench_memory_plan.py); stated, not derived
     extra = LORA_HOST_PER_BASE_BYTE * base if on_gpu else 0.0
     # XLA's pinned pool grows in doubling regions up to the limit lora_plan_or_refuse gives it (as the full plan)
     growth = pinned_pool(host_acts) - host_acts if (on_gpu and host_acts) else 0.0

@@ -1,4 +1,4 @@
-"""The README's table of typical machines: for each GPU memory and host memory, the largest model of a
+"""The table of typical machines (docs/performance.md): for each GPU memory and host memory, the largest model of a
 ladder the plan says trains there with clipping (issue 27 item 4). Planned, not measured.
 
     python -m megatrain_jax.plan.machines [--tokens 16x4096] [--cores 16] [--markdown]

@@ -201,7 +201,7 @@ def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bo
     if slab_row is not None:  # device-side updates bring no gradient to the host
         rows.append(slab_row)
     # stream_io: the embedding's and head's fp32 gradients are made in host memory and wait there (engine/holds.HostArray),
-    # outside any hold (the H100's 524k slice ran 3.9 GB over the plan without this row, RESULTS.md s12)
+    # outside any hold (the H100's 524k slice ran 3.9 GB over the plan without this row, bench_memory_plan.py)
     io_grads = shapes.embed + shapes.head if placed.stream_io else 0
     if io_grads:
         rows.append(Row("host", "embedding + head gradients (train.stream_io)", 4.0 * io_grads,
@@ -210,7 +210,7 @@ def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bo
         # the head's vocabulary chunks: the engine's staging buffers (one per chunk, the whole output matrix gathered
         # once a step in the background: engine/io.py; registered host memory) and two chunk gradients on their way
         # to the host (XLA's pinned pool); the 3B at 10 GB ran 2.9 GB over a plan without them and without the
-        # parked segment inputs below (RESULTS.md s14 call 6)
+        # parked segment inputs below (bench_memory_plan.py)
         vc = min(IO_VOCAB_CHUNK, shapes.vocab)
         chunk, chunks = 4.0 * shapes.hidden * vc, -(-shapes.vocab // vc)
         rows.append(Row("host", "head chunks' staging (train.stream_io)", chunks * chunk * shapes.dtype_bytes / 4,
@@ -228,10 +228,10 @@ def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bo
     elif placed.grad_hold in HOST_HOLD_BYTES:
         rows.append(Row("host", "gradients held for clipping (pageable)", HOST_HOLD_BYTES[placed.grad_hold] * held,
                         placed.grad_hold[5:] + ", fed through the slabs" + split))
-        # measured over the rows above with a pageable hold, never with the pinned one (H100, RESULTS.md s10:
+        # measured over the rows above with a pageable hold, never with the pinned one (H100, bench_gpu_budgets.py:
         # 8B +2.3 GB, 14B +2.7 GB at 24 GB): one group in fp32 beside the hold, the size of the largest that goes
         # through it (stream_io: a block; the embedding's and head's gradients are made in host memory, and
-        # counting the 8B's head there put the plan 5.3% over its run at 24 GB: RESULTS.md s15)
+        # counting the 8B's head there put the plan 5.3% over its run at 24 GB: bench_memory_plan.py)
         rows.append(Row("host", "pageable hold's staging (one group in fp32)",
                         4.0 * (shapes.block if placed.stream_io else shapes.largest_group)))
     if placed.activations == "pinned_host":
@@ -255,7 +255,7 @@ def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bo
                         shapes.largest_group * (4 + moment_bytes) * store_share))
     rows.append(Row("host", "data loader (one batch, index)",
                     float(train.batch_size * cfg.data.seq_len * 4 * 4 + 64e6)))
-    if on_gpu:  # measured at 70B (H200 x4, session 17 call 1): RSS 472.2 GB against 470.7 planned without this row
+    if on_gpu:  # measured at 70B (H200 x4, bench_memory_plan.py): RSS 472.2 GB against 470.7 planned without this row
         rows.append(Row("host", "bookkeeping that grows with the store (allocator, registration)",
                         STORE_SLACK * (4.0 + moment_bytes) * shapes.params * store_share,
                         f"{STORE_SLACK:.1%} of master + state"))

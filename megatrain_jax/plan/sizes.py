@@ -30,7 +30,7 @@ MICRO_TOKENS = 16384  # tokens per micro-batch that keep the matmuls efficient (
 RUNTIME_HOST_BYTES = {"gpu": 1.45 * GiB, "cpu": 1.0 * GiB}  # Python + JAX + CUDA libraries and context
 MULTI_PROCESS_HOST_BYTES = 0.45 * GiB  # each process of a multi-process run: JAX's coordination client and the
 # collectives' host buffers. Measured: four sharded 70B processes on one H200 each peaked 0.04-0.30 GB over the rows
-# without it (docs/design.md 7.4; experiments/RESULTS.md s21 call 1)
+# without it (docs/design.md 7.4; experiments/bench_data_parallel.py)
 BFC_TABLE_BYTES_PER_POOL_BYTE = 1.0 / 32  # XLA's BFC allocator: one 8-byte chunk handle per 256 bytes of the
 # GPU pool, in host memory (experiments/probe_runtime_stages.py; RESULTS.md)
 PREALLOCATE_ABOVE = 0.75  # of the GPU budget: below it XLA grows its pool on demand, so the allocator table
@@ -45,13 +45,13 @@ GRAD_SLABS_FEWEST, GRAD_SLABS_MOST = 6, 24
 # and bytes per block parameter. Untiled (WS_PER_TOKEN): what lives at the peak, in the MLP's backward: the
 # normed inputs, the residual sum and dx (hidden), q/k/v and the attention output (qkv, q), gate, up, their
 # product and gradients (mlp; moe_mlp: every expert's width in the dense formulation, the OLMoE total of
-# RESULTS.md 2026-11-24 kept). Sequence-tiled (SEQ_WS_PER_TOKEN, per token of the whole sequence): what spans it
+# experiments/probe_block_working_set.py). Sequence-tiled (SEQ_WS_PER_TOKEN, per token of the whole sequence): what spans it
 # around attention's backward: q/k/v and their gradients (qkv), the output, its gradient and the fp32 dQ
 # accumulator (q), a dx partial (hidden), softmax statistics (head: per head); with one tile's MLP terms and
 # "tile" x its other untiled terms, and per parameter the tile loops' fp32 gradient sums (block).
 # gpu: fit to the H100's compiled block VJP, Llama-3.1-8B shape, 32k and 131k tokens, untiled and in 8192-token
 # tiles (RESULTS.md, issue 28); the split between terms (and "tile") follows XLA:CPU's, measured at three widths.
-# Tiled, the per-token spans are fit to the slope beyond 65k tokens (sm_90, RESULTS.md s11): 82.2 KB a token for
+# Tiled, the per-token spans are fit to the slope beyond 65k tokens (sm_90, probe_block_working_set.py): 82.2 KB a token for
 # Llama-3.1-8B (GQA, 131k-524k) and 90.3 for Llama-2-7B (MHA, 65k-262k); the earlier fit was 0.97 of the 524k VJP.
 # cpu: XLA:CPU's, which keeps more per token (less fusion) and runs the blockwise attention inside these
 # coefficients (tests/test_working_set.py: within 10%). experiments/probe_block_working_set.py: plan vs compiled.
@@ -62,7 +62,7 @@ WS_BY_BACKEND = {"gpu": (WS_PER_TOKEN, SEQ_WS_PER_TOKEN),
                          {"hidden": 2.0, "qkv": 4.8, "q": 12.4, "head": 8.0, "tile": 0.446, "block": 9.2})}
 # gpu, an upper bound over the shapes measured: the fit above x WS_GPU_SCALE plus WS_GPU_PER_PARAM bytes per block
 # parameter, checked against the H100's compiled block VJP of Llama-2-7B (4k, 16k, 65k tokens) and Llama-3.1-8B
-# (32k, 131k), untiled and tiled: plan/compiled 1.00-1.13 untiled, 1.03-1.32 tiled (RESULTS.md, 2026-11-25 s7;
+# (32k, 131k), untiled and tiled: plan/compiled 1.00-1.13 untiled, 1.03-1.32 tiled (probe_block_working_set.py;
 # the fit alone was 0.60-0.95 at short sequences: under, and an accepted plan must not run out of memory)
 WS_GPU_SCALE, WS_GPU_PER_PARAM = 1.12, 1.7
 # blocks_queued=1 (the dispatching thread waits for each block): the GPU idles while the next block is dispatched,
@@ -76,7 +76,7 @@ LOSS_BYTES_PER_LOGIT = 10.0  # fp32 logits + fp32 softmax - onehot + bf16 copy o
 # all GPUs' host->GPU streams together (an assumption: DDR bandwidth is the cap beyond two links)
 RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9, "host_read": 200e9,
          # host memory read and written at once by every GPU's device-side update state (in over each link, back
-         # over each link): Qwen2.5-7B on four H200s moved 91 GB each way in a 1.55 s forward (s22 call 2)
+         # over each link): Qwen2.5-7B on four H200s moved 91 GB each way in a 1.55 s forward (bench_data_parallel.py)
          "host_traffic": 117e9,
          # 16 threads of the H100 machine's host (experiments/bench_compact_adamw.py)
          "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 3.5e9, "optax": 1.0e9}}
@@ -85,12 +85,12 @@ GPU_HOLD_BYTES = {h.name: h.gpu_bytes for h in GRAD_HOLD_LIST}  # GPU bytes/para
 HOST_HOLD_BYTES = {h.name: h.host_bytes for h in GRAD_HOLD_LIST if h.on_host}  # host bytes/param of each host hold
 IO_GATHER_RATE = 20e9  # bytes/s of the streamed head's host gather as the step sees it. Gathered twice a step on the
 # dispatching thread, an 8B (128256 x 4096) head cost 1.13 s more per step than the resident one (3.7e9 then:
-# experiments/probe_stream_io.py, H100 machine, RESULTS.md s7); now once, in the background (engine/io_head.py): with
-# it the 8B at 24 GB predicts 8.24 s against 7.88 measured, as over as the whole GPU's prediction (RESULTS.md s15)
+# experiments/probe_stream_io.py, H100 machine); now once, in the background (engine/io_head.py): with
+# it the 8B at 24 GB predicts 8.24 s against 7.88 measured, as over as the whole GPU's prediction (bench_memory_plan.py)
 IO_VOCAB_CHUNK = 16384  # vocabulary rows of the head on the GPU at once with train.stream_io (the engine's chunk)
 IO_HEAD_GRADS_IN_FLIGHT = 2  # stream_io: the head chunks' gradients on their way to the host at once (XLA's pinned
 #                             pool; engine/io_head.py waits for the oldest before the next): unbounded, all ten of
-#                             the 110B's 0.54 GB chunks were, and the pool ran out in step 1 (RESULTS.md s23 call 5)
+#                             the 110B's 0.54 GB chunks were, and the pool ran out in step 1 (bench_memory_plan.py)
 PINNED_LIMIT_FACTOR = 1.02  # XLA's pinned-host pool limit over the plan's pinned bytes (+ PINNED_LIMIT_ROOM):
 # the pool's arrays are few sizes (activation layers, slabs), so little is lost between them; every byte of the
 # limit past the arrays is page-locked RSS once the last region is taken (1.5x cost the 8B at 10 GB 12 GB)
@@ -100,14 +100,14 @@ PINNED_ACT_LAYERS_ON_GPU = 3  # layers of parked activations on the GPU at once 
 MICRO_BATCH_BYTES_PER_PARAM = 24.0  # GPU memory traffic each micro-batch adds per block parameter and step: the
 # fp32 master cast to bf16 inside each call (forward and backward, 6 bytes each) and the backward's fp32 accumulation
 # of the weight gradient (12; alone where no cast runs: 12). Without this term the 8B's step was 3% under its prediction at 4 micro-batches, 1%
-# over at 8 and 8% over at 16 (H100, RESULTS.md s15 call 1). Casting once a pass for all micro-batches instead
-# (one jitted cast per block) was slower on the H100 (s15 call 2: 16 micro-batches 9.09 s against 8.44): reverted
+# over at 8 and 8% over at 16 (H100, bench_memory_plan.py). Casting once a pass for all micro-batches instead
+# (one jitted cast per block) was slower on the H100 (probe_stream_io.py: 16 micro-batches 9.09 s against 8.44): reverted
 HOST_COPY_RATE = 10e9  # bytes/s of one host thread's memcpy (a pageable hold's copier; a bf16 conversion)
 HOLD_RETURN_RATE = 39e9  # bytes/s at which a pageable hold's return (copier -> slab -> GPU) delays a device-side
 # update's next forward: each block waits for its update. 8B at 24 GB on the H100, 10.2 GB held in bf16: 8.11 s steps
-# where the same run with the fp32 hold pinned took 7.85 (RESULTS.md s10); the plan had both at 8.33
+# where the same run with the fp32 hold pinned took 7.85 (bench_gpu_budgets.py); the plan had both at 8.33
 HOST_COPY_PARALLEL_RATE = 40e9  # the same split over 8 threads (holds.parallel) on the H100 machine's 16 cores:
-#                                 its 8B host update widened 30 GB of held bf16 in ~0.65 s (RESULTS.md s8)
+#                                 its 8B host update widened 30 GB of held bf16 in ~0.65 s (bench_memory_plan.py)
 
 
 @dataclass
@@ -278,7 +278,7 @@ def gpu_phases(shapes: Shapes, x: PhaseInputs, want: bool = True) -> tuple[dict[
         # + the cotangents flowing down the blocks (one layer's worth; the VJP's new one is in its working set)
         "backward start (activations, accumulators)": fixed + act.acts + accum + head_acc + ws + head_hold + act.layer
         + top,
-        # (a split: the last pinned input comes back while the one before it is on its way: H100 s15 call 1 peaked
+        # (a split: the last pinned input comes back while the one before it is on its way: an H100 run peaked
         # 0.5 GB over a plan without it)
         "backward end (held gradients, accumulators)": fixed + held + accum + ws + (act.layer if x.act_on_gpu
                                                                                  or act.split else 0)
@@ -339,7 +339,7 @@ def _boundary_activations(shapes: Shapes, x: PhaseInputs, rows: list[Row] | None
     kept_layers = -(-shapes.layers // k)
     segment = (k - 1) * act_layer  # the inputs of one segment, recomputed in the backward
     # parked in pinned host memory: the copies of the last layers out are still in flight (the engine bounds them;
-    # unbounded, the H100 held 31 micro-batch inputs of 64 MiB at once at 8 x 8192 tokens, ~4 layers: RESULTS.md s8)
+    # unbounded, the H100 held 31 micro-batch inputs of 64 MiB at once at 8 x 8192 tokens, ~4 layers: bench_memory_plan.py)
     split = 0 if x.act_on_gpu else kept_on_gpu(shapes.layers, k, x.activations_gpu_blocks)
     # a split: the engine lets the parked layers land before the first the GPU keeps (weights.Boundaries), and in
     # the backward one parked layer comes back while the GPU's last one is used
@@ -466,8 +466,8 @@ def pinned_pool(pinned: float, limit: float | None = None, chunk: float = 0.0) -
 
 
 PINNED_CHUNKED_ABOVE = 1 << 30  # pools whose largest array is above this are planned as whole chunks in regions
-# (bfc_capacity): the 70B's 1.59 GiB bf16 block gradients ran out of a byte-counted limit after step 2 (session 17),
-# while the 8B's 0.81 GiB fp32 ones ran within one (s13-s16: smaller arrays fill the regions' tails)
+# (bfc_capacity): the 70B's 1.59 GiB bf16 block gradients ran out of a byte-counted limit after step 2 (4 x H200),
+# while the 8B's 0.81 GiB fp32 ones ran within one (H100: smaller arrays fill the regions' tails)
 PINNED_SPARE_CHUNKS = 2  # chunks of room over the arrays: smaller arrays in a region's tail and the order of frees
 #                          leave holes no large array fits (the 70B's pinned pool ran out after its second step)
 
@@ -555,7 +555,7 @@ def grown_pool(need: float) -> float:
 # over pinned_in_use's exchange, bytes: holes too small for a block's gradient, and the next forward's inputs
 # arriving before the last updates let their gradients go. The 8B at 10 GB (16 micro-batches, host update) ran
 # out of XLA's pinned pool with its limit at 30 GiB against 27.3 modelled without this room, and its pool had grown
-# to 32 GiB under a looser limit (RESULTS.md s13 calls 1-2); at 24 GB (device update) 21.5 modelled ran within 24.
+# to 32 GiB under a looser limit (bench_gpu_budgets.py); at 24 GB (device update) 21.5 modelled ran within 24.
 PINNED_REUSE_ROOM = 3 * GiB
 PINNED_ACTS, PINNED_HOLD = "boundary activations (pinned)", "gradients held for clipping (pinned)"
 PINNED_REUSED = "pinned space the backward reuses"  # a negative row: pinned_in_use's saving (build.py)
@@ -569,7 +569,7 @@ def pinned_need(rows: list[Row]) -> float:
 def pinned_in_rows(rows: list[Row]) -> float:
     """The pinned bytes in use at the peak as the host rows count them: the arrays, less the space the backward
     reuses (the negative PINNED_REUSED row, where ``pinned_in_use`` found an exchange). XLA's pool limit is taken
-    from this, so it cannot drift from the rows (session 16: computed apart, it took a bf16 hold at 4 bytes)."""
+    from this, so it cannot drift from the rows (computed apart, it once took a bf16 hold at 4 bytes)."""
     return pinned_need(rows) + sum(r.bytes for r in rows if r.what == PINNED_REUSED)
 
 
@@ -578,7 +578,7 @@ def pinned_in_use(rows: list[Row], shapes: Shapes, boundary_every: int = 1, grad
     """Pinned bytes in use at the step's peak, what XLA's pinned pool must hold. With pinned activations and
     a pinned hold both, the backward trades one for the other: block i's gradient lands (block L-1's first)
     while the inputs of blocks <= i still wait, so the peak is the largest of those sums, not activations +
-    hold (the 8B at 10 GB measured a 34.4 GB pool where the sum said 48 GB, RESULTS.md s10). Counted
+    hold (the 8B at 10 GB measured a 34.4 GB pool where the sum said 48 GB, bench_gpu_budgets.py). Counted
     conservatively: block i's own input is still there when its gradient lands, and the hold's groups
     that are not blocks (the head lands first, the embedding last) are there throughout. The first
     ``grad_hold_gpu_groups`` groups of the forward (embedding, block 0, ...) wait on the GPU, not here;

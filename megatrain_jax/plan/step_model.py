@@ -23,7 +23,7 @@ GPU_MEMORY_RATES = {"H200": 4.3e12}
 # the backward of a block that recomputes its forward (and a resweep's second sweep) runs its matmuls faster than the
 # one rate: 584-652 TFLOP/s on an H100 (an 8B, three traces), 648-701 on an H200 (7B, Qwen2.5-7B and -14B, the 110B),
 # 648 the mean of the seven, against 600; the forward and a kept block's backward stay at it (572-720 and 559-593;
-# RESULTS.md s27, experiments/fit_backward_rate.py)
+# experiments/fit_backward_rate.py)
 RECOMPUTE_BACKWARD_SPEEDUP = 1.08
 
 
@@ -207,7 +207,7 @@ def _matmul_s(tokens: int, non_emb: int, attn: float, fwd_blocks: float, shapes:
 def _embed_wait_s(update_s: float, second_sweep_s: float) -> float:
     """What the next forward waits for ``stream_io``'s embedding, updated on the host: all of its update, or with
     a resweep what its second sweep does not hide (the update starts at the norm, before that sweep: engine
-    ``Updates.start_on_host``; 6.6 s exposed a step before, RESULTS.md s26 call 1)."""
+    ``Updates.start_on_host``; 6.6 s exposed a step without it, bench_memory_plan.py --trace)."""
     return max(update_s - second_sweep_s, 0.0)
 
 

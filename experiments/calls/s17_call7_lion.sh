@@ -1,1 +1,0 @@
-export PYTHONPATH=. PYTHONUNBUFFERED=1; timeout 400 python experiments/bench_memory_plan.py --out $OUT --steps 3 --case "7b_lion=configs/7b.yaml;optim.name=lion;optim.clip_norm=1.0"  # session 17 call 7: call 6 s lion case again after the kernel=auto fix (the base chain had resolved it to fused)
