@@ -3,6 +3,7 @@ expert computation at the five shapes of the MoE issue, 16,384 tokens, bf16.
 
     python experiments/bench_moe.py layer [--tokens 16384] [--impl auto] [--out FILE]
     python experiments/bench_moe.py kernels [--tokens 16384]   # each grouped matmul alone, tile sweep
+    python experiments/bench_moe.py tune [--shapes a,b]        # the sweep, then the layer at the best tiles
     python experiments/bench_moe.py cpu                        # a small shape, fp32 (runs anywhere)
 
 The transformers side of the comparison is ``experiments/bench_moe_torch.py`` (run in the same call,
@@ -60,11 +61,34 @@ def layer_step(k, impl):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def bench_layer(tokens, impl, reps, shapes):
+def best_tiles(kernel_rows, name):
+    """The fastest measured tiles of a shape: (fwd, wgrad), each summed over its cases."""
+    from megatrain_jax.models.grouped_kernels import MatmulTiles
+
+    def best(prefixes):
+        total: dict = {}
+        for r in kernel_rows:
+            if r["shape"] == name and r.get("tiles") and any(r["case"].startswith(p) for p in prefixes):
+                key = tuple(r["tiles"].values())
+                total.setdefault(key, []).append(r.get("ms", float("inf")))
+        n = max((len(v) for v in total.values()), default=0)
+        full = {kk: sum(v) for kk, v in total.items() if len(v) == n}
+        return MatmulTiles(*min(full, key=full.get)) if full else None
+
+    return best(("fwd", "dx")), best(("dw",))
+
+
+def bench_layer(tokens, impl, reps, shapes, kernel_rows=None):
+    from megatrain_jax.models import grouped_kernels as gk
+
     rows = []
     for name in shapes:
         h, e, k, f = SHAPES[name]
         row = {"shape": name, "tokens": tokens, "H": h, "E": e, "k": k, "F": f, "impl": impl}
+        if kernel_rows:
+            fwd, wgrad = best_tiles(kernel_rows, name)
+            gk.OVERRIDE = gk.MosaicGroupedMatmul(fwd=fwd, wgrad=wgrad)
+            row["tiles"] = {"fwd": fwd and fwd.__dict__, "wgrad": wgrad and wgrad.__dict__}
         try:
             x, wr, ws = layer_inputs(tokens, h, e, k, f, jnp.bfloat16)
             sec = timed(layer_step(k, impl), (x, wr, ws), reps)
@@ -75,6 +99,21 @@ def bench_layer(tokens, impl, reps, shapes):
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def sweep_tiles(h, f):
+    """The tile sizes tried per grouped matmul (``grouped_kernels.MatmulTiles``): the projections and
+    input gradients (fwd), the weight gradients (wgrad); block sizes that divide the shape."""
+    from megatrain_jax.models.grouped_kernels import MatmulTiles as T
+
+    fwd = [T(128, 128, 64, 4, 4), T(128, 128, 64, 4, 8), T(128, 128, 64, 6, 4), T(128, 192, 64, 3, 4),
+           T(128, 128, 128, 3, 4)]
+    if h % 128 == 0 and f % 128 == 0:
+        wg = [T(128, 128, 64, 4, 1), T(128, 128, 64, 4, 4), T(128, 128, 64, 6, 2), T(128, 128, 128, 3, 1)]
+    else:
+        wg = [T(192, 192, 64, 4, 1), T(192, 192, 64, 3, 2), T(64, 192, 64, 4, 1), T(192, 64, 64, 4, 1),
+              T(64, 64, 64, 4, 1)]
+    return fwd, wg
 
 
 def bench_kernels(tokens, reps, shapes):
@@ -97,12 +136,11 @@ def bench_kernels(tokens, reps, shapes):
             "dx (R,F)x(E,H,F)^T": (lambda mm: (lambda a, w: mm.gmm(a, w, lay, transpose_w=True)), (hs, ws[0])),
             "dw (R,H)^T(R,F)": (lambda mm: (lambda a, b: mm.tgmm(a, b, lay, e)), (xs, hs)),
         }
-        fwd_tiles = [None, MatmulTiles(128, 128, 64, 4, 1), MatmulTiles(128, 128, 64, 4, 4),
-                     MatmulTiles(128, 192, 64, 3, 1), MatmulTiles(64, 128, 64, 4, 1), MatmulTiles(128, 64, 64, 5, 1)]
-        wg_tiles = [None, MatmulTiles(128, 128, 64, 4, 1), MatmulTiles(128, 128, 128, 3, 1),
-                    MatmulTiles(64, 128, 64, 4, 1), MatmulTiles(128, 64, 64, 4, 2)]
+        fwd_tiles, wg_tiles = sweep_tiles(h, f)
         for case, (make, args) in cases.items():
             for tiles in (wg_tiles if case.startswith("dw") else fwd_tiles):
+                if case.startswith("dw") and (h % tiles.block_m or f % tiles.block_n):
+                    continue
                 mm = MosaicGroupedMatmul(wgrad=tiles) if case.startswith("dw") else MosaicGroupedMatmul(fwd=tiles)
                 row = {"shape": name, "case": case, "tiles": None if tiles is None else tiles.__dict__}
                 try:
@@ -123,7 +161,7 @@ def bench_kernels(tokens, reps, shapes):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["layer", "kernels", "cpu"])
+    ap.add_argument("mode", choices=["layer", "kernels", "tune", "cpu"])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--reps", type=int, default=10)
@@ -143,6 +181,9 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     elif a.mode == "layer":
         rows = bench_layer(a.tokens, a.impl, a.reps, shapes)
+    elif a.mode == "tune":  # each kernel's tile sweep, then the layer with the fastest tiles per shape
+        kern = bench_kernels(a.tokens, a.reps, shapes)
+        rows = kern + bench_layer(a.tokens, a.impl, a.reps, shapes, kernel_rows=kern)
     else:
         rows = bench_kernels(a.tokens, a.reps, shapes)
     if a.out:
