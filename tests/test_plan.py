@@ -203,17 +203,43 @@ def test_plan_shows_each_state_mode_and_suggests_the_fullest_that_fits():
 
 
 def test_moe_working_set_counts_every_expert_of_the_dense_formulation():
-    """OLMoE shape on the H100 (measured peaks 40.1 GB at 8 micro-batches and 48.3 GB at 4, bench_memory_plan.py): the
-    plan counts the (tokens x experts x expert width) intermediates with the MoE coefficient, so it lands at
-    or above each measurement and within 10% (33.9 GB without them; 43.1 at 4 with the dense coefficient). (5% before
-    the plan counted the engine's pace: a third block's weights and a second fp32 accumulator, 2.6 GB at this
-    shape; the measurements predate the pace.)"""
+    """OLMoE shape on the H100 with moe_impl=dense (measured peaks 40.1 GB at 8 micro-batches and 48.3 GB at 4,
+    bench_memory_plan.py): the plan counts the (tokens x experts x expert width) intermediates with the dense
+    MoE coefficient, so it lands at or above each measurement and within 10% (33.9 GB without them)."""
     for m, measured in [(8, 40.1), (4, 48.3)]:
-        p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", f"train.micro_batches={m}")
+        p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", f"train.micro_batches={m}", "model.moe_impl=dense")
         assert 1.0 <= p.gpu_need / GB / measured < 1.10, (m, p.gpu_need / GB)
-    p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", "train.micro_batches=8")
-    dense = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", "train.micro_batches=8", "model.num_experts=8")
+    p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", "train.micro_batches=8", "model.moe_impl=dense")
+    dense = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml", "train.micro_batches=8", "model.num_experts=8",
+                  "model.moe_impl=dense")
     assert dense.gpu_need < p.gpu_need
+
+
+def test_grouped_moe_working_set_counts_the_routed_rows():
+    """On the grouped path (moe_impl auto) a token holds its k routed rows, not every expert: the block's
+    working set is k x (H + F) x ROUTED_BYTES a token plus each expert's tile padding (plan/moe.py), and the
+    step counts the routed experts' FLOPs at the grouped rate, not every expert's."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.plan import moe as plan_moe
+    from megatrain_jax.plan.sizes import Shapes, block_working_set
+
+    cfg = load_config("configs/olmoe-1b-7b-shape-qwen3moe.yaml", [])
+    m = cfg.model
+    routed = Shapes.of(m, 4, 4096, "bfloat16")
+    dense = Shapes.of(load_config("configs/olmoe-1b-7b-shape-qwen3moe.yaml", ["model.moe_impl=dense"]).model, 4, 4096,
+                      "bfloat16")
+    assert routed.mlp_width == 8 * (2048 + 1024) and dense.mlp_width == 64 * 1024
+    assert routed.routed_pad == 64 * plan_moe.GROUPED_TILE // 8 and dense.routed_pad == 0
+    tokens = 16384
+    with_pad = block_working_set(routed, tokens)
+    assert with_pad < 0.6 * block_working_set(dense, tokens)
+    grown = block_working_set(routed, 2 * tokens) - with_pad  # linear in tokens: the routed rows' bytes
+    assert abs(grown - 1.12 * tokens * (routed.mlp_width * plan_moe.ROUTED_BYTES + 6.0 * 2048 + 2.0 * 6144
+                                        + 2.0 * 2048)) < 1e-6 * grown
+    assert m.active_non_embedding_params() < plan_moe.step_matmul_params(m) < m.non_embedding_params()
+    p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml")
+    assert p.step["binding"] and p.gpu_need < _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml",
+                                                   "model.moe_impl=dense").gpu_need
 
 
 # ------------------------------------------------------------------ kept residuals (train.keep_residuals)

@@ -176,6 +176,9 @@ def _against_plan(res: dict, recs: list[dict], config: str, sets: list[str], pro
 
         c = load_config(os.path.join(REPO, config), sets)
         res["seq_len"], res["gpu_budget_gb"] = c.data.seq_len, c.train.gpu_memory_gb
+        if getattr(c.model, "num_experts", None):  # a mixture of experts: model FLOPs count its active parameters
+            res["active_params"], res["total_params"] = c.model.active_params(), c.model.total_params()
+            res["plan_binds"] = p["step"].get("binding")
     except Exception:  # noqa: BLE001 (a config the plan read: only a record field is lost)
         pass
 

@@ -11,6 +11,7 @@ from typing import Any
 from megatrain_jax.config import Config
 import megatrain_jax.plan.decisions as choose
 from megatrain_jax.placements import PAGEABLE_HOLDS, PINNED_HOLDS
+from megatrain_jax.plan import moe as plan_moe
 from megatrain_jax.plan.machine import Machine, process_count
 from megatrain_jax.plan.memo import PlanMemo
 from megatrain_jax.plan.options import GRAD_SLAB_ELEMS
@@ -70,7 +71,7 @@ class PlacementCosts:
         # host memory is per process: its own GPUs' parked activations, CUDA contexts and pool tables
         self.local_dev = max(self.n_dev // process_count(), 1)
         self.host_act_bytes = float(s.layers * s.batch * s.seq * s.hidden * s.dtype_bytes * self.local_dev)
-        self.non_emb = self.cfg.model.non_embedding_params()
+        self.non_emb = plan_moe.step_matmul_params(self.cfg.model)  # (a MoE: its routed experts, plan/moe.py)
         if self.memo is not None:
             key = self.costs_key()
             self._steps, self._placed_sums, self._gpu_side_sums = (self.memo.table(name, key) for name in

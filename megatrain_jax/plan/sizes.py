@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.placements import GRAD_HOLD_LIST
+from megatrain_jax.plan import moe as plan_moe
 from megatrain_jax.plan.options import BLOCKS_QUEUED, DEVICE_UPDATE_CHUNK, HOLD_COPIES_IN_FLIGHT, WRITEBACKS_IN_FLIGHT
 
 GB = 1e9
@@ -36,19 +37,17 @@ BFC_TABLE_BYTES_PER_POOL_BYTE = 1.0 / 32  # XLA's BFC allocator: one 8-byte chun
 PREALLOCATE_ABOVE = 0.75  # of the GPU budget: below it XLA grows its pool on demand, so the allocator table
 # covers only what is used; above it the pool is made whole at the start (RESULTS.md)
 BFC_FIRST_REGION = 2 << 20
-# pinned gradient slabs (of options.GRAD_SLAB_ELEMS values) the plan chooses between (decisions.choose_slabs): a
-# deeper pool keeps the host optimizer fed
-GRAD_SLABS_FEWEST, GRAD_SLABS_MOST = 6, 24
-# (RESULTS.md: 6 -> 24 slabs, Llama-2-7B 388 -> 397 model-TFLOPS on the H100)
+# pinned gradient slabs (of options.GRAD_SLAB_ELEMS values) the plan chooses between (decisions.choose_slabs): a deeper
+GRAD_SLABS_FEWEST, GRAD_SLABS_MOST = 6, 24  # pool feeds the host optimizer (6 -> 24: Llama-2-7B 388 -> 397 on the H100)
 # One block's recompute + VJP working set (the engine's block backward: XLA's temporaries beyond its arguments),
 # per backend, in bytes per token and unit of width in bf16 compute (x4 in fp32 compute, as calibrated before)
 # and bytes per block parameter. Untiled (WS_PER_TOKEN): what lives at the peak, in the MLP's backward: the
 # normed inputs, the residual sum and dx (hidden), q/k/v and the attention output (qkv, q), gate, up, their
 # product and gradients (mlp; moe_mlp: every expert's width in the dense formulation, the OLMoE total of
-# experiments/probe_block_working_set.py). Sequence-tiled (SEQ_WS_PER_TOKEN, per token of the whole sequence): what spans it
-# around attention's backward: q/k/v and their gradients (qkv), the output, its gradient and the fp32 dQ
-# accumulator (q), a dx partial (hidden), softmax statistics (head: per head); with one tile's MLP terms and
-# "tile" x its other untiled terms, and per parameter the tile loops' fp32 gradient sums (block).
+# probe_block_working_set.py; a grouped MoE: plan/moe.py). Sequence-tiled (SEQ_WS_PER_TOKEN, per token of the whole
+# sequence): what spans it around attention's backward: q/k/v and their gradients (qkv), the output, its gradient
+# and the fp32 dQ accumulator (q), a dx partial (hidden), softmax statistics (head: per head); with one tile's MLP
+# terms and "tile" x its other untiled terms, and per parameter the tile loops' fp32 gradient sums (block).
 # gpu: fit to the H100's compiled block VJP, Llama-3.1-8B shape, 32k and 131k tokens, untiled and in 8192-token
 # tiles (RESULTS.md, issue 28); the split between terms (and "tile") follows XLA:CPU's, measured at three widths.
 # Tiled, the per-token spans are fit to the slope beyond 65k tokens (sm_90, probe_block_working_set.py): 82.2 KB a token for
@@ -140,7 +139,8 @@ class Shapes:
     seq: int
     tied: bool
     dtype_bytes: int  # compute dtype bytes
-    mlp_ws: float = WS_PER_TOKEN["mlp"]  # working-set bytes per token and unit of mlp_width (moe_mlp: a MoE)
+    mlp_ws: float = WS_PER_TOKEN["mlp"]  # working-set bytes per token and unit of mlp_width (a MoE: plan/moe.py)
+    routed_pad: int = 0  # a grouped MoE's tile padding, as tokens of its mlp_width (plan/moe.py)
     head_dim: int = 0
     q_width: int = 0  # heads x head_dim
     seq_tile: int = 0  # tokens per sequence tile of a block (model.seq_tile; 0: untiled)
@@ -157,14 +157,15 @@ class Shapes:
         q, kv = m.num_heads * m.dim_per_head, m.kv_heads * m.dim_per_head
         emb = m.vocab_size * m.hidden_size
         head = m.hidden_size + (0 if m.tie_embeddings else emb)
-        # a mixture of experts computes every expert on every token in its dense formulation (and
-        # ragged_dot lowers to the same masked product)
-        moe = bool(getattr(m, "num_experts", None))
-        mlp = (m.moe_intermediate_size or m.intermediate_size) * m.num_experts if moe else m.intermediate_size
+        # a mixture of experts: its k routed rows a token on the grouped path, every expert in the dense one
+        moe, routed = plan_moe.is_moe(m), plan_moe.routed(m)
+        mlp = plan_moe.routed_mlp_width(m) if routed else plan_moe.expert_width(m) * m.num_experts if moe else \
+            m.intermediate_size
         return cls(params=m.total_params(), block=m.block_params(), embed=emb, head=head, layers=m.num_layers,
                    hidden=m.hidden_size, mlp_width=mlp, vocab=m.vocab_size, qkv_width=q + 2 * kv, batch=batch,
                    seq=seq, tied=m.tie_embeddings, dtype_bytes=2 if compute_dtype == "bfloat16" else 4,
-                   mlp_ws=WS_PER_TOKEN["moe_mlp" if moe else "mlp"], head_dim=m.dim_per_head, q_width=q,
+                   mlp_ws=plan_moe.ROUTED_BYTES if routed else WS_PER_TOKEN["moe_mlp" if moe else "mlp"],
+                   routed_pad=plan_moe.padding_tokens(m) if routed else 0, head_dim=m.dim_per_head, q_width=q,
                    seq_tile=seq_tile if seq_tile is not None else m.seq_tile_tokens,
                    tile_auto=m.seq_tile == "auto" and getattr(m._family().block, "SEQ_TILING", False),
                    backend=backend)
@@ -189,20 +190,19 @@ def block_working_set(shapes: Shapes, tokens_mb: int, backend: str | None = None
     extra beyond cuDNN is a row of its own). Sequence-tiled: what spans the whole sequence around
     attention, one tile's worth of the per-token terms, and the tile loops' gradient sums."""
     w, seq = WS_BY_BACKEND[backend or shapes.backend]
-    mlp = (w["moe_mlp"] if shapes.mlp_ws == WS_PER_TOKEN["moe_mlp"] else w["mlp"]) * shapes.mlp_width
+    mlp = shapes.mlp_width * (shapes.mlp_ws if shapes.routed_pad else w["moe_mlp" if shapes.mlp_ws == WS_PER_TOKEN["moe_mlp"] else "mlp"])
     other = w["hidden"] * shapes.hidden + w["qkv"] * shapes.qkv_width + w["q"] * shapes.q_width
     scale = shapes.dtype_bytes / 2 * (2 if shapes.dtype_bytes == 4 else 1)
     tile = shapes.seq_tile
-    # (a mixture of experts keeps its own calibration: its measured step peaks, tests/test_plan.py)
-    gpu = (backend or shapes.backend) == "gpu" and shapes.mlp_ws != WS_PER_TOKEN["moe_mlp"]
+    gpu = (backend or shapes.backend) == "gpu" and shapes.mlp_ws != WS_PER_TOKEN["moe_mlp"]  # (dense MoE: its own fit)
     bound = (lambda ws: WS_GPU_SCALE * ws + WS_GPU_PER_PARAM * shapes.block) if gpu else (lambda ws: ws)
     if not 0 < tile < shapes.seq:
-        return bound(tokens_mb * (mlp + other) * scale + w["block"] * shapes.block)
+        return bound(((tokens_mb + shapes.routed_pad) * mlp + tokens_mb * other) * scale + w["block"] * shapes.block)
     heads = shapes.q_width // max(shapes.head_dim, 1)
     spans = (seq["hidden"] * shapes.hidden + seq["qkv"] * shapes.qkv_width + seq["q"] * shapes.q_width) \
         * shapes.dtype_bytes / 2 + seq["head"] * heads
     tiles = tokens_mb // shapes.seq * tile  # one tile of each sequence
-    return bound(tokens_mb * spans + tiles * (mlp + seq["tile"] * other) * scale + seq["block"] * shapes.block)
+    return bound(tokens_mb * spans + ((tiles + shapes.routed_pad) * mlp + tiles * seq["tile"] * other) * scale + seq["block"] * shapes.block)
 
 
 def loss_working_set(shapes: Shapes, tokens_mb: int, loss_chunk: int) -> float:

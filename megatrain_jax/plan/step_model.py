@@ -10,6 +10,7 @@ from typing import Any
 from megatrain_jax.config import Config
 from megatrain_jax.optim.costs import device_update_s, update_cost
 import megatrain_jax.plan.decisions as choose
+from megatrain_jax.plan import moe as plan_moe
 from megatrain_jax.plan.machine import Machine
 from megatrain_jax.placements import BF16_HOLDS, PAGEABLE_HOLDS, PINNED_HOLDS
 from megatrain_jax.plan.sizes import (DISPATCH_BLOCK_S, DISPATCH_CALL_S, HOLD_RETURN_RATE, HOST_COPY_PARALLEL_RATE,
@@ -95,7 +96,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # runs on every GPU alike
     shares = n_dev if (update_on == "device" and optim.kernel == "fused") else 1
     tokens = train.batch_size * cfg.data.seq_len
-    non_emb = model.non_embedding_params() if non_emb is None else non_emb
+    non_emb = plan_moe.step_matmul_params(model) if non_emb is None else non_emb  # (MoE: plan/moe.py)
     attn = 12.0 * model.num_layers * model.num_heads * model.dim_per_head * cfg.data.seq_len if attention else 0.0
     fwd_blocks = tokens * (2 * non_emb + attn / 6.0)
     # a resweep runs the recompute (1 forward) and backward (2 forwards) once more: ~+75%, over the blocks above
