@@ -266,6 +266,7 @@ class _Start:
     start_step: int = 0
     state: dict = field(default_factory=dict)  # the resumed checkpoint's state.json
     inputs: list = field(default_factory=list)  # what the run reads (the writers' rule keeps outputs off them)
+    ref_of: Any = None  # dpo/ipo: pair indices -> the rows' reference log-probabilities (reference_logps.py)
 
 
 def run_inputs(cfg: Config, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
@@ -314,15 +315,38 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) -> 
         resolve_hf_model_config(cfg.model, log)  # sizes before anything uses them; a Hub id becomes its snapshot
         _warn_positions(cfg, log)
     dataset = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=t.batch_size)  # one batch must come out
+    _check_objective_data(cfg, dataset)
     # before anything is allocated (a model with adapters: the plan's LoRA rows, plan/lora.py)
     plan = plan_or_refuse(cfg, log) if t.engine == "streamed" else None
     if not resume:
-        return _Start(Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg), plan, dataset, root,
-                      inputs=inputs)
+        trainer = Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg)
+        return _Start(trainer, plan, dataset, root, inputs=inputs, ref_of=_preference(cfg, trainer, dataset, plan,
+                                                                                      False, log))
     trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
     _resume_checks(cfg, dataset, state, log)
     log(f"resumed from {path}: step {int(state['step'])}, optimizer count {trainer.step_count}")
-    return _Start(trainer, plan, dataset, root, int(state["step"]), state, inputs)
+    return _Start(trainer, plan, dataset, root, int(state["step"]), state, inputs,
+                  ref_of=_preference(cfg, trainer, dataset, plan, True, log))
+
+
+def _check_objective_data(cfg: Config, dataset) -> None:
+    """A preference objective trains on preference pairs, and preference pairs only under one."""
+    pairs = hasattr(dataset, "n_pairs")
+    if cfg.train.objective != "sft" and not pairs:
+        raise UserError("data.path", f"train.objective={cfg.train.objective} trains on preference pairs, and "
+                        f"{dataset.path} holds none", "prepare the pairs with `megatrain-jax prepare --preference`")
+    if cfg.train.objective == "sft" and pairs:
+        raise UserError("train.objective", f"{dataset.path} holds preference pairs, not SFT data",
+                        "set train.objective to dpo, ipo, simpo or orpo")
+
+
+def _preference(cfg: Config, trainer, dataset, plan, resume: bool, log: Log):
+    """A preference objective set on the engine; dpo/ipo: the reference log-probabilities (reference_logps.py)."""
+    if cfg.train.objective == "sft":
+        return None
+    from megatrain_jax import reference_logps
+
+    return reference_logps.prepare(cfg, trainer, dataset, plan, resume, log if is_main() else (lambda _m: None))
 
 
 def _open_outputs(cfg: Config, start: _Start, resume: bool, main: bool, log: Log) -> tuple[MetricsWriter, str]:
@@ -430,7 +454,10 @@ class _Loop:
     def _step(self, s: int):
         """Step ``s`` (1-based): the batch of index ``s - 1`` (a pure function of the step)."""
         t, d = self.cfg.train, self.cfg.data
-        batch = to_engine_batch(self.start.dataset.batch(s - 1, t.batch_size, d.seq_len), d.doc_masking)
+        raw = self.start.dataset.batch(s - 1, t.batch_size, d.seq_len)
+        batch = to_engine_batch(raw, d.doc_masking)
+        if self.start.ref_of is not None:  # dpo/ipo: each row's reference log-probability
+            batch = batch._replace(ref_logps=self.start.ref_of(raw.pairs))
         engine = getattr(self.trainer, "engine", None)
         traced = _Timeline(engine, t.out_dir, s, self.log) if (self.main and s == t.trace_step) \
             else contextlib.nullcontext()
@@ -460,6 +487,8 @@ class _Loop:
                "skipped": res.skipped}
         if getattr(res, "aux_loss", None) is not None:  # e.g. the MoE router's load-balancing term, inside loss
             rec["aux_loss"] = res.aux_loss
+        if getattr(res, "preference", None):  # TRL's rewards/* and logps/* (objectives.Objective.metrics)
+            rec.update(res.preference)
         rec["lr"] = self.trainer.lr_at(self.trainer.step_count)
         rec.update(memory_snapshot(self.trainer.memory_device))
         return rec
@@ -468,7 +497,9 @@ class _Loop:
         t = self.cfg.train
         eta = elapsed / (s - self.start.start_step) * (t.steps - s)
         self.log(f"step {s:>6}/{t.steps}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  "
-                 f"tokens/s {rec['tokens_per_s']:,.0f}  model TFLOPS {rec['model_tflops']:.3f}  "
+                 + (f"reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:.3f}  "
+                    if "rewards/accuracies" in rec else "")
+                 + f"tokens/s {rec['tokens_per_s']:,.0f}  model TFLOPS {rec['model_tflops']:.3f}  "
                  f"elapsed {elapsed:.0f}s  eta {eta:.0f}s")
 
     def _stop_if_bad(self, s: int) -> None:

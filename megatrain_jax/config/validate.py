@@ -125,6 +125,9 @@ def _validate_engine(cfg: Config) -> None:
     if t.engine not in ("streamed", "reference"):
         raise UserError("train.engine", f"{t.engine!r} is not an engine", "use streamed or reference")
     check_lora_run(cfg)
+    from megatrain_jax.objectives import check_config
+
+    check_config(cfg)  # train.objective and its constants (a preference objective: the streamed engine)
     for name, value in (("train.trace_step", t.trace_step), ("train.export", t.export)):
         if t.engine == "reference" and value:  # the reference keeps no host store and no per-layer timeline
             raise UserError(name, "is not available with train.engine=reference",

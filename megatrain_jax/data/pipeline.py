@@ -320,7 +320,16 @@ def prepare_main(argv: list[str]) -> int:
     ap.add_argument("--workers", type=int, default=None, help="processes for JSONL (default: every core)")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace an earlier data set at PREFIX (its own files only, once the new one is complete)")
+    ap.add_argument("--preference", action="store_true",
+                    help="JSONL preference pairs (prompt/chosen/rejected, TRL's formats) for train.objective=dpo|ipo|"
+                         "simpo|orpo (data/preference.py)")
     args = ap.parse_args(argv)
+    if args.preference:
+        from megatrain_jax.data.preference import prepare_preference
+
+        prepare_preference(args.inputs, args.out, args.tokenizer, args.chat_template, args.quiet, args.on_error,
+                           args.overwrite)
+        return 0
     if args.workers is not None and args.workers < 1:
         raise UserError("--workers", f"must be >= 1, got {args.workers}", "pass a positive number of processes")
     prepare(args.inputs, args.out, args.tokenizer, args.format, args.quiet, args.chat_format, args.chat_template,
