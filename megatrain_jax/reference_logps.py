@@ -195,9 +195,17 @@ def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: 
     batch's (B,) reference log-probabilities from its pair indices (None without a reference)."""
     from megatrain_jax.objectives import from_config
 
+    from megatrain_jax.distributed import is_main
+
     obj = from_config(cfg.train)
     engine = getattr(trainer, "engine", trainer)
     engine.kernels.objective = obj
+    per = cfg.train.batch_size // (engine.options.micro_batches * engine.num_devices)
+    if per % 2:  # (micro_batches=auto may have split a pair: refused before anything is written)
+        raise UserError("train.micro_batches", f"{engine.options.micro_batches} micro-batches over "
+                        f"{engine.num_devices} device(s) give each {per} rows of train.batch_size="
+                        f"{cfg.train.batch_size}: a pair is two rows", "set train.micro_batches so that "
+                        "batch_size / (micro_batches x devices) is even")
     if obj is None or not obj.needs_reference:
         return None
     arr = cached(cfg, dataset, resume)
@@ -208,7 +216,7 @@ def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: 
         log(f"reference pass: {dataset.n_pairs:,} pairs in {n_batches} batches of {t.batch_size} rows, forward only"
             + (f" (planned {pred:.1f} s)" if pred is not None else ""))
         arr, secs = reference_pass(engine, dataset, t.batch_size, cfg.data.seq_len, log)
-        path = write(cfg, dataset, arr, secs)
+        path = write(cfg, dataset, arr, secs) if is_main() else paths(dataset.path)[0]
         log(f"reference pass: done in {secs:.1f} s; {path}")
     else:
         log(f"reference log-probabilities: {paths(dataset.path)[0]} (made from the same weights and data)")

@@ -109,6 +109,12 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
 
     memo = PlanMemo()  # (the call's plans share what they compute alike)
     plan = _make_plan(cfg, machine, devices, attention, memo)
+    if getattr(cfg.train, "objective", "sft") in ("dpo", "ipo"):  # the reference pass before step 1
+        from megatrain_jax.reference_logps import predicted_pass_s
+
+        plan.notes.append(f"reference pass ({cfg.train.objective}): forward only, about {predicted_pass_s(plan, 1):.2f} s "
+                          f"per batch of {cfg.train.batch_size} rows, once per data set and initial weights "
+                          "(cached next to the data: reference_logps.py)")
     if not _modes:
         return plan
     if cfg.optim.kernel == "fused" and _mode_table:
