@@ -61,11 +61,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megatrain_jax.engine.loss import capped
-from megatrain_jax.errors import UserError
+from megatrain_jax.config.objective import OBJECTIVES, check_objective
 
 F32 = jnp.float32
-OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo")
 PREFERENCE = OBJECTIVES[1:]
 NEEDS_REFERENCE = ("dpo", "ipo")
 AVERAGED = ("ipo", "simpo", "orpo")  # log-probabilities averaged over each completion's tokens (TRL's)
@@ -87,6 +85,11 @@ def token_logps(normed: jax.Array, out_matrix: jax.Array, labels: jax.Array, chu
         x, y = jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(y, (0, pad))
     lp = _token_logps(x.reshape(-1, c, h), out_matrix, y.reshape(-1, c), softcap)
     return lp.reshape(-1)[:n].reshape(labels.shape)
+
+
+def capped(logits: jax.Array, softcap: float | None) -> jax.Array:
+    """Final-logit soft-capping, as ``engine/loss.capped`` (Gemma 2): ``softcap * tanh(logits / softcap)``."""
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
 def _chunk_stats(xc, w, yc, softcap):
@@ -341,39 +344,12 @@ class Objective:
 
 
 def from_config(train_cfg: Any) -> Objective | None:
-    """``train.objective`` and its constants as an ``Objective`` (None for sft)."""
-    name = getattr(train_cfg, "objective", "sft") or "sft"
-    if name not in OBJECTIVES:
-        raise UserError("train.objective", f"{name!r} is not an objective", "use one of " + ", ".join(OBJECTIVES))
+    """``train.objective`` and its constants as an ``Objective`` (None for sft); checked as the config is."""
+    from types import SimpleNamespace
+
+    check_objective(SimpleNamespace(train=train_cfg))
+    name = train_cfg.objective or "sft"
     if name == "sft":
         return None
-    beta = float(train_cfg.beta)
-    if not beta > 0:
-        raise UserError("train.beta", f"must be > 0, got {beta}", "set train.beta, e.g. 0.1")
-    ls = float(train_cfg.label_smoothing)
-    if not 0.0 <= ls < 0.5:
-        raise UserError("train.label_smoothing", f"must be in [0, 0.5), got {ls}", "set 0 (plain DPO) or e.g. 0.1")
-    if ls and name not in ("dpo", "simpo"):
-        raise UserError("train.label_smoothing", f"is used by dpo and simpo, not {name}", "set it to 0")
-    lam = float(train_cfg.orpo_lambda)
-    if name == "orpo" and not lam > 0:
-        raise UserError("train.orpo_lambda", f"must be > 0, got {lam}", "set train.orpo_lambda, e.g. 0.1")
-    return Objective(name, beta, float(train_cfg.gamma), lam, ls)
-
-
-def check_config(cfg: Any) -> None:
-    """``train.objective`` and its fields, before anything runs (``config/validate.py``)."""
-    t = cfg.train
-    obj = from_config(t)
-    if t.reference not in ("auto", "recompute"):
-        raise UserError("train.reference", f"{t.reference!r}", "use auto or recompute")
-    if obj is None:
-        return
-    if t.engine != "streamed":
-        raise UserError("train.objective", f"{obj.name} runs on the streamed engine", "set train.engine=streamed")
-    if t.batch_size % 2:
-        raise UserError("train.batch_size", f"must be even with train.objective={obj.name} (a pair is two rows), "
-                        f"got {t.batch_size}", "set train.batch_size to twice the pairs per step")
-    if t.micro_batches != "auto" and (t.batch_size // int(t.micro_batches)) % 2:
-        raise UserError("train.micro_batches", f"{t.micro_batches} micro-batches of {t.batch_size} rows split a pair",
-                        "make train.batch_size a multiple of 2 x train.micro_batches")
+    return Objective(name, float(train_cfg.beta), float(train_cfg.gamma), float(train_cfg.orpo_lambda),
+                     float(train_cfg.label_smoothing))

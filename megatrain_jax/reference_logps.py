@@ -133,8 +133,7 @@ def forward_logps(engine: Any, batch: Any) -> np.ndarray:
 
     k, weights, io, L = engine.kernels, engine.weights, engine.io, engine.num_layers
     obj = k.objective
-    b = batch if isinstance(batch, Batch) else Batch(batch.tokens, batch.labels, batch.loss_mask)
-    b = engine.preference_batch(b)
+    b = engine.preference_batch(Batch(batch.tokens, batch.labels, batch.loss_mask))
     mbs = engine._micro_batches(b)
     k.begin(engine.count)
     engine.pace.reset()
@@ -180,22 +179,19 @@ def reference_pass(engine: Any, dataset: Any, batch_size: int, seq_len: int, log
 
 
 def predicted_pass_s(plan: Any, n_batches: int) -> float | None:
-    """The plan's time for the pass: per batch, the forward sweep's compute (about a quarter of the step's
-    matmuls: 2 of its 8 FLOPs per parameter and token) or the blocks' one transfer (half the step's
-    host->GPU bytes), whichever is longer."""
+    """The plan's time for the pass (``plan.build.reference_pass_s`` per batch)."""
+    from megatrain_jax.plan.step_model import reference_pass_s
+
     st = getattr(plan, "step", None) or {}
-    if "compute_s" not in st:
-        return None
-    return n_batches * max(st["compute_s"] / 4.0, st.get("h2d_s", 0.0) / 2.0)
+    return n_batches * reference_pass_s(st) if "compute_s" in st else None
 
 
-def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: Callable[[str], None]) -> Any:
-    """The objective set on the trainer's engine and, for dpo/ipo, the dataset's reference log-probabilities:
-    cached, or made by the pass (fresh runs only) and written next to the data. Returns a function giving a
-    batch's (B,) reference log-probabilities from its pair indices (None without a reference)."""
-    from megatrain_jax.objectives import from_config
-
+def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: Callable[[str], None]) -> None:
+    """The objective set on the trainer's engine and, for dpo/ipo, the dataset's reference log-probabilities
+    (``dataset.reference``, which its batches then carry): cached, or made by the pass (fresh runs only) and
+    written next to the data."""
     from megatrain_jax.distributed import is_main
+    from megatrain_jax.objectives import from_config
 
     obj = from_config(cfg.train)
     engine = getattr(trainer, "engine", trainer)
@@ -207,7 +203,7 @@ def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: 
                         f"{cfg.train.batch_size}: a pair is two rows", "set train.micro_batches so that "
                         "batch_size / (micro_batches x devices) is even")
     if obj is None or not obj.needs_reference:
-        return None
+        return
     arr = cached(cfg, dataset, resume)
     if arr is None:
         t = cfg.train
@@ -220,4 +216,27 @@ def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: 
         log(f"reference pass: done in {secs:.1f} s; {path}")
     else:
         log(f"reference log-probabilities: {paths(dataset.path)[0]} (made from the same weights and data)")
-    return lambda pairs: arr[np.asarray(pairs)].reshape(-1)
+    dataset.reference = arr
+
+
+def preference_start(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: Callable[[str], None]) -> None:
+    """train.py's hook, before anything is written: a preference objective trains on preference pairs (and
+    pairs only under one); the objective set on the engine and, for dpo/ipo, the reference (``prepare``)."""
+    pairs = hasattr(dataset, "n_pairs")
+    if cfg.train.objective != "sft" and not pairs:
+        raise UserError("data.path", f"train.objective={cfg.train.objective} trains on preference pairs, and "
+                        f"{dataset.path} holds none", "prepare the pairs with `megatrain-jax prepare --preference`")
+    if cfg.train.objective == "sft" and pairs:
+        raise UserError("train.objective", f"{dataset.path} holds preference pairs, not SFT data",
+                        "set train.objective to dpo, ipo, simpo or orpo")
+    if cfg.train.objective != "sft":
+        from megatrain_jax.distributed import is_main
+
+        prepare(cfg, trainer, dataset, plan, resume, log if is_main() else (lambda _m: None))
+
+
+def reward_line(rec: dict) -> str:
+    """The step's log line part for a preference objective's rewards (TRL's accuracies and margins); "" otherwise."""
+    if "rewards/accuracies" not in rec:
+        return ""
+    return f"reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:.3f}  "

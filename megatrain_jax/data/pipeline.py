@@ -303,7 +303,8 @@ def prepare_main(argv: list[str]) -> int:
     """
     ap = argparse.ArgumentParser(
         prog="megatrain-jax prepare",
-        description="Tokenize text / JSONL files into a packed token file for training (data.path=PREFIX).")
+        description="Tokenize text / JSONL files into a packed token file for training (data.path=PREFIX); "
+                    "--preference: JSONL preference pairs (docs/preference.md).")
     ap.add_argument("inputs", nargs="+", metavar="INPUTS",
                     help=".txt files (one document each), .jsonl files ('text', or 'prompt'+'response'), or directories")
     ap.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json, PREFIX.tokens.bin, ...")
@@ -320,18 +321,13 @@ def prepare_main(argv: list[str]) -> int:
     ap.add_argument("--workers", type=int, default=None, help="processes for JSONL (default: every core)")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace an earlier data set at PREFIX (its own files only, once the new one is complete)")
-    ap.add_argument("--preference", action="store_true",
-                    help="JSONL preference pairs (prompt/chosen/rejected, TRL's formats) for train.objective=dpo|ipo|"
-                         "simpo|orpo (data/preference.py)")
     args = ap.parse_args(argv)
-    if args.preference:
-        from megatrain_jax.data.preference import prepare_preference
-
-        prepare_preference(args.inputs, args.out, args.tokenizer, args.chat_template, args.quiet, args.on_error,
-                           args.overwrite)
-        return 0
     if args.workers is not None and args.workers < 1:
         raise UserError("--workers", f"must be >= 1, got {args.workers}", "pass a positive number of processes")
     prepare(args.inputs, args.out, args.tokenizer, args.format, args.quiet, args.chat_format, args.chat_template,
             args.on_error, args.workers, args.overwrite)
     return 0
+
+
+# shared with data/preference.py: ``prepare --preference`` checks and writes its output under the same rules
+check_out, expand_inputs, make_dirs, remove_empty = _check_out, _expand_inputs, _make_dirs, _remove_empty

@@ -43,6 +43,7 @@ class PreferenceBatch(NamedTuple):
     segment_ids: np.ndarray
     positions: np.ndarray
     pairs: np.ndarray  # (B / 2,) the pair index of each row pair
+    ref_logps: np.ndarray | None = None  # (B,) each row's reference log-probability (dpo, ipo: ``reference`` set)
 
 
 # ------------------------------------------------------------------------------------ prepare
@@ -104,16 +105,16 @@ def prepare_preference(inputs: list[str], out: str, tokenizer: str = "byte", cha
     """``prepare --preference``: JSONL preference pairs -> a packed preference data set at ``out``."""
     from megatrain_jax.data.jsonl import open_binary
     from megatrain_jax.data.packed import PackedWriter
-    from megatrain_jax.data.pipeline import _check_out, _expand_inputs, _make_dirs, _remove_empty
+    from megatrain_jax.data.pipeline import check_out, expand_inputs, make_dirs, remove_empty
     from megatrain_jax.data.tokenizer import dtype_for_vocab, load_tokenizer
 
     if on_error not in ("stop", "skip"):
         raise UserError("--on-error", f"{on_error!r} is not a policy", "use stop or skip")
     if not inputs:
         raise UserError("INPUTS", "no input files given", "pass one or more .jsonl files of preference pairs")
-    out = _check_out(out, overwrite, [*inputs, tokenizer if tokenizer != "byte" else None,
+    out = check_out(out, overwrite, [*inputs, tokenizer if tokenizer != "byte" else None,
                                       chat_template if chat_template != "chatml" else None])
-    files = _expand_inputs(inputs)
+    files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer, "--tokenizer")
     if chat_template == "chatml":
         template = chat.ChatTemplate(chat.CHATML_TEMPLATE)
@@ -123,7 +124,7 @@ def prepare_preference(inputs: list[str], out: str, tokenizer: str = "byte", cha
             raise UserError("--chat-template", f"{chat_template} has no chat template", "pass the model's folder, or chatml")
     else:
         template = chat.ChatTemplate.from_folder(getattr(tok, "path", None))
-    made = _make_dirs(os.path.dirname(os.path.abspath(out)))
+    made = make_dirs(os.path.dirname(os.path.abspath(out)))
     w = PackedWriter(out, dtype_for_vocab(tok.vocab_size), tok.eos_id)
     pairs = bad = 0
     try:
@@ -166,12 +167,32 @@ def prepare_preference(inputs: list[str], out: str, tokenizer: str = "byte", cha
                           PREFERENCE_KEY: {"pairs": pairs, "bad_lines_skipped": bad}})
     except BaseException:
         w.abort()
-        _remove_empty(made)
+        remove_empty(made)
         raise
     if not quiet:
         print(f"prepare: wrote {out} ({pairs:,} preference pairs, {index['n_tokens']:,} tokens"
               + (f", {bad:,} bad lines skipped" if bad else "") + ")", flush=True)
     return index
+
+
+def preference_main(argv: list[str]) -> int:
+    """``megatrain-jax prepare --preference INPUTS... --out PREFIX [--tokenizer ...] [--chat-template ...]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="megatrain-jax prepare --preference",
+                                 description="Tokenize JSONL preference pairs (prompt/chosen/rejected, TRL's formats) "
+                                             "for train.objective=dpo|ipo|simpo|orpo.")
+    ap.add_argument("inputs", nargs="+", metavar="INPUTS")
+    ap.add_argument("--preference", action="store_true", required=True)
+    ap.add_argument("--out", required=True, metavar="PREFIX")
+    ap.add_argument("--tokenizer", default="byte")
+    ap.add_argument("--chat-template", default=None, metavar="DIR|chatml")
+    ap.add_argument("--on-error", default="stop", choices=("stop", "skip"))
+    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--overwrite", action="store_true")
+    a = ap.parse_args(argv)
+    prepare_preference(a.inputs, a.out, a.tokenizer, a.chat_template, a.quiet, a.on_error, a.overwrite)
+    return 0
 
 
 # ------------------------------------------------------------------------------------ the data set
@@ -186,6 +207,7 @@ class PreferenceDataset:
             raise UserError("data.path", f"{packed.path} holds {packed.n_docs} documents, not 2 per pair "
                             f"({n_pairs} pairs)", "re-run `megatrain-jax prepare --preference`")
         self.packed, self.n_pairs = packed, int(n_pairs)
+        self.reference: np.ndarray | None = None  # (pairs, 2) reference log-probabilities (reference_logps.py)
         self.path, self.seed, self.mask = packed.path, packed.seed, packed.mask
         starts = packed.doc_starts
         self.starts = starts
@@ -240,7 +262,8 @@ class PreferenceDataset:
             n = len(toks) - 1
             tokens[i, :n], labels[i, :n], mask[i, :n] = toks[:-1], toks[1:], m[1:]
         pos = np.broadcast_to(np.arange(s, dtype=np.int32), (B, s)).copy()
-        return PreferenceBatch(tokens, labels, mask, np.zeros((B, s), np.int32), pos, pairs.astype(np.int64))
+        ref = None if self.reference is None else self.reference[pairs].reshape(-1)
+        return PreferenceBatch(tokens, labels, mask, np.zeros((B, s), np.int32), pos, pairs.astype(np.int64), ref)
 
     def batch(self, step: int, batch_size: int, seq_len: int) -> PreferenceBatch:
         return self.rows(self.pair_indices(step, batch_size), seq_len)
