@@ -451,3 +451,14 @@ class CheckpointSaver:
                 ev.set()  # never leave the training waiting on a failed save
             self._active = None
             job.done.set()
+
+
+def rng_state(cfg: Any) -> dict:
+    """The run's random state a checkpoint records (train.py's loop writes it; resume reads its numpy part)."""
+    import jax
+
+    np_state = np.random.get_state()
+    return {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed,
+            "jax_key_data": np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed))).tolist(),
+            "numpy_global": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "note": "the loop is deterministic: batches from (data_seed, step), init from train_seed"}

@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv and argv[0] == "prepare" and "--preference" in argv[1:]:  # preference pairs (data/preference.py)
+            from megatrain_jax.data.preference import preference_main
+
+            return preference_main(argv[1:])
         if argv and argv[0] == "prepare":
             from megatrain_jax.data import prepare_main
 

@@ -48,6 +48,7 @@ from megatrain_jax.placements import HOST_STATE_SHARDED
 from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan import memory_snapshot
+from megatrain_jax.reference_logps import preference_start, reward_line
 from megatrain_jax.metrics import MetricsWriter, attention_flops_per_token, model_flops_per_token
 from megatrain_jax.plan import few_malloc_arenas, plan_or_refuse  # noqa: F401 - importable here too
 from megatrain_jax.signals import StopSignals, abort_line
@@ -81,8 +82,8 @@ def restore_trainer(cfg: Config, root: str, log: Log = print, plan=None) -> tupl
 
 def to_engine_batch(b: Any, doc_masking: bool) -> Batch:
     """Data-loader batch -> engine batch; document structure is passed only when masking by it."""
-    return Batch(b.tokens, b.labels, b.loss_mask,
-                 b.segment_ids if doc_masking else None, b.positions if doc_masking else None)
+    return Batch(b.tokens, b.labels, b.loss_mask, b.segment_ids if doc_masking else None,
+                 b.positions if doc_masking else None, getattr(b, "ref_logps", None))  # (dpo/ipo: the reference's)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -232,16 +233,6 @@ def _background_failure(e: BaseException, out_dir: str, step: int) -> UserError:
                      "read the log; committed checkpoints are intact, continue with --resume")
 
 
-def _rng_state(cfg: Config) -> dict:
-    import jax
-
-    np_state = np.random.get_state()
-    return {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed,
-            "jax_key_data": np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed))).tolist(),
-            "numpy_global": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "note": "the loop is deterministic: batches from (data_seed, step), init from train_seed"}
-
-
 # ------------------------------------------------------------------------------------ before anything is written
 
 
@@ -317,10 +308,12 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) -> 
     # before anything is allocated (a model with adapters: the plan's LoRA rows, plan/lora.py)
     plan = plan_or_refuse(cfg, log) if t.engine == "streamed" else None
     if not resume:
-        return _Start(Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg), plan, dataset, root,
-                      inputs=inputs)
+        trainer = Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg)
+        preference_start(cfg, trainer, dataset, plan, False, log)  # a preference objective (dpo/ipo: reference pass)
+        return _Start(trainer, plan, dataset, root, inputs=inputs)
     trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
     _resume_checks(cfg, dataset, state, log)
+    preference_start(cfg, trainer, dataset, plan, True, log)
     log(f"resumed from {path}: step {int(state['step'])}, optimizer count {trainer.step_count}")
     return _Start(trainer, plan, dataset, root, int(state["step"]), state, inputs)
 
@@ -362,7 +355,7 @@ class _Loop:
         if self.bad_streak >= t.max_bad_steps:
             self.bad_streak = 0  # that run stopped on it; the user has had a chance to change something
         self.last_good = int(loop.get("last_good_step", start.start_step))
-        self.rng = _rng_state(cfg)
+        self.rng = ck.rng_state(cfg)
         # process 0 writes the checkpoints; with a sharded host state every process writes its own shares
         sharded = getattr(getattr(start.plan, "options", None), "host_state", None) == HOST_STATE_SHARDED  # (LoRA: none)
         self.saver = self.trainer.saver(start.root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
@@ -460,6 +453,7 @@ class _Loop:
                "skipped": res.skipped}
         if getattr(res, "aux_loss", None) is not None:  # e.g. the MoE router's load-balancing term, inside loss
             rec["aux_loss"] = res.aux_loss
+        rec.update(getattr(res, "preference", None) or {})  # a preference objective's rewards/* and logps/* (TRL's)
         rec["lr"] = self.trainer.lr_at(self.trainer.step_count)
         rec.update(memory_snapshot(self.trainer.memory_device))
         return rec
@@ -467,7 +461,7 @@ class _Loop:
     def _log_step(self, s: int, res, rec: dict, elapsed: float) -> None:
         t = self.cfg.train
         eta = elapsed / (s - self.start.start_step) * (t.steps - s)
-        self.log(f"step {s:>6}/{t.steps}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  "
+        self.log(f"step {s:>6}/{t.steps}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  {reward_line(rec)}"
                  f"tokens/s {rec['tokens_per_s']:,.0f}  model TFLOPS {rec['model_tflops']:.3f}  "
                  f"elapsed {elapsed:.0f}s  eta {eta:.0f}s")
 

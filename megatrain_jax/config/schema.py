@@ -277,6 +277,15 @@ class TrainConfig:
     keep_residuals: int | str = "auto"  # the last N blocks keep their forward's matmul outputs on the GPU, so
     #                                     the backward does not recompute them: auto (as many as the GPU room the
     #                                     plan leaves holds; one GPU) | N | 0
+    # ---- preference tuning (objectives.py: TRL's formulas; data from `prepare --preference`)
+    objective: str = "sft"  # sft (cross-entropy) | dpo | ipo | simpo | orpo
+    beta: float = 0.1  # dpo, ipo, simpo: TRL's beta (ipo: its regularisation, the target margin 1 / (2 beta))
+    gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
+    orpo_lambda: float = 0.1  # orpo: the odds-ratio term's weight (TRL's ORPOConfig.beta)
+    label_smoothing: float = 0.0  # dpo, simpo: conservative DPO's label smoothing (0: plain)
+    reference: str = "auto"  # dpo, ipo: the reference log-probabilities next to the data (PREFIX.reference.*):
+    #                          auto (reused when made from the same weights and data, computed when absent,
+    #                          refused when stale) | recompute (a forward pass of the initial weights replaces them)
     trace_step: int = 0  # > 0: record that step's per-layer timeline (host->GPU, compute, GPU->host, host
     #                      optimizer) to out_dir/timeline_step<N>.{png,json} and log where compute waited
 

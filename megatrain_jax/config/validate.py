@@ -8,6 +8,7 @@ import math
 from megatrain_jax.config.lora import check_lora_model, check_lora_run
 from megatrain_jax.config.schema import (GRAD_HOLDS, OPTIMIZER_FIELDS, Config, DataConfig, ModelConfig, OptimConfig,
                                          TrainConfig)
+from megatrain_jax.config.objective import check_objective
 from megatrain_jax.errors import UserError
 from megatrain_jax.families import get_family
 
@@ -125,6 +126,7 @@ def _validate_engine(cfg: Config) -> None:
     if t.engine not in ("streamed", "reference"):
         raise UserError("train.engine", f"{t.engine!r} is not an engine", "use streamed or reference")
     check_lora_run(cfg)
+    check_objective(cfg)  # train.objective and its constants (a preference objective: the streamed engine)
     for name, value in (("train.trace_step", t.trace_step), ("train.export", t.export)):
         if t.engine == "reference" and value:  # the reference keeps no host store and no per-layer timeline
             raise UserError(name, "is not available with train.engine=reference",

@@ -131,7 +131,9 @@ def _load_prepared(prefix: str, data_cfg, vocab_size: int, verify: str) -> Packe
                        path=prefix, tokenizer=tok_desc, checksum=tok_entry.get("sha256"),
                        doc_masking=bool(getattr(data_cfg, "doc_masking", False)))
     _check_vocab(ds, vocab_size, prefix)
-    return ds
+    from megatrain_jax.data.preference import preference_of
+
+    return preference_of(ds, index)  # pairs (prepare --preference): served as adjacent rows
 
 
 def _check_tokenizer_matches(spec: str | None, desc: dict, prefix: str) -> None:

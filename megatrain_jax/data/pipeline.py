@@ -303,7 +303,8 @@ def prepare_main(argv: list[str]) -> int:
     """
     ap = argparse.ArgumentParser(
         prog="megatrain-jax prepare",
-        description="Tokenize text / JSONL files into a packed token file for training (data.path=PREFIX).")
+        description="Tokenize text / JSONL files into a packed token file for training (data.path=PREFIX); "
+                    "--preference: JSONL preference pairs (docs/preference.md).")
     ap.add_argument("inputs", nargs="+", metavar="INPUTS",
                     help=".txt files (one document each), .jsonl files ('text', or 'prompt'+'response'), or directories")
     ap.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.json, PREFIX.tokens.bin, ...")
@@ -326,3 +327,7 @@ def prepare_main(argv: list[str]) -> int:
     prepare(args.inputs, args.out, args.tokenizer, args.format, args.quiet, args.chat_format, args.chat_template,
             args.on_error, args.workers, args.overwrite)
     return 0
+
+
+# shared with data/preference.py: ``prepare --preference`` checks and writes its output under the same rules
+check_out, expand_inputs, make_dirs, remove_empty = _check_out, _expand_inputs, _make_dirs, _remove_empty

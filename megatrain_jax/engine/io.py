@@ -95,7 +95,8 @@ class ResidentIO:
         g_head, g_emb = k.zeros(self.store["head"].size), k.zeros(self.store["embed"].size)  # fp32 per device
         losses, dhs = [], []
         for h, mb in zip(hs, mbs):
-            loss, dh, g_head, g_emb = k.head_loss(head, emb, h, mb.labels, mb.mask, inv, g_head, g_emb)
+            loss, dh, g_head, g_emb = k.head_loss(head, emb, h, mb.labels, mb.mask, inv, g_head, g_emb) \
+                if k.objective is None else k.objective.resident_loss(k, head, emb, h, mb, inv, g_head, g_emb)
             losses.append(loss)
             dhs.append(dh)
         self._g_emb = g_emb

@@ -291,9 +291,10 @@ class HeadStream:
             self._inflight[nxt] = self._put(nxt)  # issued before chunk c's compute: it overlaps it
         return w
 
-    def loss(self, ws: jax.Array, hs: list, mbs: list, inv: jax.Array) -> tuple:
-        """(M losses, M d hidden, [the head's squared gradient norm]); its gradient is on its way out."""
-        k, n, Vc = self.k, self.n, self.Vc
+    def _pass1(self, ws: jax.Array, hs: list, mbs: list) -> list:
+        """Pass 1 over the chunks: per micro-batch, each token's running max, sum of exponentials and label's
+        logit; the last chunk stays in flight (pass 2 starts with it)."""
+        n, Vc = self.n, self.Vc
         st = [(self._fill(mb.labels, -np.inf), self._fill(mb.labels, 0.0), self._fill(mb.labels, 0.0)) for mb in mbs]
         readers: list = []  # pass 1's statistics chain through the chunks: the latest ran after every earlier one
         for c in range(n):  # pass 1: online log-sum-exp and the labels' logits
@@ -304,7 +305,26 @@ class HeadStream:
             self._users[c] = readers
             if c == n - 1:
                 self._inflight[c] = w  # pass 2 starts with it
-        losses, lses = zip(*[self._loss(*s, mb.mask, inv) for s, mb in zip(st, mbs)])
+        return st
+
+    def seq_logps(self, ws: jax.Array, hs: list, mbs: list) -> list:
+        """Forward only (the preference objectives' reference pass): each micro-batch's rows' summed
+        log-probabilities of their masked-in labels; no gradient."""
+        st = self._pass1(ws, hs, mbs)
+        self._inflight.pop(self.n - 1, None)
+        self._small_w, self._staged = None, None
+        return self.k.objective.stream_logps(self.k, st, mbs)
+
+    def loss(self, ws: jax.Array, hs: list, mbs: list, inv: jax.Array) -> tuple:
+        """(M losses, M d hidden, [the head's squared gradient norm]); its gradient is on its way out."""
+        k, n, Vc = self.k, self.n, self.Vc
+        st = self._pass1(ws, hs, mbs)
+        if k.objective is None:
+            losses, lses = zip(*[self._loss(*s, mb.mask, inv) for s, mb in zip(st, mbs)])
+            weights = [mb.mask for mb in mbs]
+        else:  # a preference objective: pass 2's per-token weights from the rows' log-probabilities (objectives.py)
+            losses, lses, weights = k.objective.stream_between(k, st, mbs, inv)
+            inv = jnp.ones((), F32)
         dxs = [self._fill_h(h) for h in hs]
         sq = []
         for c in reversed(range(n)):  # pass 2: softmax - onehot, d normed, and each chunk's weight gradient
@@ -312,7 +332,7 @@ class HeadStream:
             v0, valid = c * Vc, min(Vc, self.V - c * Vc)
             gw = k.zeros(self.H * Vc)
             for m, (h, mb) in enumerate(zip(hs, mbs)):
-                dxs[m], gw = self._grads(ws, w, h, mb.labels, mb.mask, inv, lses[m], v0, valid, dxs[m], gw)
+                dxs[m], gw = self._grads(ws, w, h, mb.labels, weights[m], inv, lses[m], v0, valid, dxs[m], gw)
             sq.append(self._out(c, gw))
             self._users[c] = [sq[-1]]  # ready once every micro-batch's use of the chunk has run
         gs, dhs = k.zeros(self.small.size), []

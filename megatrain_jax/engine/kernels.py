@@ -123,6 +123,9 @@ class Kernels:
                  keep_residuals: int):
         self.parts, self.store, self.mesh, self.dtype = parts, store, mesh, dtype
         self.num_devices = mesh.devices.size
+        self.loss_chunk = int(loss_chunk)
+        self.objective = None  # a preference objective (objectives.py) in place of cross-entropy; None: SFT
+        self.preference_logps: list = []  # its rows' log-probabilities, per micro-batch, of the step's loss
         self._shared = shared_kernels(program_key(parts, store, mesh, dtype, loss_chunk))
         dt, chunk = dtype, loss_chunk
         lay_e, lay_h = store["embed"].layout, store["head"].layout
@@ -213,6 +216,7 @@ class Kernels:
         """A new step: dropout keys are (updates done before it, layer, micro-batch)."""
         self.rng_step = step
         self.stats.acc = self.stats.ct = None
+        self.preference_logps = []
 
     def reduce_scatter(self, g: jax.Array, total: int) -> jax.Array:
         """The devices' partial sums of a group's gradient summed, each device receiving only its share of the

@@ -42,6 +42,7 @@ class AdapterKernels:
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, P("data"))
         self.rng_seed, self.rng_step = seed, 0
+        self.loss_chunk, self.objective, self.preference_logps = int(loss_chunk), None, []  # (as kernels.Kernels')
         self._build(loss_chunk)
         self.layers = [Adapted(self, i) for i in range(store.num_blocks)]
 
@@ -83,6 +84,7 @@ class AdapterKernels:
     def begin(self, step: int) -> None:
         """A new step: dropout keys are (updates done before it, layer, micro-batch)."""
         self.rng_step = step
+        self.preference_logps = []
 
     def rng(self, layer: int, micro: int) -> jax.Array:
         return self._rng(self.rng_seed, self.rng_step, layer, micro)
@@ -167,7 +169,8 @@ class FrozenEnds:
         """(M losses, M d hidden, no squared norms: the head has no gradient)."""
         losses, dhs = [], []
         for h, mb in zip(hs, mbs):
-            loss, dh = self.k.head_loss(head, emb, h, mb.labels, mb.mask, inv)
+            loss, dh = self.k.head_loss(head, emb, h, mb.labels, mb.mask, inv) if self.k.objective is None \
+                else self.k.objective.lora_loss(self.k, head, emb, h, mb, inv)
             losses.append(loss)
             dhs.append(dh)
         return losses, dhs, []

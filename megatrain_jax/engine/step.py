@@ -62,6 +62,7 @@ class Batch(NamedTuple):
     loss_mask: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
     positions: np.ndarray | None = None
+    ref_logps: np.ndarray | None = None  # (B,) preference objectives: each row's reference log-probability
 
 
 def as_batch(batch: Any) -> Batch:
@@ -86,6 +87,7 @@ class StepResult:
     tokens: int  # tokens that count in the loss
     skipped: bool = False
     aux_loss: float | None = None  # the auxiliary term included in ``loss`` (None: the stack has none)
+    preference: dict | None = None  # a preference objective's rewards and log-probabilities (objectives.metrics)
 
 
 class MicroBatch(NamedTuple):
@@ -94,6 +96,7 @@ class MicroBatch(NamedTuple):
     mask: jax.Array  # (B/M, S) float32
     mask_sum: float
     aux: Any  # the blocks' extra inputs (``aux_fn``: positions, masks)
+    ref: Any = None  # (B/M,) fp32: each row's reference log-probability (preference objectives; else None)
 
 
 class StreamedTrainer:
@@ -188,9 +191,14 @@ class StreamedTrainer:
 
     def step(self, batch: Batch) -> StepResult:
         L, k, weights, acts, io = self.num_layers, self.kernels, self.weights, self.boundaries, self.io
+        if k.objective is not None:
+            batch = self.preference_batch(batch)
         mbs = self._micro_batches(batch)  # M micro-batches of (B/M, S)
         n_tokens = int(sum(mb.mask_sum for mb in mbs))
         inv = jnp.asarray(1.0 / max(n_tokens, 1), F32)  # () the loss is a mean over the step's tokens
+        objective = k.objective
+        if objective is not None:  # a mean over the step's pairs (objectives.py)
+            inv = jnp.asarray(objective.norms(self._loss_mask(batch)))
         self.pace.reset()
         k.begin(self.count)
         acts.start(lambda b, hs: self._forward_again(b, hs, mbs))  # recomputes the inputs it did not keep
@@ -234,7 +242,31 @@ class StreamedTrainer:
             self._resweep(head, emb, hs, mbs, inv, scale)
         self.updates.apply(scale, resident={**io.resident(emb, head), "block_0": w})
         self.pace.reset()
-        return StepResult(loss, grad_norm, n_tokens, skipped=skipped, aux_loss=aux)
+        pref = None if objective is None else objective.metrics(
+            self.host_logps(k.preference_logps[-len(mbs):]), self._loss_mask(batch).sum(axis=1), batch.ref_logps)
+        return StepResult(loss, grad_norm, n_tokens, skipped=skipped, aux_loss=aux, preference=pref)
+
+    def preference_batch(self, batch: Batch) -> Batch:
+        """A preference objective's batch checked (each device's rows of a micro-batch hold whole pairs) and
+        given reference log-probabilities (zeros where the objective has none)."""
+        b = batch.tokens.shape[0]
+        per = b // (self.options.micro_batches * self.num_devices)
+        if per % 2:
+            raise UserError("train.batch_size", f"a preference pair is two rows, and each device's share of a "
+                            f"micro-batch holds {per}", "make train.batch_size a multiple of 2 x micro_batches x "
+                            f"devices = {2 * self.options.micro_batches * self.num_devices}")
+        if batch.ref_logps is None:
+            return batch._replace(ref_logps=np.zeros(b, np.float32))
+        return batch
+
+    def _loss_mask(self, batch: Batch) -> np.ndarray:
+        b, s = batch.tokens.shape
+        return np.asarray(batch.loss_mask, np.float32) if batch.loss_mask is not None else np.ones((b, s), np.float32)
+
+    @staticmethod
+    def host_logps(parts: list) -> np.ndarray:
+        """Per-row log-probabilities of the micro-batches (device arrays split by rows) as one host array."""
+        return np.concatenate([np.asarray(jax.device_get(p), np.float64).reshape(-1) for p in parts])
 
     # ------------------------------------------------------------------------------ step helpers
 
@@ -359,7 +391,8 @@ class StreamedTrainer:
             tokens, positions = put(batch.tokens[sl], np.int32), put(pos[sl], np.int32)
             out.append(MicroBatch((tokens, positions) if self.parts.embed_takes_positions else tokens,
                                   put(batch.labels[sl], np.int32), put(mask[sl], np.float32),
-                                  float(np.asarray(mask[sl], np.float64).sum()), self.kernels.aux_of(positions, seg)))
+                                  float(np.asarray(mask[sl], np.float64).sum()), self.kernels.aux_of(positions, seg),
+                                  None if batch.ref_logps is None else put(batch.ref_logps[sl], np.float32)))
         return out
 
     # ------------------------------------------------------------------------------ state and control

@@ -24,7 +24,7 @@ from megatrain_jax.plan.rows import PlacementCosts, disk_rows, xla_pool
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN, IO_VOCAB_CHUNK,
                                       MOMENT_BYTES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes, pinned_in_rows,
                                       early_params, pinned_limit, usable)
-from megatrain_jax.plan.step_model import optax_update_cost, step_basis, step_rates
+from megatrain_jax.plan.step_model import optax_update_cost, reference_pass_note, step_basis, step_rates
 
 
 @dataclass
@@ -109,6 +109,8 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
 
     memo = PlanMemo()  # (the call's plans share what they compute alike)
     plan = _make_plan(cfg, machine, devices, attention, memo)
+    if getattr(cfg.train, "objective", "sft") in ("dpo", "ipo"):  # the reference pass before step 1
+        plan.notes.append(reference_pass_note(cfg, plan.step))
     if not _modes:
         return plan
     if cfg.optim.kernel == "fused" and _mode_table:

@@ -227,3 +227,16 @@ def _state_traffic_s(state: float, n_dev: int, shares: int, rates: dict[str, flo
     write-back stays in the forward)."""
     inbound = max(state - early, 0.0)
     return max(state / shares / rates["h2d"], (inbound * n_dev / shares + state) / rates["host_traffic"])
+
+
+def reference_pass_s(step: dict) -> float:
+    """The preference objectives' reference pass per batch (reference_logps.py): the forward sweep's compute (2 of the
+    step's 8 FLOPs per parameter and token) or the blocks' one transfer (half the step's host->GPU bytes)."""
+    return max(step.get("compute_s", 0.0) / 4.0, step.get("h2d_s", 0.0) / 2.0)
+
+
+def reference_pass_note(cfg: Config, step: dict) -> str:
+    """The plan's note on the reference pass of dpo and ipo (once per data set and initial weights)."""
+    return (f"reference pass ({cfg.train.objective}): forward only, about {reference_pass_s(step):.2f} s per batch of "
+            f"{cfg.train.batch_size} rows, once per data set and initial weights (cached next to the data: "
+            "reference_logps.py)")
