@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from megatrain_jax.models import grouped_kernels
+
 Act = Callable[[jax.Array, jax.Array], jax.Array]
 
 
@@ -281,17 +283,12 @@ _grouped_entry.defvjp(_entry_fwd, _entry_bwd)
 
 # ------------------------------------------------------------------------------- backends
 
-GPU_BACKENDS: dict[str, Callable[[int, int, int, int], tuple[GroupedMatmul, int]]] = {}
-
-
-def backend_for(impl: str, hidden: int, width: int, experts: int, pairs: int) -> tuple[GroupedMatmul, int]:
-    """(grouped matmul, tile rows) for ``impl`` at this shape: the GPU kernel where ``auto`` runs on
-    a GPU that has one registered (models/grouped_kernels.py), else the portable XLA form with tiles
-    of 8 rows (little padding; the CPU's batched matmul does not need larger)."""
+def backend_for(impl: str, hidden: int, width: int, experts: int, pairs: int):
+    """(grouped matmul, tile rows) for ``impl`` at this shape: the Hopper kernels where ``auto`` runs on
+    a GPU whose shapes they take (models/grouped_kernels.py), else the portable XLA form with tiles of
+    8 rows (little padding; the CPU's batched matmul does not need larger)."""
     if impl == "auto" and jax.default_backend() == "gpu":
-        from megatrain_jax.models import grouped_kernels  # noqa: F401  (registers the GPU backends)
-        for make in GPU_BACKENDS.values():
-            chosen = make(hidden, width, experts, pairs)
-            if chosen is not None:
-                return chosen
+        chosen = grouped_kernels.mosaic_backend(hidden, width, experts, pairs)
+        if chosen is not None:
+            return chosen
     return XLA, 8

@@ -11,7 +11,7 @@ from typing import Any
 from megatrain_jax.config import Config
 import megatrain_jax.plan.decisions as choose
 from megatrain_jax.placements import PAGEABLE_HOLDS, PINNED_HOLDS
-from megatrain_jax.plan import moe as plan_moe
+import megatrain_jax.plan.moe as plan_moe
 from megatrain_jax.plan.machine import Machine, process_count
 from megatrain_jax.plan.memo import PlanMemo
 from megatrain_jax.plan.options import GRAD_SLAB_ELEMS

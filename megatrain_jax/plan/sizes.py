@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.placements import GRAD_HOLD_LIST
-from megatrain_jax.plan import moe as plan_moe
+import megatrain_jax.plan.moe as plan_moe
 from megatrain_jax.plan.options import BLOCKS_QUEUED, DEVICE_UPDATE_CHUNK, HOLD_COPIES_IN_FLIGHT, WRITEBACKS_IN_FLIGHT
 
 GB = 1e9

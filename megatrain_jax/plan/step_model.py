@@ -10,7 +10,7 @@ from typing import Any
 from megatrain_jax.config import Config
 from megatrain_jax.optim.costs import device_update_s, update_cost
 import megatrain_jax.plan.decisions as choose
-from megatrain_jax.plan import moe as plan_moe
+import megatrain_jax.plan.moe as plan_moe
 from megatrain_jax.plan.machine import Machine
 from megatrain_jax.placements import BF16_HOLDS, PAGEABLE_HOLDS, PINNED_HOLDS
 from megatrain_jax.plan.sizes import (DISPATCH_BLOCK_S, DISPATCH_CALL_S, HOLD_RETURN_RATE, HOST_COPY_PARALLEL_RATE,
