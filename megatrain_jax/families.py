@@ -42,7 +42,8 @@ class Family:
     block: Any = None  # Block(cfg, rngs, layer) -> nnx.Module with __call__(hidden, aux)
     norm: Any = None  # the final norm's class (RMSNorm when None)
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the compute dtype (Gemma)
-    extra: dict = {}  # {"moe": True} on mixture-of-experts families (config validation reads it)
+    extra: dict = {}  # {"moe": True} on mixture-of-experts families; "fields": the ModelConfig fields only it uses
+    make_aux: Any = None  # fn(positions, cfg, segment_ids) -> aux, for RoPE tables of its own (None: common.make_aux)
 
     # ---- Hugging Face
 
@@ -74,6 +75,10 @@ class Family:
 
     def on_import(self, hf: dict, cfg: Any, seq_len: int | None, say: Callable[[str], None]) -> None:
         """Notes and warnings after reading a checkpoint's config.json (``say``: one log line)."""
+
+    def drops_tensor(self, name: str, cfg: Any) -> bool:
+        """A checkpoint tensor the family leaves out on purpose (``on_import`` says so): not warned about."""
+        return False
 
     # ---- sizes
 

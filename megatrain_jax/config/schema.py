@@ -80,6 +80,19 @@ class ModelConfig:
     #                                   router_aux_loss_coef when its output_router_logits is true); 0: off
     mlp_only_layers: list | None = None  # qwen3_moe: indices of dense-MLP layers (intermediate_size) between the
     #                                     sparse ones (transformers' mlp_only_layers / decoder_sparse_step); None: none
+    # ---- sigmoid-routed MoE with shared experts (glm4_moe, deepseek_v3; models/sigmoid_moe.py); neutral elsewhere
+    n_shared_experts: int = 0  # shared SwiGLU experts beside the routed ones (one MLP of n x moe_intermediate_size)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by this
+    n_group: int = 1  # expert groups: a token picks topk_group groups (by their 2 best scores), then top-k inside them
+    topk_group: int = 1
+    router_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing of the router's correction bias; 0: frozen
+    #                                       (the bias is kept as the checkpoint has it, never trained by gradient)
+    partial_rotary_factor: float = 1.0  # glm4_moe: RoPE on this fraction of each head's dimensions (0.5)
+    qk_norm: bool = False  # glm4_moe: per-head RMSNorm on q and k (config.json's use_qk_norm)
+    q_lora_rank: int | None = None  # deepseek_v3 (multi-head latent attention): q's low-rank width; None: plain q_proj
+    kv_lora_rank: int | None = None  # deepseek_v3: the compressed kv width (its latent)
+    qk_rope_head_dim: int | None = None  # deepseek_v3: the rotary part of each q/k head (head_dim = nope + rope)
+    v_head_dim: int | None = None  # deepseek_v3: each value head's width
     seq_tile: int | str = "auto"  # tokens per sequence tile of a block's norms, projections and MLP (attention sees
     #                              the whole sequence), so its working set stops growing with the sequence: 0 untiled;
     #                              auto: the memory plan tiles where the untiled block would not fit the GPU

@@ -2,6 +2,7 @@
 and the fix."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 
@@ -10,8 +11,10 @@ from megatrain_jax.config.schema import (GRAD_HOLDS, OPTIMIZER_FIELDS, Config, D
                                          TrainConfig)
 from megatrain_jax.config.objective import check_objective
 from megatrain_jax.errors import UserError
-from megatrain_jax.families import get_family
+from megatrain_jax.families import families, get_family
 
+FAMILY_FIELDS = ("n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "router_bias_update_rate",
+                 "partial_rotary_factor", "qk_norm", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
 MOE_IMPLS = ("auto", "sorted", "dense")  # model.moe_impl: models/grouped_experts.py's expert computations
 OPTAX_FIX = "name an optax optimizer function, e.g. lion, adafactor, adabelief"  # the fix of every optim.optax_name error; public: optim/named.py refuses with it too
 
@@ -57,8 +60,9 @@ def _validate_shape(m: ModelConfig, t: TrainConfig, d: DataConfig) -> None:
                         "choose num_kv_heads that divides model.num_heads")
     if m.dim_per_head % 2:
         raise UserError("model.head_dim", f"head dim {m.dim_per_head} is odd", "RoPE needs an even head dimension")
+    kinds = ("llama3", "linear") + tuple(get_family(m.family).extra.get("rope_scalings", ()))  # yarn: deepseek_v3
     if m.rope_scaling is not None and (not isinstance(m.rope_scaling, dict)
-                                       or m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) not in ("llama3", "linear")):
+                                       or m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) not in kinds):
         raise UserError("model.rope_scaling", f"{m.rope_scaling!r} is not supported",
                         "use null, {rope_type: linear, factor} or {rope_type: llama3, factor, low_freq_factor, "
                         "high_freq_factor, original_max_position_embeddings}")
@@ -182,6 +186,9 @@ def _validate_numbers(m: ModelConfig, t: TrainConfig, o: OptimConfig) -> None:
         _check_number(name, v, ok, rule)
     if m.rope_scaling is not None and m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) == "linear":
         _check_number("model.rope_scaling.factor", m.rope_scaling.get("factor", "missing"), lambda x: x > 0, "> 0")
+    elif m.rope_scaling is not None and m.rope_scaling.get("rope_type") == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            _check_number(f"model.rope_scaling.{key}", m.rope_scaling.get(key, "missing"), lambda x: x > 0, "> 0")
     elif m.rope_scaling is not None:  # llama3 frequency scaling (models/common.py divides by factor and by high - low)
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             _check_number(f"model.rope_scaling.{key}", m.rope_scaling.get(key, "missing"), lambda x: x > 0, "> 0")
@@ -312,9 +319,20 @@ def validate_model(m: ModelConfig) -> None:
         raise UserError("model.seq_tile", f"the {m.family} family's blocks do not run over sequence tiles",
                         "set model.seq_tile=auto or 0 (tiling: llama, qwen3 and phi3 families)")
     _validate_moe(m, fam)
+    _only_where_used(m, fam)
     if fam.validate is not None:
         fam.validate(m)
     check_lora_model(m, fam)
+
+
+def _only_where_used(m: ModelConfig, fam) -> None:
+    """Fields of a few families (``Family.extra["fields"]``) stay at their defaults on every other one."""
+    own = fam.extra.get("fields", ())
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in FAMILY_FIELDS and f.name not in own and getattr(m, f.name) != f.default:
+            users = ", ".join(n for n, other in families().items() if f.name in other.extra.get("fields", ()))
+            raise UserError(f"model.{f.name}", f"the {m.family} family does not use it",
+                            f"remove model.{f.name} (it belongs to the {users} families)")
 
 
 def _validate_moe(m: ModelConfig, fam) -> None:

@@ -21,7 +21,9 @@ STRUCTURAL = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_he
               "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_embeddings", "qkv_bias",
               "sliding_window", "family", "layer_types", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
               "rope_local_theta", "num_experts", "experts_per_token", "moe_intermediate_size", "norm_topk_prob",
-              "mlp_only_layers", "router_aux_loss_coef", "pad_token_id")
+              "mlp_only_layers", "router_aux_loss_coef", "pad_token_id", "n_shared_experts", "routed_scaling_factor",
+              "n_group", "topk_group", "partial_rotary_factor", "qk_norm", "q_lora_rank", "kv_lora_rank",
+              "qk_rope_head_dim", "v_head_dim")
 
 Log = Callable[[str], None] | None
 
@@ -189,7 +191,9 @@ def base_from_hf(hf: dict, base: ModelConfig, where: str, family: str, **over) -
             qkv_bias=False, sliding_window=None, layer_types=None, attn_softcap=None, final_softcap=None,
             query_pre_attn_scalar=None, rope_local_theta=None, rope_scaling=None,
             num_experts=None, experts_per_token=None, moe_intermediate_size=None, norm_topk_prob=True,
-            mlp_only_layers=None, pad_token_id=pad_token_id(hf))
+            mlp_only_layers=None, pad_token_id=pad_token_id(hf), n_shared_experts=0, routed_scaling_factor=1.0,
+            n_group=1, topk_group=1, partial_rotary_factor=1.0, qk_norm=False, q_lora_rank=None, kv_lora_rank=None,
+            qk_rope_head_dim=None, v_head_dim=None)
         out = dataclasses.replace(base, **{**fields, **over})
     except KeyError as e:
         raise UserError("model.from_hf", f"{where} lacks {e.args[0]!r}", "use a complete transformers config.json") from None

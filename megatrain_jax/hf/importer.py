@@ -14,6 +14,7 @@ import numpy as np
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
+from megatrain_jax.families import get_family as family_of_name
 from megatrain_jax.hf.config import Log, architecture, family_of, read_hf_config, read_json, \
     resolve_hf_model_config, say, warn
 from megatrain_jax.hf.names import hf_tensors, model_layouts
@@ -83,8 +84,9 @@ def plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig,
                                 "use a checkpoint in bfloat16, float16 or float32")
             plan.append(_Item(group, leaf, info, transpose, index))
             used.add(name)
+    fam = family_of_name(cfg.family)
     ignored = [n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
-               and not (n == "lm_head.weight" and cfg.tie_embeddings)]
+               and not (n == "lm_head.weight" and cfg.tie_embeddings) and not fam.drops_tensor(n, cfg)]
     if ignored:
         warn(f"model.from_hf: {len(ignored)} tensors of the checkpoint are not used by the model: "
               f"{', '.join(sorted(ignored)[:5])}{' ...' if len(ignored) > 5 else ''}")

@@ -65,7 +65,11 @@ def llama3_scale_frequencies(inv_freq: jax.Array, scaling: dict) -> jax.Array:
 def make_aux(positions: jax.Array, cfg: ModelConfig, segment_ids: jax.Array | None = None) -> Aux:
     """Per-sequence inputs every block shares: RoPE tables and (optionally) document segment ids.
     With ``rope_local_theta`` (Gemma 3) a second pair, ``cos_local``/``sin_local``, for the
-    sliding-window layers (``rope_scaling`` applies to the global tables only, as in transformers)."""
+    sliding-window layers (``rope_scaling`` applies to the global tables only, as in transformers).
+    A family with tables of its own (``Family.make_aux``: partial or decoupled rotary dims) builds them."""
+    own = get_family(cfg.family).make_aux
+    if own is not None:
+        return own(positions, cfg, segment_ids)
     cos, sin = rope_tables(positions, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
     aux = {"cos": cos, "sin": sin}
     if cfg.rope_local_theta is not None:
