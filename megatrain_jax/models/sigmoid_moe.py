@@ -211,6 +211,9 @@ class SigmoidMoEFamily(MoEFamily):
             return f"model.layers.{int(group[6:])}.mlp.gate.e_score_correction_bias", False
         return super().hf_name(group, leaf_path)
 
+    def check_export(self, cfg: ModelConfig, arch: str) -> None:
+        """Its one architecture takes every model of the family (Llama's refusals do not apply)."""
+
     def drops_tensor(self, name: str, cfg: ModelConfig) -> bool:
         """The multi-token-prediction layers: ``model.layers.{L}...`` and beyond."""
         parts = name.split(".")
