@@ -58,10 +58,11 @@ def _validate_shape(m: ModelConfig, t: TrainConfig, d: DataConfig) -> None:
     if m.dim_per_head % 2:
         raise UserError("model.head_dim", f"head dim {m.dim_per_head} is odd", "RoPE needs an even head dimension")
     if m.rope_scaling is not None and (not isinstance(m.rope_scaling, dict)
-                                       or m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) not in ("llama3", "linear")):
+                                       or m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) not in ("llama3", "linear", "yarn")):
         raise UserError("model.rope_scaling", f"{m.rope_scaling!r} is not supported",
-                        "use null, {rope_type: linear, factor} or {rope_type: llama3, factor, low_freq_factor, "
-                        "high_freq_factor, original_max_position_embeddings}")
+                        "use null, {rope_type: linear, factor}, {rope_type: llama3, factor, low_freq_factor, "
+                        "high_freq_factor, original_max_position_embeddings} or {rope_type: yarn, factor, "
+                        "original_max_position_embeddings[, beta_fast, beta_slow, truncate]}")
 
 
 def _validate_train_counts(t: TrainConfig) -> None:
@@ -182,6 +183,9 @@ def _validate_numbers(m: ModelConfig, t: TrainConfig, o: OptimConfig) -> None:
         _check_number(name, v, ok, rule)
     if m.rope_scaling is not None and m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) == "linear":
         _check_number("model.rope_scaling.factor", m.rope_scaling.get("factor", "missing"), lambda x: x > 0, "> 0")
+    elif m.rope_scaling is not None and m.rope_scaling.get("rope_type") == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            _check_number(f"model.rope_scaling.{key}", m.rope_scaling.get(key, "missing"), lambda x: x > 0, "> 0")
     elif m.rope_scaling is not None:  # llama3 frequency scaling (models/common.py divides by factor and by high - low)
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             _check_number(f"model.rope_scaling.{key}", m.rope_scaling.get(key, "missing"), lambda x: x > 0, "> 0")
