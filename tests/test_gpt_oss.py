@@ -370,3 +370,20 @@ def test_exports_load_in_transformers(refs, torch_ref, tmp_path):
         assert info[i]["class"] == "GptOssForCausalLM" and info[i]["dtype"] == f"torch.{dtype}", info[i]
         err = _rel(got[f"logits:{i}"], want)
         assert err < 1e-5, f"{variant} {dtype}: logits differ by {err:.2e}"
+
+
+def test_plans_of_the_released_shapes():
+    """configs/gpt-oss-20b-shape.yaml (16 x 4096 tokens, leanest host state) fits one 80 GB GPU with a
+    128 GiB host; gpt-oss-120b does not fit 80 GB / 512 GB with the fp32 master: its master alone is
+    467 GB, and the refusal says host memory."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.plan import make_plan, target_machine
+    from megatrain_jax.plan.refusal import fits
+
+    cfg = load_config(str(ROOT / "configs" / "gpt-oss-20b-shape.yaml"))
+    assert cfg.model.family == "gpt_oss" and abs(cfg.model.total_params() / 1e9 - 20.915) < 1e-3
+    p = make_plan(cfg, target_machine(gpu_memory_gb=80, host_memory_gb=137.4, cpu_cores=16), _modes=False)
+    assert fits(p) and p.decisions["attention"] == "xla_blockwise", p.decisions["attention_summary"]
+    big = load_config(str(ROOT / "configs" / "gpt-oss-120b-shape.yaml"))
+    p = make_plan(big, target_machine(gpu_memory_gb=80, host_memory_gb=512, cpu_cores=64), _modes=False)
+    assert not fits(p) and not p.fits_host() and p.host_need > 512e9
