@@ -292,15 +292,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                            seq_len=max(T, k.shape[1]), causal=causal, sinks=sinks is not None)
     if impl not in FORCEABLE:
         raise ValueError(f"attention: unknown impl {impl!r}; use one of {', '.join(FORCEABLE)}")
+    kw = dict(causal=causal, segment_ids=segment_ids, window=window, softcap=softcap, scale=scale)
     if sinks is not None:
         if sinks.shape != (N,):
             raise ValueError(f"attention: sinks {sinks.shape}: need one per query head ({N},)")
         if impl in ("cudnn", "cudnn_padded"):
             raise ValueError(f"attention: {impl} takes no sinks")
-        kw_sinks = dict(sinks=sinks)
-    else:
-        kw_sinks = {}
-    kw = dict(causal=causal, segment_ids=segment_ids, window=window, softcap=softcap, scale=scale, **kw_sinks)
+        kw["sinks"] = sinks
     if impl in ("cudnn", "cudnn_padded"):
         if softcap is not None or segment_ids is not None:
             raise ValueError(f"attention: {impl} takes neither soft-capping nor segment_ids")
