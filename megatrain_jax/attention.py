@@ -26,8 +26,10 @@ path that accepts it, and every path computes the same function:
 Every path takes grouped-query inputs (q: (B, T, N, D), k/v: (B, S, K, D), N a multiple of K),
 a causal flag, an optional causal sliding window (``window`` = W: a query at position i sees keys
 i-W < j <= i, the ``transformers`` convention), optional soft-capping of the scores
-(``softcap * tanh(s / softcap)``, Gemma 2) and optional document ``segment_ids`` (attention stays
-inside a document of a packed sequence).
+(``softcap * tanh(s / softcap)``, Gemma 2), optional document ``segment_ids`` (attention stays
+inside a document of a packed sequence) and optional attention ``sinks`` (gpt-oss: one learned logit
+per query head that joins every row's softmax denominator and attends to nothing; the XLA paths
+only, cuDNN's kernel has no such input).
 
 ``choose_impl`` is the decision, ``describe`` the decision for a model config (what the trainer
 prints once at start and ``megatrain-jax plan`` shows), ``working_set_bytes`` the transient
@@ -115,7 +117,7 @@ def cudnn_head_dim_limit() -> int | None:
 
 def choose_impl(head_dim: int, dtype: Any, backend: str, window: int | None = None,
                 softcap: float | None = None, has_mask: bool = False, *, seq_len: int | None = None,
-                causal: bool = True, cudnn_max_head_dim: int | None = None) -> str:
+                causal: bool = True, cudnn_max_head_dim: int | None = None, sinks: bool = False) -> str:
     """The attention path for one shape: ``cudnn``, ``cudnn_padded``, ``xla`` or ``xla_blockwise``.
 
     cuDNN (``backend == "gpu"``) takes bf16/fp16 only (fp32 never goes there), no soft-capping and
@@ -126,7 +128,7 @@ def choose_impl(head_dim: int, dtype: Any, backend: str, window: int | None = No
     tokens, the blockwise one beyond (``seq_len=None`` counts as long).
     """
     dtype = jnp.dtype(dtype)
-    if backend == "gpu" and dtype in _HALF and softcap is None and not has_mask and (window is None or causal):
+    if backend == "gpu" and dtype in _HALF and softcap is None and not has_mask and not sinks and (window is None or causal):
         limit = cudnn_max_head_dim if cudnn_max_head_dim is not None else cudnn_head_dim_limit()
         if limit:
             if head_dim % 8 == 0 and head_dim <= limit:
@@ -139,7 +141,7 @@ def choose_impl(head_dim: int, dtype: Any, backend: str, window: int | None = No
 
 
 def _reason(impl: str, head_dim: int, dtype: Any, backend: str, softcap: float | None, has_mask: bool,
-            limit: int | None) -> str:
+            limit: int | None, sinks: bool = False) -> str:
     dtype = jnp.dtype(dtype)
     if impl == "cudnn":
         return "cuDNN flash attention"
@@ -154,6 +156,8 @@ def _reason(impl: str, head_dim: int, dtype: Any, backend: str, softcap: float |
         why.append("no cuDNN found")
     elif softcap is not None:
         why.append("cuDNN has no soft-capping")
+    elif sinks:
+        why.append("cuDNN has no attention sinks")
     elif has_mask:
         why.append("document masks would be a dense bias for cuDNN")
     else:
@@ -216,16 +220,18 @@ def describe(model_cfg: Any, seq_len: int, dtype: Any, backend: str, *, batch: i
     """
     d, dtype = model_cfg.dim_per_head, jnp.dtype(dtype)
     window = getattr(model_cfg, "sliding_window", None)
+    sinks = _has_sinks(model_cfg)
     softcap = getattr(model_cfg, "attn_softcap", None)
     if window is not None and window >= seq_len:
         window = None  # identical to full causal attention at this length (attention() drops it too)
     limit = cudnn_max_head_dim if cudnn_max_head_dim is not None else (
         cudnn_head_dim_limit() if backend == "gpu" else None)
-    impl = choose_impl(d, dtype, backend, window, softcap, doc_masking, seq_len=seq_len, cudnn_max_head_dim=limit or 0)
+    impl = choose_impl(d, dtype, backend, window, softcap, doc_masking, seq_len=seq_len, cudnn_max_head_dim=limit or 0,
+                       sinks=sinks)
     args = (batch, seq_len, model_cfg.num_heads, model_cfg.kv_heads, d, dtype.itemsize)
     ws = working_set_bytes(*args, impl)
     base = working_set_bytes(*args[:4], _round_up(d, 8), dtype.itemsize, "cudnn")
-    reason = _reason(impl, d, dtype, backend, softcap, doc_masking, limit)
+    reason = _reason(impl, d, dtype, backend, softcap, doc_masking, limit, sinks)
     kd = _round_up(d, 8) if impl == "cudnn_padded" else d
     win = f", window {window}" if window else ""
     summary = (f"attention: {impl} (head dim {d}{f' -> {kd}' if kd != d else ''}, {dtype.name}{win}; {reason}); "
@@ -233,6 +239,16 @@ def describe(model_cfg: Any, seq_len: int, dtype: Any, backend: str, *, batch: i
     return {"impl": impl, "head_dim": d, "kernel_head_dim": kd, "window": window, "softcap": softcap,
             "reason": reason, "working_set_bytes": ws, "extra_over_cudnn_bytes": max(0, ws - base),
             "summary": summary}
+
+
+def _has_sinks(model_cfg: Any) -> bool:
+    """Whether the model's family has attention sinks (its ``Family.extra["attention_sinks"]``)."""
+    try:
+        from megatrain_jax.families import get_family
+
+        return bool(get_family(model_cfg.family).extra.get("attention_sinks"))
+    except Exception:  # noqa: BLE001 - not a family's config (tests pass bare namespaces)
+        return False
 
 
 # ---------------------------------------------------------------------------------- the entry
@@ -244,12 +260,14 @@ _FALLBACK_WARNED: set[tuple] = set()
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
               segment_ids: jax.Array | None = None, window: int | None = None, softcap: float | None = None,
               scale: float | None = None, impl: str | None = None, block_q: int = BLOCK_Q,
-              block_k: int = BLOCK_K) -> jax.Array:
+              block_k: int = BLOCK_K, sinks: jax.Array | None = None) -> jax.Array:
     """softmax(q·kᵀ·scale [soft-capped, masked]) · v for grouped-query inputs; (B, T, N, D) out.
 
     q: (B, T, N, D); k, v: (B, S, K, D) with N a multiple of K (GQA; K == N is plain multi-head).
     ``segment_ids`` (B, T) ints: a query only sees keys of its own document (self-attention).
-    ``window`` W (causal only): keys i-W < j <= i. ``scale`` defaults to 1/sqrt(D).
+    ``window`` W (causal only): keys i-W < j <= i. ``scale`` defaults to 1/sqrt(D). ``sinks`` (N,):
+    per query head a logit added to each row's softmax denominator, exp(sink) next to the exp(score)s
+    (no value: the probabilities sum to less than 1), differentiable; the XLA paths only.
     ``impl`` forces a path (tests); None chooses at trace time with ``choose_impl``. A cuDNN path
     that the kernel refuses anyway at trace time falls back to the exact XLA paths with a warning.
     """
@@ -271,10 +289,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     scale = float(1.0 / math.sqrt(D) if scale is None else scale)
     if impl is None:
         impl = choose_impl(D, q.dtype, jax.default_backend(), window, softcap, segment_ids is not None,
-                           seq_len=max(T, k.shape[1]), causal=causal)
+                           seq_len=max(T, k.shape[1]), causal=causal, sinks=sinks is not None)
     if impl not in FORCEABLE:
         raise ValueError(f"attention: unknown impl {impl!r}; use one of {', '.join(FORCEABLE)}")
     kw = dict(causal=causal, segment_ids=segment_ids, window=window, softcap=softcap, scale=scale)
+    if sinks is not None:
+        if sinks.shape != (N,):
+            raise ValueError(f"attention: sinks {sinks.shape}: need one per query head ({N},)")
+        if impl in ("cudnn", "cudnn_padded"):
+            raise ValueError(f"attention: {impl} takes no sinks")
+        kw["sinks"] = sinks
     if impl in ("cudnn", "cudnn_padded"):
         if softcap is not None or segment_ids is not None:
             raise ValueError(f"attention: {impl} takes neither soft-capping nor segment_ids")
@@ -330,8 +354,9 @@ def _softcap(s: jax.Array, softcap: float | None) -> jax.Array:
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
-def _xla(q, k, v, *, causal, segment_ids, window, softcap, scale) -> jax.Array:
-    """Plain softmax attention: fp32 scores and softmax, probabilities in v's dtype (as jax.nn)."""
+def _xla(q, k, v, *, causal, segment_ids, window, softcap, scale, sinks=None) -> jax.Array:
+    """Plain softmax attention: fp32 scores and softmax, probabilities in v's dtype (as jax.nn); a
+    sink is one more column of the softmax, dropped after it."""
     B, T, N, D = q.shape
     S, K = k.shape[1], k.shape[2]
     qg = q.reshape(B, T, K, N // K, D)
@@ -343,7 +368,11 @@ def _xla(q, k, v, *, causal, segment_ids, window, softcap, scale) -> jax.Array:
     ok = _visible(jnp.arange(T)[:, None], jnp.arange(S)[None, :], causal=causal, window=window, q_len=T, k_len=S,
                   seg_q=seg_q, seg_k=seg_k)
     s = jnp.where(ok, s, -0.7 * jnp.finfo(jnp.float32).max)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    if sinks is not None:
+        sk = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, N // K, 1, 1), (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sk], axis=-1), axis=-1)[..., :S].astype(v.dtype)
+    else:
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", p, v)
     return out.reshape(B, T, N, D).astype(q.dtype)
 
@@ -361,12 +390,15 @@ class _Cfg(NamedTuple):
     q_len: int  # true lengths (the arrays are padded to whole blocks)
     k_len: int
     has_seg: bool
+    has_sinks: bool = False
 
 
 def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
               segment_ids: jax.Array | None = None, window: int | None = None, softcap: float | None = None,
-              scale: float | None = None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> jax.Array:
+              scale: float | None = None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K,
+              sinks: jax.Array | None = None) -> jax.Array:
     """Flash-style attention in pure JAX (see the module docstring); same arguments as ``attention``.
+    A sink starts each row's running softmax (max = sink, sum = 1, nothing accumulated).
 
     Sequences are padded to whole blocks (padded queries and keys are masked); the output and all
     gradients are exact within fp32 rounding of a different summation order.
@@ -378,7 +410,7 @@ def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     bq, bk = min(block_q, T), min(block_k, S)
     Tp, Sp = _round_up(T, bq), _round_up(S, bk)
     cfg = _Cfg(causal, window, None if softcap is None else float(softcap), scale, bq, bk, T, S,
-               segment_ids is not None)
+               segment_ids is not None, sinks is not None)
     # head-major layouts: a block is a contiguous slice of the sequence axis
     qh = jnp.pad(q, [(0, 0), (0, Tp - T), (0, 0), (0, 0)]).reshape(B, Tp, K, G, D).transpose(0, 2, 3, 1, 4)
     kh = jnp.pad(k, [(0, 0), (0, Sp - S), (0, 0), (0, 0)]).transpose(0, 2, 1, 3)
@@ -390,7 +422,8 @@ def blockwise(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
         seg = segment_ids.astype(jnp.int32)
         seg_q = jnp.pad(seg, [(0, 0), (0, Tp - T)], constant_values=-1)
         seg_k = jnp.pad(seg, [(0, 0), (0, Sp - S)], constant_values=-2)
-    out = _flash(qh, kh, vh, seg_q, seg_k, cfg)  # (B, K, G, Tp, D)
+    sk = jnp.zeros((K, G), jnp.float32) if sinks is None else sinks.astype(jnp.float32).reshape(K, G)
+    out = _flash(qh, kh, vh, seg_q, seg_k, sk, cfg)  # (B, K, G, Tp, D)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, Tp, N, D)[:, :T]
 
 
@@ -430,7 +463,7 @@ def _scores(qi, kj, cfg: _Cfg):
     return cfg.softcap * t, t
 
 
-def _flash_fwd_impl(qh, kh, vh, seg_q, seg_k, cfg: _Cfg):
+def _flash_fwd_impl(qh, kh, vh, seg_q, seg_k, sinks, cfg: _Cfg):
     B, K, G, Tp, D = qh.shape
     nq, nk = Tp // cfg.bq, kh.shape[2] // cfg.bk
 
@@ -453,8 +486,12 @@ def _flash_fwd_impl(qh, kh, vh, seg_q, seg_k, cfg: _Cfg):
             pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(vh.dtype), vj, preferred_element_type=jnp.float32)
             return m_new, l, acc * corr[..., None] + pv
 
-        init = (jnp.full((B, K, G, cfg.bq), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, cfg.bq), jnp.float32),
-                jnp.zeros((B, K, G, cfg.bq, D), jnp.float32))
+        if cfg.has_sinks:  # the sink as a first key: max = sink, sum = exp(0), no value
+            m0 = jnp.broadcast_to(sinks[None, :, :, None], (B, K, G, cfg.bq))
+            init = (m0, jnp.ones((B, K, G, cfg.bq), jnp.float32), jnp.zeros((B, K, G, cfg.bq, D), jnp.float32))
+        else:
+            init = (jnp.full((B, K, G, cfg.bq), -jnp.inf, jnp.float32), jnp.zeros((B, K, G, cfg.bq), jnp.float32),
+                    jnp.zeros((B, K, G, cfg.bq, D), jnp.float32))
         lo, hi = _key_range(i, cfg, nk)
         m, l, acc = lax.fori_loop(lo, hi, body, init)
         empty = l == 0  # padded query rows: nothing visible
@@ -469,20 +506,20 @@ def _flash_fwd_impl(qh, kh, vh, seg_q, seg_k, cfg: _Cfg):
     return o, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(qh, kh, vh, seg_q, seg_k, cfg: _Cfg):
-    return _flash_fwd_impl(qh, kh, vh, seg_q, seg_k, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(qh, kh, vh, seg_q, seg_k, sinks, cfg: _Cfg):
+    return _flash_fwd_impl(qh, kh, vh, seg_q, seg_k, sinks, cfg)[0]
 
 
-def _flash_fwd(qh, kh, vh, seg_q, seg_k, cfg: _Cfg):
-    o, lse = _flash_fwd_impl(qh, kh, vh, seg_q, seg_k, cfg)
-    return o, (qh, kh, vh, seg_q, seg_k, o, lse)
+def _flash_fwd(qh, kh, vh, seg_q, seg_k, sinks, cfg: _Cfg):
+    o, lse = _flash_fwd_impl(qh, kh, vh, seg_q, seg_k, sinks, cfg)
+    return o, (qh, kh, vh, seg_q, seg_k, sinks, o, lse)
 
 
 def _flash_bwd(cfg: _Cfg, res, do):
     """FlashAttention-2's backward: per key block, loop over the query blocks that see it,
     recompute p = exp(s - lse), accumulate dK, dV for the block and dQ in a running fp32 array."""
-    qh, kh, vh, seg_q, seg_k, o, lse = res
+    qh, kh, vh, seg_q, seg_k, sinks, o, lse = res
     B, K, G, Tp, D = qh.shape
     Sp = kh.shape[2]
     nq, nk = Tp // cfg.bq, Sp // cfg.bk
@@ -519,7 +556,10 @@ def _flash_bwd(cfg: _Cfg, res, do):
     dq, (dk, dv) = lax.scan(k_block, jnp.zeros((B, K, G, Tp, D), jnp.float32), jnp.arange(nk))
     dk = jnp.moveaxis(dk, 0, 2).reshape(B, K, Sp, D).astype(kh.dtype)
     dv = jnp.moveaxis(dv, 0, 2).reshape(B, K, Sp, D).astype(vh.dtype)
-    return dq.astype(qh.dtype), dk, dv, None, None
+    # a sink's probability is exp(sink - lse) and its value zero: d sink = -sum p_sink * rowsum(dO * O)
+    dsinks = (-jnp.sum(jnp.exp(sinks[None, :, :, None] - lse) * delta, axis=(0, 3)) if cfg.has_sinks
+              else jnp.zeros_like(sinks))
+    return dq.astype(qh.dtype), dk, dv, None, None, dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -64,8 +64,9 @@ def _validate_shape(m: ModelConfig, t: TrainConfig, d: DataConfig) -> None:
     if m.rope_scaling is not None and (not isinstance(m.rope_scaling, dict)
                                        or m.rope_scaling.get("rope_type", m.rope_scaling.get("type")) not in kinds):
         raise UserError("model.rope_scaling", f"{m.rope_scaling!r} is not supported",
-                        "use null, {rope_type: linear, factor} or {rope_type: llama3, factor, low_freq_factor, "
-                        "high_freq_factor, original_max_position_embeddings}")
+                        "use null, {rope_type: linear, factor}, {rope_type: llama3, factor, low_freq_factor, "
+                        "high_freq_factor, original_max_position_embeddings} or {rope_type: yarn, factor, "
+                        "original_max_position_embeddings[, beta_fast, beta_slow, truncate]}")
 
 
 def _validate_train_counts(t: TrainConfig) -> None:

@@ -147,6 +147,15 @@ def scaling_from_hf(scaling: dict | None, where: str, allowed=("llama3", "linear
     try:
         if kind == "linear":
             return {"rope_type": "linear", "factor": float(scaling["factor"])}
+        if kind == "yarn":  # the keys models/common.py's yarn_frequencies reads
+            out = {"rope_type": "yarn", "factor": float(scaling["factor"]),
+                   "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}
+            for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+                if scaling.get(key) is not None:
+                    out[key] = float(scaling[key])
+            if "truncate" in scaling:
+                out["truncate"] = bool(scaling["truncate"])
+            return out
         return {"rope_type": "llama3", "factor": float(scaling["factor"]),
                 "low_freq_factor": float(scaling["low_freq_factor"]),
                 "high_freq_factor": float(scaling["high_freq_factor"]),

@@ -18,7 +18,7 @@ from megatrain_jax.families import get_family
 from megatrain_jax.hf.config import Log, family_of, read_hf_config, say, supported
 from megatrain_jax.hf.config import architecture as hf_architecture
 from megatrain_jax.hf.importer import INDEX
-from megatrain_jax.hf.names import hf_tensors, model_layouts
+from megatrain_jax.hf.names import hf_tensors, interleaved_part, model_layouts
 from megatrain_jax.hf.safetensors_io import SafetensorsWriter, copy_cast
 
 SHARD_BYTES = 5 * 10**9  # like transformers' "5GB" max_shard_size
@@ -92,6 +92,27 @@ def _hf_config_out(cfg: ModelConfig, arch: str, dtype: str, base: dict | None) -
     return out
 
 
+def _join_interleaved(entries: list) -> list:
+    """Entries of the leaves that are interleaved parts of one tensor (``name[k::n]``, hf/names.py)
+    become one entry, at the first part's place, whose leaf is the list of (leaf, k, n)."""
+    out, at = [], {}
+    for e in entries:
+        part = interleaved_part(e[0])
+        if part is None:
+            out.append(e)
+            continue
+        base, k, n = part
+        if base not in at:
+            at[base] = len(out)
+            out.append((base, e[1], [], False, e[4], None))
+        out[at[base]][2].append((e[2], k, n))
+    for i in at.values():
+        parts = out[i][2]
+        if sorted(k for _, k, _ in parts) != list(range(parts[0][2])):
+            raise ValueError(f"{out[i][0]}: interleaved parts {[k for _, k, _ in parts]} do not cover the tensor")
+    return out
+
+
 def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "bfloat16",
               architecture: str | None = None, *, hf_config: dict | None = None,
               max_shard_bytes: int = SHARD_BYTES, overwrite: bool = False, sources: Iterable[str] = (),
@@ -143,6 +164,7 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
         if group.startswith("block_"):  # tensors the format has, we not
             for name, shape in family.export_extras(model_cfg, architecture, int(group[6:])):
                 entries.append((name, group, None, False, shape, None))
+    entries = _join_interleaved(entries)
     shards: list[list] = [[]]
     size = 0
     for e in entries:
@@ -169,6 +191,14 @@ def export_hf(source: Any, model_cfg: ModelConfig, out_dir: str, dtype: str = "b
                     last_group = group
                     if leaf is None:
                         w.write(name, np.zeros(shape, out_dtype))
+                        continue
+                    if isinstance(leaf, list):  # interleaved parts of one tensor
+                        out = np.empty(shape, out_dtype)
+                        for part, k, step in leaf:
+                            np.copyto(out[..., k::step], src.leaf(group, part), casting="unsafe")
+                        w.write(name, out)
+                        weight_map[name] = fname
+                        del out
                         continue
                     arr = src.leaf(group, leaf)
                     if index is not None:  # one slice of a stacked leaf

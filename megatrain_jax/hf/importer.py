@@ -17,7 +17,8 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.families import get_family as family_of_name
 from megatrain_jax.hf.config import Log, architecture, family_of, read_hf_config, read_json, \
     resolve_hf_model_config, say, warn
-from megatrain_jax.hf.names import hf_tensors, model_layouts
+from megatrain_jax.hf.mxfp4 import Mxfp4Tensor, mxfp4_tensor
+from megatrain_jax.hf.names import hf_tensors, interleaved_part, model_layouts
 from megatrain_jax.hf.safetensors_io import ST_DTYPES, TensorInfo, copy_cast, read_safetensors_header, read_tensor
 
 INDEX = "model.safetensors.index.json"
@@ -62,6 +63,7 @@ class _Item:
     info: TensorInfo
     transpose: bool
     index: int | None = None  # a slice along axis 0 of a stacked leaf (hf_tensors)
+    part: tuple[int, int] | None = None  # (k, n): the leaf is the tensor's [..., k::n] (hf_tensors)
 
 
 def plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig, hf_dir: str) -> list[_Item]:
@@ -71,7 +73,9 @@ def plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig,
     for group, layout in layouts.items():
         for leaf, (name, transpose, index, want) in ((lf, t) for lf in layout.leaves
                                                       for t in hf_tensors(group, lf.path, lf.shape, cfg.family)):
-            info = tensors.get(name)
+            part = interleaved_part(name)
+            name = part[0] if part else name
+            info = tensors.get(name) or mxfp4_tensor(name, tensors)  # MXFP4: the *_blocks and *_scales pair
             if info is None:
                 hint = " (config.json says tie_word_embeddings is false)" if name == "lm_head.weight" else ""
                 raise UserError("model.from_hf", f"tensor {name} is missing from the checkpoint in {hf_dir}{hint}",
@@ -79,11 +83,11 @@ def plan_import(layouts: dict, tensors: dict[str, TensorInfo], cfg: ModelConfig,
             if info.shape != want:
                 raise UserError("model.from_hf", f"tensor {name} has shape {list(info.shape)}, config.json implies {list(want)}",
                                 "use a checkpoint whose config.json matches its weights")
-            if info.dtype not in ST_DTYPES:
+            if info.dtype not in ST_DTYPES and not isinstance(info, Mxfp4Tensor):
                 raise UserError("model.from_hf", f"tensor {name} has dtype {info.dtype}",
-                                "use a checkpoint in bfloat16, float16 or float32")
-            plan.append(_Item(group, leaf, info, transpose, index))
-            used.add(name)
+                                "use a checkpoint in bfloat16, float16 or float32 (or gpt-oss's MXFP4 experts)")
+            plan.append(_Item(group, leaf, info, transpose, index, part[1:] if part else None))
+            used.update(info.sources if isinstance(info, Mxfp4Tensor) else (name,))
     fam = family_of_name(cfg.family)
     ignored = [n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
                and not (n == "lm_head.weight" and cfg.tie_embeddings) and not fam.drops_tensor(n, cfg)]
@@ -100,11 +104,17 @@ def load_item(f, item: _Item, master: np.ndarray) -> None:
     dst = master[leaf.offset:leaf.offset + leaf.size]
     if item.index is not None:  # one slice of a stacked leaf (contiguous: the leading axis)
         dst = dst.reshape(leaf.shape)[item.index].reshape(-1)
-    if info.dtype == "F32" and not item.transpose:
+    if isinstance(info, Mxfp4Tensor):  # dequantized exactly into fp32 (only the part's columns)
+        src = info.read(f, item.part)
+    elif info.dtype == "F32" and not item.transpose and item.part is None:
         read_tensor(f, info, dst)  # straight from disk into the store
         return
-    src = read_tensor(f, info)  # the one temporary: a single tensor in its file dtype
-    copy_cast(dst.reshape(info.shape[::-1] if item.transpose else info.shape), src.T if item.transpose else src)
+    else:
+        src = read_tensor(f, info)  # the one temporary: a single tensor in its file dtype
+        if item.part is not None:
+            src = src[..., item.part[0]::item.part[1]]
+    src = src.T if item.transpose else src
+    copy_cast(dst.reshape(src.shape), src)
 
 
 class OpenFiles:

@@ -4,11 +4,23 @@ tree (``default_hf_name``): leaf ``self_attn/q_proj/kernel`` of ``block_3`` is
 whose modules are named like the ``transformers`` ones needs no map of its own; one that differs
 gives ``Family.hf_name`` in its file under ``megatrain_jax/models/``. A name with ``*`` marks a leaf
 stacked along its first axis that the checkpoint holds as one tensor per slice (MoE experts:
-``...experts.*.w1.weight``)."""
+``...experts.*.w1.weight``); a name ending in ``[k::n]`` marks a leaf that is every n-th entry, from
+k, of the checkpoint tensor's last axis (gpt-oss's ``gate_up_proj``, gate and up interleaved)."""
 from __future__ import annotations
+
+import re
 
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.families import get_family
+
+_PART = re.compile(r"^(.*)\[(\d+)::(\d+)\]$")
+
+
+def interleaved_part(name: str) -> tuple[str, int, int] | None:
+    """``base[k::n]`` -> (base, k, n): the leaf is ``tensor[..., k::n]`` of checkpoint tensor ``base``
+    (untransposed); None for any other name."""
+    m = _PART.match(name)
+    return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
 
 
 def default_hf_name(group: str, leaf_path: str) -> tuple[str, bool]:
@@ -45,6 +57,11 @@ def hf_tensors(group: str, leaf_path: str, shape: tuple[int, ...],
     for a leaf that is one tensor; a leaf whose ``hf_name`` holds ``*`` (stacked MoE experts) is one
     tensor per slice along axis 0, ``*`` replaced by the slice's index."""
     name, transposed = hf_name(group, leaf_path, family)
+    part = interleaved_part(name)
+    if part is not None:  # the whole checkpoint tensor's shape: n times the leaf's last axis
+        if transposed or "*" in name:
+            raise ValueError(f"{name}: an interleaved part is neither transposed nor per-slice")
+        return [(name, False, None, (*shape[:-1], shape[-1] * part[2]))]
     if "*" not in name:
         return [(name, transposed, None, tuple(reversed(shape)) if transposed else tuple(shape))]
     inner = tuple(shape[1:])

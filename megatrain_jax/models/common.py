@@ -35,16 +35,55 @@ Aux = dict[str, Any]
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float,
                 scaling: dict | None = None) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape (B, S, head_dim // 2) in fp32 for integer positions (B, S)."""
+    """cos, sin of shape (B, S, head_dim // 2) in fp32 for integer positions (B, S); YaRN scales both
+    by its attention factor, as transformers does."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    factor = 1.0
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "linear":  # transformers' _compute_linear_scaling_rope_parameters
             inv_freq = inv_freq / float(scaling["factor"])
+        elif kind == "yarn":
+            inv_freq, factor = yarn_frequencies(head_dim, theta, scaling)
         else:
             inv_freq = llama3_scale_frequencies(inv_freq, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, S, D/2)
+    if factor != 1.0:
+        return jnp.cos(angles) * factor, jnp.sin(angles) * factor
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def yarn_frequencies(head_dim: int, theta: float, scaling: dict) -> tuple[jax.Array, float]:
+    """YaRN (as ``transformers``' ``_compute_yarn_parameters``): (inv_freq, attention factor). Between
+    the dimensions that turn ``beta_fast`` and ``beta_slow`` times over ``original_max_position_embeddings``
+    the frequencies ramp linearly from kept to divided by ``factor``; the attention factor (cos and sin
+    are multiplied by it) is ``attention_factor``, else 0.1 ln(factor) + 1 (with ``mscale`` and
+    ``mscale_all_dim``: their ratio). ``truncate`` (default true) rounds the ramp's ends outwards."""
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    att = scaling.get("attention_factor")
+    if att is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        att = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return interpolation * (1 - keep) + extrapolation * keep, float(att)
 
 
 def llama3_scale_frequencies(inv_freq: jax.Array, scaling: dict) -> jax.Array:
