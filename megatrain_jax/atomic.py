@@ -311,3 +311,45 @@ def _swap(tmp: str, out: str) -> None:
             os.remove(p)
     with contextlib.suppress(OSError):
         os.rmdir(old)  # left in place if it still holds anything (a name clash): nothing is lost
+
+
+RUN_LOCK = ".megatrain.lock"  # in train.out_dir: held (flock) by the one command that runs there
+
+
+class RunLock:
+    """An advisory ``flock`` on ``<out_dir>/.megatrain.lock``, held from before the command touches anything in
+    the run until ``release()``; the kernel releases it when the process dies (a kill leaves no stale lock). The
+    file holds the holder's pid and command line, for the refusal of a second command."""
+
+    def __init__(self, out_dir: str, field: str = "train.out_dir"):
+        import fcntl
+
+        self.path = os.path.join(out_dir, RUN_LOCK)
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise UserError(field, f"{self.path} cannot be created ({e.strerror or e})",
+                            f"choose a {field} you may create files in") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip().splitlines()
+            except OSError:
+                holder = []
+            os.close(fd)
+            who = f"process {holder[0]}" + (f" ({holder[1][:120]})" if len(holder) > 1 else "") if holder \
+                else "another process"
+            raise UserError(field, f"{out_dir} is in use: {who} is running there; nothing of that run was "
+                            "touched", f"wait for it to end (or stop it), or choose another {field}") from None
+        import sys
+
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n{' '.join(sys.argv)}\n".encode(), 0)
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the one descriptor releases the flock
+            self.fd = None

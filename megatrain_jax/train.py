@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 
 from megatrain_jax import checkpoint as ck
-from megatrain_jax.atomic import check_train_outputs
+from megatrain_jax.atomic import RunLock, check_train_outputs
 from megatrain_jax.atomic import check_writable as check_out_dir  # train.out_dir's write probe
 from megatrain_jax.config import Config
 from megatrain_jax.distributed import check_shared_dir, is_main
@@ -257,6 +257,7 @@ class _Start:
     start_step: int = 0
     state: dict = field(default_factory=dict)  # the resumed checkpoint's state.json
     inputs: list = field(default_factory=list)  # what the run reads (the writers' rule keeps outputs off them)
+    lock: Any = None  # atomic.RunLock on train.out_dir (process 0), held until the run ends
 
 
 def run_inputs(cfg: Config, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
@@ -307,15 +308,27 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) -> 
     dataset = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=t.batch_size)  # one batch must come out
     # before anything is allocated (a model with adapters: the plan's LoRA rows, plan/lora.py)
     plan = plan_or_refuse(cfg, log) if t.engine == "streamed" else None
-    if not resume:
-        trainer = Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg)
-        preference_start(cfg, trainer, dataset, plan, False, log)  # a preference objective (dpo/ipo: reference pass)
-        return _Start(trainer, plan, dataset, root, inputs=inputs)
-    trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
-    _resume_checks(cfg, dataset, state, log)
-    preference_start(cfg, trainer, dataset, plan, True, log)
-    log(f"resumed from {path}: step {int(state['step'])}, optimizer count {trainer.step_count}")
-    return _Start(trainer, plan, dataset, root, int(state["step"]), state, inputs)
+    # one command per run directory, from before anything in it is touched until the run ends (train() releases it)
+    lock = RunLock(t.out_dir) if main else None
+    try:
+        if not resume:
+            existing = ck.list_checkpoints(root) if main else []
+            if existing:  # committed by a command that ended after the check above
+                raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step "
+                                f"{existing[-1].step})", "pass --resume to continue that run, or choose another "
+                                "train.out_dir")
+            trainer = Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg)
+            preference_start(cfg, trainer, dataset, plan, False, log)  # a preference objective (dpo/ipo: reference pass)
+            return _Start(trainer, plan, dataset, root, inputs=inputs, lock=lock)
+        trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
+        _resume_checks(cfg, dataset, state, log)
+        preference_start(cfg, trainer, dataset, plan, True, log)
+        log(f"resumed from {path}: step {int(state['step'])}, optimizer count {trainer.step_count}")
+        return _Start(trainer, plan, dataset, root, int(state["step"]), state, inputs, lock=lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
 
 
 def _open_outputs(cfg: Config, start: _Start, resume: bool, main: bool, log: Log) -> tuple[MetricsWriter, str]:
@@ -391,7 +404,8 @@ class _Loop:
                 if s % t.log_every == 0 or s == self.start.start_step + 1 or s == t.steps:
                     self._log_step(s, res, rec, now - t0)
                 if self.saver is not None:
-                    self._report(self.saver.poll())  # a background save that has committed since the last step
+                    self.saver.poll()  # a background save that has committed since the last step
+                    self._report_saved()
                 if s == self.hooks.sigint_after_step:
                     signal.raise_signal(signal.SIGINT)  # test hook: a Ctrl-C now (handled before the next line)
                 self._stop_if_bad(s)
@@ -489,15 +503,19 @@ class _Loop:
                 "data": {"position": self.start.dataset.position(step, t.batch_size, d.seq_len),
                          "describe": self.start.dataset.describe(), "batch_size": t.batch_size, "seq_len": d.seq_len},
                 "rng": self.rng, "config": cfg.to_dict()}
-        path = self.saver.save(step, meta, wait=wait)
-        if wait:
-            self._report(self.saver.history[-1] if self.saver.history else None)
+        try:
+            path = self.saver.save(step, meta, wait=wait)
+        finally:
+            self._report_saved()  # every save that committed, also one save() waited for (saves slower than steps)
         return path
 
-    def _report(self, st) -> None:
-        if st is not None:
+    def _report_saved(self) -> None:
+        """One line for each save committed since the last report (``CheckpointSaver.history``)."""
+        history = getattr(self.saver, "history", [])
+        for st in history[getattr(self, "_reported", 0):]:
             self.log(f"checkpoint: step {st.step} saved to {st.path} ({st.nbytes / 1e9:.3f} GB in {st.write_s:.2f}s; "
                      f"training loop blocked {st.call_s:.3f}s, updates held {st.held_s:.3f}s)")
+        self._reported = len(history)
 
     def _kill(self) -> None:
         """``TrainHooks.kill_after_step``: a hard kill once the checkpoints so far are committed."""
@@ -516,6 +534,7 @@ class _Loop:
                 else:
                     try:
                         self.saver.close()
+                        self._report_saved()
                     except KeyboardInterrupt:  # a second signal while waiting for the last save
                         aborted = True
                         self.abandoned_step = self.saver.abandon()
@@ -564,7 +583,17 @@ def train(cfg: Config, resume: bool = False, log: Log = print, hooks: TrainHooks
     main = is_main()  # process 0 writes checkpoints, metrics and logs; the others only train
     if not main:
         log = lambda _msg: None  # noqa: E731
-    start = _start(cfg, resume, log, main, inputs)  # every check; nothing written yet
+    start = _start(cfg, resume, log, main, inputs)  # every check; nothing written yet (train.out_dir locked)
+    try:
+        return _train_locked(cfg, start, resume, log, hooks, main)
+    finally:
+        if start.lock is not None:
+            start.lock.release()
+
+
+def _train_locked(cfg: Config, start: _Start, resume: bool, log: Log, hooks: TrainHooks | None,
+                  main: bool) -> dict[str, Any]:
+    t = cfg.train
     metrics, metrics_path = _open_outputs(cfg, start, resume, main, log)
     log(f"model: {cfg.model.total_params() / 1e6:.2f}M parameters "
         f"({cfg.model.non_embedding_params() / 1e6:.2f}M non-embedding), engine={t.engine}, "
