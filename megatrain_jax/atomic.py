@@ -24,6 +24,7 @@ No import from the rest of the package: every writer can use it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -275,16 +276,23 @@ def output_dir(out: str, kind: str, *, sources: Iterable[str] = (), overwrite: b
     sources = list(sources)
     check_output(out, kind, sources=sources, overwrite=overwrite, field=field, own_run=own_run)
     out = os.path.abspath(out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = f"{out}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        remove_stale(os.path.dirname(out), re.escape(os.path.basename(out)) + r"\.tmp-(?P<pid>\d+)")  # killed writers'
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as e:
+        raise io_error(e, field, out) from None
     try:
         yield tmp
         files = sorted(os.listdir(tmp))
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump({"kind": kind, "files": files, **(meta or {})}, f, indent=1)
         _swap(tmp, out)
+    except OSError as e:  # a full disk, a read-only folder: one line, and nothing of the new output is kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise io_error(e, field, out) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -353,3 +361,62 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)  # closing the one descriptor releases the flock
             self.fd = None
+
+
+def io_problem(e: BaseException) -> tuple[str, str]:
+    """``(what went wrong, the fix)`` of a failed write, in a few words: a full disk, a read-only folder, a
+    permission, or the error's own first line (orbax and tensorstore report a full disk as their own errors)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    code = getattr(e, "errno", None)
+    if code == errno.ENOSPC or "No space left" in text or "os_error_code='28'" in text:
+        return "the disk is full (No space left on device)", "free disk space there"
+    if code == errno.EROFS or "Read-only file system" in text:
+        return "the file system is read-only", "choose a writable folder"
+    if code in (errno.EACCES, errno.EPERM) or "Permission denied" in text:
+        return "permission denied", "choose a folder you may write in, or fix its permissions"
+    if code == errno.EDQUOT or "quota" in text.lower():
+        return "the disk quota is exceeded", "free space within your quota"
+    return f"{type(e).__name__}: {text[:200]}", "check free disk space and permissions there"
+
+
+def io_error(e: OSError, field: str | None = None, path: str | None = None) -> UserError:
+    """An ``OSError`` (a full disk, a read-only folder, ...) as the one-line ``UserError`` naming the path written
+    (``path``, else the error's own file name)."""
+    what, fix = io_problem(e)
+    where = path or e.filename or "the output"
+    return UserError(field or str(where), f"writing {where} failed: {what}" if field else what, fix)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale(folder: str, pattern: str) -> list[str]:
+    """Remove what a killed writer left in ``folder``: entries whose name matches ``pattern`` (a regex whose
+    group ``pid`` is the writer's process id) and whose writer is gone. Returns the paths removed."""
+    rx = re.compile(pattern)
+    removed = []
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return removed
+    for n in names:
+        m = rx.fullmatch(n)
+        if m is None or pid_alive(int(m.group("pid"))):
+            continue
+        p = os.path.join(folder, n)
+        try:
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            else:
+                os.remove(p)
+        except OSError:
+            continue
+        removed.append(p)
+    return removed

@@ -59,6 +59,7 @@ from typing import Any, Callable
 import numpy as np
 
 import megatrain_jax.checkpoint_shards as shards
+from megatrain_jax.atomic import io_problem
 from megatrain_jax.errors import UserError
 from megatrain_jax.orbax_io import checkpointer, restore_array  # noqa: F401 - the orbax glue (export uses it)
 
@@ -262,6 +263,22 @@ def prune(root: str, keep_last: int, keep_every: int) -> list[str]:
 # ------------------------------------------------------------------------------------- saving
 
 
+def newest_line(root: str) -> str:
+    """Names the newest complete checkpoint under ``root`` (what --resume continues from), or says there is none."""
+    cks = list_checkpoints(root)
+    if not cks:
+        return "no complete checkpoint exists yet"
+    return f"the newest complete checkpoint {cks[-1].path} (step {cks[-1].step}) is intact: continue with --resume"
+
+
+def save_failure(e: BaseException, final: str, root: str) -> tuple[str, str, str]:
+    """The ``UserError`` arguments of a failed save: one line naming the checkpoint, the cause and the newest
+    complete one."""
+    what, fix = io_problem(e)
+    return ("train.out_dir", f"saving checkpoint {final} failed: {what}; nothing of it is kept",
+            f"{fix} (train.out_dir), lower train.keep_last or raise train.ckpt_every; {newest_line(root)}")
+
+
 def store_layouts(store) -> dict[str, list]:
     return {g.name: [[leaf.path, list(leaf.shape), leaf.offset, leaf.size] for leaf in g.layout.leaves]
             for g in store}
@@ -395,10 +412,7 @@ class CheckpointSaver:
         self._job = None
         job.stats.call_s += time.perf_counter() - t0
         if job.error is not None:
-            raise UserError("train.out_dir", f"saving checkpoint {job.final} failed: "
-                            f"{type(job.error).__name__}: {job.error}",
-                            "check free disk space and permissions of train.out_dir; the previous "
-                            "checkpoint is intact, resume from it with --resume") from job.error
+            raise UserError(*save_failure(job.error, job.final, self.root)) from job.error
         self.history.append(job.stats)
         self.last_path = job.final
         return job.stats

@@ -143,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a read-only folder, a permission, wherever it was met: one line naming the path
+        from megatrain_jax.atomic import io_error
+
+        print(f"error: {io_error(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as e:  # one line (train: what became of the save, the newest checkpoint)
         print(str(e) or "interrupted", file=sys.stderr, flush=True)
         return 130

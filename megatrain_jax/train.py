@@ -219,12 +219,19 @@ def _background_failure(e: BaseException, out_dir: str, step: int) -> UserError:
             f.write(f"--- after step {step}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             f.write("".join(traceback.format_exception(e)))
     except OSError:
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path) == 0:
+                os.remove(path)  # (an empty log on a full disk: nothing to read in it)
         path = "(could not be written)"
     msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return UserError("disk", f"writing failed after step {step}: {msg}; full traceback in {path}",
-                         "free space in train.out_dir, lower train.keep_last, or set train.ckpt_every=0 and "
-                         "train.final_checkpoint=false; committed checkpoints are intact (--resume)")
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT,
+                                              errno.EIO, errno.EFBIG):
+        what, fix = ck.io_problem(e)
+        where = f"writing {e.filename}" if getattr(e, "filename", None) else "writing"
+        tb = f"; full traceback in {path}" if not path.startswith("(") else ""
+        return UserError("disk", f"{where} failed after step {step}: {what}{tb}",
+                         f"{fix} (train.out_dir), lower train.keep_last, or set train.ckpt_every=0 and "
+                         f"train.final_checkpoint=false; {ck.newest_line(ck.checkpoint_root(out_dir))}")
     if "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg:
         return UserError("GPU memory", f"the device ran out of memory after step {step}: {msg}; full traceback "
                          f"in {path}", "lower train.gpu_memory_gb or the tokens per micro-batch "
@@ -388,7 +395,7 @@ class _Loop:
         ``train.max_bad_steps`` non-finite steps in a row. Closes the saver and the trainer."""
         t = self.cfg.train
         stop = StopSignals()
-        aborted = False
+        aborted = failed = False
         # a step that stops making progress (a GPU failed inside a collective) ends the run instead of hanging it
         watchdog = StallWatchdog(t.stall_timeout_s, t.out_dir, start_step=self.start.start_step)
         try:
@@ -423,6 +430,7 @@ class _Loop:
             aborted = True  # a second signal: do not wait for a save in flight (its .tmp is ignored later)
             raise
         except UserError:
+            failed = True
             raise
         except Exception as e:  # noqa: BLE001 - a background failure (optimizer thread, checkpoint writer, device)
             aborted = True
@@ -430,7 +438,7 @@ class _Loop:
         finally:
             watchdog.close()
             try:
-                self._close(aborted)  # on an abort: the save in flight abandoned, its writer ended
+                self._close(aborted, failed)  # on an abort: the save in flight abandoned, its writer ended
             finally:
                 stop.restore()  # only now: a third signal must not cut that clean-up short
 
@@ -523,7 +531,7 @@ class _Loop:
             self.saver.wait()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _close(self, aborted: bool) -> None:
+    def _close(self, aborted: bool, failed: bool = False) -> None:
         """Close the saver (an abort: abandon its save in flight), the trainer and the metrics. After
         an abort the abandoned save's writer is waited for, so no thread is left writing (or
         starting orbax work) while the interpreter shuts down."""
@@ -549,7 +557,13 @@ class _Loop:
                 settle = getattr(self.saver, "settle", None)  # CheckpointSaver's; LoRA's saver writes in-line
                 if aborted and settle is not None:
                     settle()
-                self.metrics.close()
+                try:
+                    self.metrics.close()
+                except OSError as e:  # (a full disk): never in place of the error being reported
+                    if not (aborted or failed):
+                        what, fix = ck.io_problem(e)
+                        raise UserError("train.out_dir", f"closing the metrics in {self.cfg.train.out_dir} failed: "
+                                        f"{what}", f"{fix}; {ck.newest_line(self.start.root)}") from None
 
     def abort_line(self, why: str) -> str:
         """The one line after an abort (``signals.abort_line``)."""
