@@ -79,8 +79,27 @@ def _plan_printed(args: argparse.Namespace, cfg) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (the source tree's pyproject.toml where it is not installed)."""
+    try:
+        from importlib.metadata import version
+
+        return version("megatrain-jax")
+    except Exception:  # noqa: BLE001 - not installed: read the source tree's
+        import re
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        try:
+            with open(os.path.join(root, "pyproject.toml")) as f:
+                m = re.search(r'^version\s*=\s*"([^"]+)"', f.read(), re.M)
+            return m.group(1) if m else "unknown"
+        except OSError:
+            return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatrain-jax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"megatrain-jax {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model from a YAML config")

@@ -198,11 +198,31 @@ def _resume_checks(cfg: Config, dataset, state: dict, log: Log) -> None:
         if key in st and st[key] != now:
             log(f"warning: train.{key} was {st[key]} in the checkpointed run, now {now}"
                 + (" (the LR schedule's horizon changes)" if key == "steps" else " (the data order changes)"))
+    for key, was, now in _changed(saved_cfg.get("optim", {}), cfg.to_dict().get("optim", {}), "optim"):
+        log(f"warning: {key} was {was!r} in the checkpointed run, now {now!r} (the run continues with the new value)")
     if saved_cfg.get("data", {}).get("seq_len", cfg.data.seq_len) != cfg.data.seq_len:
         log(f"warning: data.seq_len was {saved_cfg['data']['seq_len']} in the checkpointed run, now {cfg.data.seq_len}")
     rng = state.get("rng", {}).get("numpy_global")
     if rng is not None:
         np.random.set_state((rng[0], np.asarray(rng[1], np.uint32), *rng[2:]))
+
+
+def _changed(old: Any, new: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, was, now)`` of every leaf that differs between two config sections (a key the checkpointed
+    run did not have is not a change)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [c for k in new if k in old for c in _changed(old[k], new[k], f"{prefix}.{k}")]
+    return [] if old == new else [(prefix, old, new)]
+
+
+def _eta(seconds: float) -> str:
+    """A time left as h:mm:ss (a day and more: d days h:mm:ss)."""
+    if not seconds == seconds or seconds == float("inf"):
+        return "?"
+    s = int(round(max(seconds, 0.0)))
+    days, s = divmod(s, 86400)
+    text = f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    return f"{days}d {text}" if days else text
 
 
 def _background_failure(e: BaseException, out_dir: str, step: int) -> UserError:
@@ -312,7 +332,15 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) -> 
 
         resolve_hf_model_config(cfg.model, log)  # sizes before anything uses them; a Hub id becomes its snapshot
         _warn_positions(cfg, log)
-    dataset = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=t.batch_size)  # one batch must come out
+    try:
+        dataset = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=t.batch_size)  # one batch must come out
+    except UserError as e:
+        if cfg.model.from_hf and getattr(e, "max_id", None) is not None:  # config.json sets the vocabulary
+            raise UserError("data.path", f"{cfg.data.path} holds token id {e.max_id} but model.from_hf's vocabulary "
+                            f"has {cfg.model.vocab_size} ids (its config.json sets model.vocab_size)",
+                            "prepare the data with the model's own tokenizer (megatrain-jax prepare ... --tokenizer "
+                            f"{os.path.join(cfg.model.from_hf, 'tokenizer.json')}) and set data.tokenizer to it")
+        raise
     # before anything is allocated (a model with adapters: the plan's LoRA rows, plan/lora.py)
     plan = plan_or_refuse(cfg, log) if t.engine == "streamed" else None
     # one command per run directory, from before anything in it is touched until the run ends (train() releases it)
@@ -485,7 +513,7 @@ class _Loop:
         eta = elapsed / (s - self.start.start_step) * (t.steps - s)
         self.log(f"step {s:>6}/{t.steps}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  {reward_line(rec)}"
                  f"tokens/s {rec['tokens_per_s']:,.0f}  model TFLOPS {rec['model_tflops']:.3f}  "
-                 f"elapsed {elapsed:.0f}s  eta {eta:.0f}s")
+                 f"elapsed {_eta(elapsed)}  eta {_eta(eta)}")
 
     def _stop_if_bad(self, s: int) -> None:
         if self.bad_streak < self.cfg.train.max_bad_steps:

@@ -95,16 +95,20 @@ def _prepare_text(path: str, tok, w: PackedWriter, prog: Progress, fi: int, nf: 
     w.start_doc()
     if isinstance(tok, ByteTokenizer):  # raw bytes are the ids: no decoding at all
         with open_binary(path) as f:
+            first = True
             while True:
                 chunk = f.read(_CHUNK_BYTES)
                 if not chunk:
                     break
+                if first and chunk.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark: no text, not kept
+                    chunk = chunk[3:]
+                first = False
                 w.append(np.frombuffer(chunk, dtype=np.uint8))
                 prog.update(len(chunk), w, fi, nf)
     else:
         try:
             with open_binary(path) as fb:
-                f = io.TextIOWrapper(fb, encoding="utf-8", errors="strict", newline="")
+                f = io.TextIOWrapper(fb, encoding="utf-8-sig", errors="strict", newline="")  # (drops a BOM)
                 batch: list[str] = []
                 for piece in _text_pieces(f, _TEXT_PIECE_CHARS):
                     batch.append(piece)
