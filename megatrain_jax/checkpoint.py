@@ -338,7 +338,7 @@ class CheckpointSaver:
             log(f"checkpoint: removing {path} (left by an interrupted save)")
             shutil.rmtree(path, ignore_errors=True)
         for path, why, aside in set_aside_incomplete(root) if self.shard[0] == 0 else ():
-            log(f"checkpoint: {path} is incomplete ({why}); moved it to {aside}")
+            log(f"checkpoint: {path} is corrupted or incomplete ({why}); moved it to {aside}")
         trainer.before_update = self._before_update
 
     def _own_dir(self, step_tmp: str) -> str:
@@ -381,7 +381,8 @@ class CheckpointSaver:
         if os.path.isdir(final) and checkpoint_problem(final) is not None and self.shard[0] == 0:
             # never taken for a save of this step: an incomplete one is set aside and the step written anew
             why, aside = checkpoint_problem(final), set_aside(final)
-            self.log(f"checkpoint: {final} is incomplete ({why}); moved it to {aside}; saving step {step} anew")
+            self.log(f"checkpoint: {final} is corrupted or incomplete ({why}); moved it to {aside}; saving step "
+                     f"{step} anew")
         if os.path.isdir(final) or self._shard_saved == step:  # this state is already saved, complete (a signal
             # right after a resume; sharded, process p > 0: its shard of this step is written, process 0 commits it)
             self.last_path = final

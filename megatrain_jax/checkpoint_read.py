@@ -171,7 +171,7 @@ def restore_latest(root: str, store, host_opt, log: Log = print) -> tuple[str, d
     incomplete = set_aside_incomplete(root)  # never resumed from, nor kept as if it were a checkpoint
     cks = list_checkpoints(root)
     if not cks:
-        gone = "".join(f"; {p} is incomplete ({why}): moved it to {aside}" for p, why, aside in incomplete)
+        gone = "".join(f"; {p} is corrupted or incomplete ({why}): moved it to {aside}" for p, why, aside in incomplete)
         raise UserError("--resume", f"no complete checkpoint in {root}{gone}",
                         "train without --resume to start a new run, or set train.out_dir to the run to continue")
     bad = []
@@ -185,7 +185,8 @@ def restore_latest(root: str, store, host_opt, log: Log = print) -> tuple[str, d
                 f"{'falling back to the previous checkpoint' if c is not cks[0] else 'no older checkpoint is left'}")
             continue
         for p, why, aside in incomplete:
-            log(f"checkpoint: {p} is incomplete ({why}); moved it to {aside}; resuming from step {c.step} ({c.path})")
+            log(f"checkpoint: {p} is corrupted or incomplete ({why}); moved it to {aside}; falling back to the "
+                f"previous checkpoint: resuming from step {c.step} ({c.path})")
         if bad:
             log(f"checkpoint: resuming from {c.path} (step {c.step}) instead of the corrupted {', '.join(bad)}")
         return c.path, state

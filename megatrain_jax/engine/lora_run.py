@@ -108,7 +108,7 @@ class LoraTrainer:
         incomplete = ck.set_aside_incomplete(root)  # never resumed from (train.py's rule: checkpoint.read_meta)
         cks = ck.list_checkpoints(root)
         for p, why, aside in incomplete:
-            log(f"checkpoint: {p} is incomplete ({why}); moved it to {aside}"
+            log(f"checkpoint: {p} is corrupted or incomplete ({why}); moved it to {aside}"
                 + (f"; resuming from step {cks[-1].step}" if cks else ""))
         if not cks:
             raise UserError("--resume", f"no complete checkpoint in {root}",
