@@ -382,3 +382,149 @@ def test_relative_out_dir_saves_resumes_and_exports(tmp_path, capsys, monkeypatc
     exported = run_in_process(["export", "rel_run", "rel_export"], capsys)
     assert exported.rc == 0, str(exported)
     assert os.path.isdir(tmp_path / "rel_export")
+
+
+# ------------------------------------------------------------------ nothing lost, round three (issue 66)
+
+RUN3 = (*TINY_RUN, "train.ckpt_every=1", "train.keep_last=3", "train.log_every=1", "train.steps=3")
+
+
+@pytest.fixture(scope="module")
+def run3(tmp_path_factory):
+    """A run of 3 steps with a checkpoint after each, whose saves are slower than its steps (each group's
+    write waits 0.2 s): the run the damage below is done to, each test on its own copy."""
+    import time
+
+    from megatrain_jax import checkpoint as ck
+    from megatrain_jax.cli import main
+
+    real = ck.checkpointer
+
+    class Slow:
+        def __init__(self):
+            self.inner = real()
+
+        def save(self, *a, **kw):
+            time.sleep(0.2)
+            return self.inner.save(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    out = tmp_path_factory.mktemp("run3") / "run"
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(buf):
+        mp.setattr(ck, "checkpointer", Slow)
+        rc = main(["train", TINY, *sets(*RUN3, f"train.out_dir={out}")])
+    assert rc == 0, buf.getvalue()
+    return out, buf.getvalue()
+
+
+def _copy_run(run3, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(run3[0], dst)
+    return dst
+
+
+def test_every_committed_save_is_reported_also_when_saves_are_slower_than_steps(run3):
+    out, stdout = run3
+    for step in (1, 2, 3):
+        assert f"checkpoint: step {step} saved to" in stdout, stdout
+
+
+def test_a_checkpoint_without_its_manifest_is_set_aside_and_its_step_saved_again(run3, tmp_path, capsys):
+    """Issue 66 item 1: export and --resume name the incomplete newest checkpoint and the step they take; the
+    resumed run saves that step anew (the done line names a checkpoint it wrote); a changed optimizer field is
+    warned about."""
+    run = _copy_run(run3, tmp_path)
+    step3 = run / "checkpoints" / "step_00000003"
+    os.remove(step3 / "manifest.json")
+    exp = run_in_process(["export", str(run), str(tmp_path / "exported")], capsys)
+    assert exp.rc == 0 and f"export: skipping {step3}: not a complete checkpoint (no manifest.json); exporting step 2" \
+        in exp.stdout, str(exp)
+    res = run_in_process(["train", TINY, *sets(*RUN3, f"train.out_dir={run}", "optim.lr=0.002"), "--resume"], capsys)
+    assert res.rc == 0, str(res)
+    assert f"checkpoint: {step3} is corrupted or incomplete (no manifest.json); moved it to {step3}.corrupt; " \
+           "falling back to the previous checkpoint: resuming from step 2" in res.stdout, str(res)
+    assert "warning: optim.lr was" in res.stdout and "now 0.002" in res.stdout, str(res)
+    assert os.path.isfile(step3 / "manifest.json") and f"checkpoint {step3}" in res.stdout, str(res)
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_00000001", "step_00000002", "step_00000003",
+                                                       "step_00000003.corrupt"]
+
+
+def test_a_second_command_in_a_run_directory_is_refused_and_touches_nothing(run3, tmp_path, capsys):
+    """Issue 66 item 2: while one command holds the run (the lock, taken here as a first command would), a second
+    `train --resume` or a fresh `train` into it is one line naming the holder, exit 2, and nothing of the run is
+    moved or rewritten."""
+    from megatrain_jax.atomic import RunLock
+
+    run = _copy_run(run3, tmp_path)
+    lock = RunLock(str(run))
+    try:
+        before = tree_snapshot(run)
+        for extra in (["--resume"], []):
+            res = run_in_process(["train", TINY, *sets(*RUN3, f"train.out_dir={run}"), *extra], capsys)
+            lines = res.error_lines()
+            assert res.rc == 2 and len(lines) == 1, str(res)
+            assert f"is in use: process {os.getpid()}" in lines[0] or "already holds checkpoints" in lines[0], lines
+            assert tree_snapshot(run) == before
+    finally:
+        lock.release()
+    res = run_in_process(["train", TINY, *sets(*RUN3, f"train.out_dir={run}"), "--resume"], capsys)
+    assert res.rc == 0, str(res)  # released: the run continues (nothing left to do at step 3)
+
+
+def test_a_full_disk_while_training_is_one_line_naming_the_newest_checkpoint(run3, tmp_path, capsys, monkeypatch):
+    """Issue 66 item 3: the disk fills while training (the metrics' write fails with ENOSPC): one line naming the
+    file and the newest complete checkpoint, exit 2, no traceback, and that checkpoint loads."""
+    import errno
+
+    from megatrain_jax import checkpoint_read as ckr
+    from megatrain_jax.metrics import MetricsWriter
+
+    run = _copy_run(run3, tmp_path)
+    real = MetricsWriter.write
+
+    def full(self, record):
+        if record.get("step", 0) >= 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, record)
+
+    monkeypatch.setattr(MetricsWriter, "write", full)
+    res = run_in_process(["train", TINY, *sets(*RUN3, f"train.out_dir={run}", "train.steps=6", "train.ckpt_every=0",
+                                               "train.final_checkpoint=false"), "--resume"], capsys)
+    lines = res.error_lines()
+    assert res.rc == 2 and len(lines) == 1 and "Traceback" not in res.stderr, str(res)
+    step3 = run / "checkpoints" / "step_00000003"
+    assert lines[0].startswith("error: disk: writing ") and "the disk is full" in lines[0], lines
+    assert f"newest complete checkpoint {step3} (step 3) is intact" in lines[0], lines
+    ckr.load_checkpoint_arrays(str(step3))
+
+
+def test_the_tensorboard_writer_failing_is_raised_in_the_loop_never_from_its_thread(tmp_path):
+    """A full disk under the TensorBoard writer: its thread keeps the error (no traceback from a thread), the
+    next record raises it naming the folder, and close() closes both files before raising."""
+    import errno
+
+    from megatrain_jax.metrics import MetricsWriter, _GuardedEvents
+
+    w = MetricsWriter(str(tmp_path / "metrics.jsonl"), tensorboard=True)
+
+    class Full:
+        def write_event(self, event):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        flush = close = write_event
+
+    guard = _GuardedEvents(Full(), w)
+    guard.write_event(None)
+    assert isinstance(w.tb_error, OSError) and w.tb_error.filename == w.tb_dir
+    with pytest.raises(OSError) as e:
+        w.write({"step": 1, "loss": 1.0})
+    assert e.value.errno == errno.ENOSPC
+    with pytest.raises(OSError):
+        w.close()
+    assert w._f.closed
