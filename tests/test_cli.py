@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cli_runner import SHAKESPEARE, TINY, check_user_error, run_cli, run_in_process, sets, tree_snapshot
@@ -528,3 +529,84 @@ def test_the_tensorboard_writer_failing_is_raised_in_the_loop_never_from_its_thr
     with pytest.raises(OSError):
         w.close()
     assert w._f.closed
+
+
+def test_io_failures_of_export_and_prepare_are_one_line_and_leave_nothing(run3, tmp_path, capsys, monkeypatch):
+    """Issue 66 items 4-5: export onto a read-only folder or a full disk, prepare onto a full disk: one line naming
+    the output, exit 2, no temporary left; a killed writer's temporaries are removed by the next one."""
+    import errno
+
+    from megatrain_jax.data import packed
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_makedirs = os.makedirs
+
+    def read_only(path, *a, **kw):
+        if str(path).startswith(str(ro)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_makedirs(path, *a, **kw)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "makedirs", read_only)
+        line = check_user_error(run_in_process(["export", str(run3[0]), str(ro / "out")], capsys), "OUT")
+    assert "read-only" in line and str(ro / "out") in line
+    real_commit = packed.PackedWriter.commit
+
+    def full(self, extra):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "ds.tokens.bin.tmp999999999").write_bytes(b"left by a killed prepare")
+    with monkeypatch.context() as mp:
+        mp.setattr(packed.PackedWriter, "commit", full)
+        line = check_user_error(run_in_process(["prepare", SHAKESPEARE, "--out", str(tmp_path / "ds"), "--quiet"],
+                                               capsys), "--out")
+    assert "the disk is full" in line and str(tmp_path / "ds") in line
+    assert sorted(os.listdir(tmp_path)) == ["ro"], os.listdir(tmp_path)
+    assert real_commit is packed.PackedWriter.commit
+
+
+def test_plan_refusals_and_fixes_that_work(capsys):
+    """Issue 66 items 6, 7, 9, 10: an infinite size is refused in one line; a plan for a described machine states
+    the cores, GPU and link it assumed (never this machine's cores); sizes below 1 GB are in MB; a refusal's closest
+    placement names only settings --set takes."""
+    from megatrain_jax.plan.report import size_text
+
+    line = check_user_error(run_in_process(["plan", "configs/7b.yaml", "--gpu-memory-gb", "inf",
+                                            "--host-memory-gb", "inf"], capsys), "--gpu-memory-gb")
+    assert "finite" in line
+    res = run_in_process(["plan", TINY, "--gpu-memory-gb", "141", "--host-memory-gb", "512"], capsys)
+    assert res.rc == 0, str(res)
+    machine = next(ln for ln in res.stdout.splitlines() if ln.startswith("machine (described):"))
+    assert "16 CPU cores (assumed" in machine and "host<->GPU link 52 GB/s" in machine and "141 GB" in machine
+    res = run_in_process(["plan", TINY, "--gpu-memory-gb", "141", "--cpu-cores", "32"], capsys)
+    assert "32 CPU cores (--cpu-cores)" in res.stdout, str(res)
+    assert size_text(0.04e9) == "40.0 MB" and size_text(2.5e9) == "2.5 GB"
+    table = [ln for ln in res.stdout.splitlines() if ln.startswith(("┏", "│", "└"))]
+    assert table and max(len(ln) for ln in table) <= 100  # (no terminal here: 100 columns)
+
+
+def test_config_and_data_small_ones(tmp_path, capsys):
+    """Issue 66 items 11 and 14: --set into a section a base: left empty; a duplicate YAML key refused; a BOM
+    is no token; --version; the ETA as h:mm:ss."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.data import load_dataset
+    from megatrain_jax.train import _eta
+
+    (tmp_path / "child.yaml").write_text(f"base: {os.path.join(os.path.dirname(TINY), 'tiny.yaml')}\n")
+    assert load_config(str(tmp_path / "child.yaml"), ["model.lora.rank=4"]).model.lora.rank == 4
+    (tmp_path / "dup.yaml").write_text("train:\n  steps: 5\n  log_every: 1\n  steps: 7\n")
+    line = check_user_error(run_in_process(["plan", str(tmp_path / "dup.yaml")], capsys), "CONFIG")
+    assert "dup.yaml:4" in line and "'steps' appears twice" in line
+    text = "To be, or not to be, that is the question. " * 40
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    cfg = load_config(TINY, ["data.seq_len=16", f"data.path={tmp_path / 'bom.txt'}"])
+    ds = load_dataset(cfg.data, 256)
+    assert bytes(np.asarray(ds.tokens[:5])) == b"To be"
+    assert run_in_process(["prepare", str(tmp_path / "bom.txt"), "--out", str(tmp_path / "p"), "--quiet"],
+                          capsys).rc == 0
+    dtype = json.loads((tmp_path / "p.json").read_text())["dtype"]
+    assert bytes(np.fromfile(tmp_path / "p.tokens.bin", dtype=dtype)[:5].astype(np.uint8)) == b"To be"
+    res = run_in_process(["--version"], capsys)
+    assert res.rc == 0 and res.stdout.startswith("megatrain-jax "), str(res)
+    assert _eta(90061) == "1d 1:01:01" and _eta(3725) == "1:02:05" and _eta(float("nan")) == "?"
