@@ -610,3 +610,36 @@ def test_config_and_data_small_ones(tmp_path, capsys):
     res = run_in_process(["--version"], capsys)
     assert res.rc == 0 and res.stdout.startswith("megatrain-jax "), str(res)
     assert _eta(90061) == "1d 1:01:01" and _eta(3725) == "1:02:05" and _eta(float("nan")) == "?"
+
+
+def test_fixes_name_what_set_takes_and_what_can_work(tmp_path, capsys):
+    """Issue 66 items 8-9: the closest placement of a refusal is written as --set overrides that load (the plan's
+    own grad_hold_gpu_groups is no setting); with model.from_hf, data whose ids pass its vocabulary is refused
+    naming the data and the model's tokenizer (its config.json sets vocab_size), and the override notice is one
+    line of output, not a Python warning."""
+    import types
+    import warnings
+
+    from megatrain_jax.config import load_config
+    from megatrain_jax.plan.search import describe
+
+    cand = types.SimpleNamespace(micro_batches=4, activations="pinned_host", grad_hold="pinned_host", boundary_every=2,
+                                 stream_io=True, loss_chunk=1024, grad_hold_gpu_groups=5, activations_gpu_blocks=3,
+                                 seq_tile=0)
+    words = describe(cand).split()
+    assert not any("grad_hold_gpu_groups" in w for w in words), words
+    load_config(TINY, words)  # every one a key --set takes
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "max_position_embeddings": 128}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = _train(tmp_path, capsys, *TINY_RUN, f"model.from_hf={hf}", "model.hidden_size=64")
+    line = check_user_error(res, "data.path") if not res.stdout.strip() else res.error_lines()[0]
+    assert res.rc == 2 and line.startswith("error: data.path: ") and "tokenizer" in line and "vocab_size >=" not in line
+    assert "warning: model.from_hf: the checkpoint's config.json overrides the YAML for hidden_size=64 -> 32" \
+        in res.stdout, str(res)
