@@ -643,3 +643,30 @@ def test_fixes_name_what_set_takes_and_what_can_work(tmp_path, capsys):
     assert res.rc == 2 and line.startswith("error: data.path: ") and "tokenizer" in line and "vocab_size >=" not in line
     assert "warning: model.from_hf: the checkpoint's config.json overrides the YAML for hidden_size=64 -> 32" \
         in res.stdout, str(res)
+
+
+def test_ctrl_c_stops_prepare_within_a_second_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """Issue 66 item 14: a Ctrl-C while a tokenizer encodes a long text (a native call of many seconds) stops
+    prepare at once: exit 130, no file of the data set and no temporary left."""
+    import _thread
+    import threading
+    import time
+
+    from megatrain_jax.data import pipeline
+
+    class SlowTokenizer:
+        vocab_size, eos_id, path = 300, None, None
+
+        def encode_batch(self, texts):
+            time.sleep(30)  # (a long encode: the thread that calls it is held, the GIL is not)
+            return [np.zeros(len(t), np.uint32) for t in texts]
+
+        def describe(self):
+            return {"kind": "test"}
+
+    monkeypatch.setattr(pipeline, "load_tokenizer", lambda spec, field: SlowTokenizer())
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    t0 = time.perf_counter()
+    res = run_in_process(["prepare", SHAKESPEARE, "--out", str(tmp_path / "ds"), "--tokenizer", "x.json"], capsys)
+    assert time.perf_counter() - t0 < 1.5 and res.rc == 130, str(res)
+    assert os.listdir(tmp_path) == []

@@ -113,17 +113,40 @@ def _prepare_text(path: str, tok, w: PackedWriter, prog: Progress, fi: int, nf: 
                 for piece in _text_pieces(f, _TEXT_PIECE_CHARS):
                     batch.append(piece)
                     if len(batch) >= 8:
-                        for ids in tok.encode_batch(batch):
+                        for ids in _interruptible(tok.encode_batch, batch):
                             w.append(ids)
                         prog.update(sum(len(p) for p in batch), w, fi, nf)
                         batch = []
-                for ids in tok.encode_batch(batch) if batch else []:
+                for ids in _interruptible(tok.encode_batch, batch) if batch else []:
                     w.append(ids)
                 prog.update(sum(len(p) for p in batch), w, fi, nf)
         except UnicodeDecodeError as e:
             raise UserError(path, f"is not valid UTF-8 (byte {e.start})",
                             "convert it to UTF-8 (e.g. iconv), or use --tokenizer byte") from None
     w.end_doc()
+
+
+def _interruptible(fn, *args):
+    """``fn(*args)`` on a daemon thread, waited for in short slices: a Ctrl-C reaches this thread within a fraction
+    of a second instead of after a long native call (a tokenizer encoding megabytes of text holds the thread that
+    calls it for seconds); the abandoned call ends with the process."""
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="prepare-encode", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.1)
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def _check_out(out: str, overwrite: bool, inputs: list[str | None] = ()) -> str:
