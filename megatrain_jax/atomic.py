@@ -333,6 +333,11 @@ class RunLock:
         import fcntl
 
         self.path = os.path.join(out_dir, RUN_LOCK)
+        self.made: list[str] = []  # the directories this lock created (outermost first)
+        d = os.path.abspath(out_dir)
+        while not os.path.exists(d):
+            self.made.insert(0, d)
+            d = os.path.dirname(d)
         try:
             os.makedirs(out_dir, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -357,8 +362,16 @@ class RunLock:
         os.pwrite(fd, f"{os.getpid()}\n{' '.join(sys.argv)}\n".encode(), 0)
         self.fd: int | None = fd
 
-    def release(self) -> None:
+    def release(self, undo: bool = False) -> None:
+        """Release the lock; ``undo`` (the command stopped before writing anything): also remove the lock file and
+        the directories the lock created, where they hold nothing else."""
         if self.fd is not None:
+            if undo:
+                with contextlib.suppress(OSError):
+                    os.remove(self.path)
+                for d in reversed(self.made):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(d)
             os.close(self.fd)  # closing the one descriptor releases the flock
             self.fd = None
 

@@ -362,7 +362,7 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) -> 
         return _Start(trainer, plan, dataset, root, int(state["step"]), state, inputs, lock=lock)
     except BaseException:
         if lock is not None:
-            lock.release()
+            lock.release(undo=True)  # a refusal leaves nothing behind: no lock file, no run directory it made
         raise
 
 
