@@ -39,7 +39,7 @@ def _plan(args: argparse.Namespace) -> int:
     if cfg.model.from_hf:
         from megatrain_jax.hf import resolve_hf_model_config
 
-        resolve_hf_model_config(cfg.model)
+        resolve_hf_model_config(cfg.model, lambda msg: print(msg, file=sys.stderr))  # notices: lines, not warnings
     if args.processes is None:
         return _plan_printed(args, cfg)
     before = os.environ.get("MEGATRAIN_NUM_PROCESSES")
