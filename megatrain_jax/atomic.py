@@ -24,6 +24,7 @@ No import from the rest of the package: every writer can use it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -275,16 +276,23 @@ def output_dir(out: str, kind: str, *, sources: Iterable[str] = (), overwrite: b
     sources = list(sources)
     check_output(out, kind, sources=sources, overwrite=overwrite, field=field, own_run=own_run)
     out = os.path.abspath(out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = f"{out}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        remove_stale(os.path.dirname(out), re.escape(os.path.basename(out)) + r"\.tmp-(?P<pid>\d+)")  # killed writers'
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as e:
+        raise io_error(e, field, out) from None
     try:
         yield tmp
         files = sorted(os.listdir(tmp))
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump({"kind": kind, "files": files, **(meta or {})}, f, indent=1)
         _swap(tmp, out)
+    except OSError as e:  # a full disk, a read-only folder: one line, and nothing of the new output is kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise io_error(e, field, out) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -311,3 +319,117 @@ def _swap(tmp: str, out: str) -> None:
             os.remove(p)
     with contextlib.suppress(OSError):
         os.rmdir(old)  # left in place if it still holds anything (a name clash): nothing is lost
+
+
+RUN_LOCK = ".megatrain.lock"  # in train.out_dir: held (flock) by the one command that runs there
+
+
+class RunLock:
+    """An advisory ``flock`` on ``<out_dir>/.megatrain.lock``, held from before the command touches anything in
+    the run until ``release()``; the kernel releases it when the process dies (a kill leaves no stale lock). The
+    file holds the holder's pid and command line, for the refusal of a second command."""
+
+    def __init__(self, out_dir: str, field: str = "train.out_dir"):
+        import fcntl
+
+        self.path = os.path.join(out_dir, RUN_LOCK)
+        self.made: list[str] = []  # the directories this lock created (outermost first)
+        d = os.path.abspath(out_dir)
+        while not os.path.exists(d):
+            self.made.insert(0, d)
+            d = os.path.dirname(d)
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise UserError(field, f"{self.path} cannot be created ({e.strerror or e})",
+                            f"choose a {field} you may create files in") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip().splitlines()
+            except OSError:
+                holder = []
+            os.close(fd)
+            who = f"process {holder[0]}" + (f" ({holder[1][:120]})" if len(holder) > 1 else "") if holder \
+                else "another process"
+            raise UserError(field, f"{out_dir} is in use: {who} is running there; nothing of that run was "
+                            "touched", f"wait for it to end (or stop it), or choose another {field}") from None
+        import sys
+
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n{' '.join(sys.argv)}\n".encode(), 0)
+        self.fd: int | None = fd
+
+    def release(self, undo: bool = False) -> None:
+        """Release the lock; ``undo`` (the command stopped before writing anything): also remove the lock file and
+        the directories the lock created, where they hold nothing else."""
+        if self.fd is not None:
+            if undo:
+                with contextlib.suppress(OSError):
+                    os.remove(self.path)
+                for d in reversed(self.made):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(d)
+            os.close(self.fd)  # closing the one descriptor releases the flock
+            self.fd = None
+
+
+def io_problem(e: BaseException) -> tuple[str, str]:
+    """``(what went wrong, the fix)`` of a failed write, in a few words: a full disk, a read-only folder, a
+    permission, or the error's own first line (orbax and tensorstore report a full disk as their own errors)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    code = getattr(e, "errno", None)
+    if code == errno.ENOSPC or "No space left" in text or "os_error_code='28'" in text:
+        return "the disk is full (No space left on device)", "free disk space there"
+    if code == errno.EROFS or "Read-only file system" in text:
+        return "the file system is read-only", "choose a writable folder"
+    if code in (errno.EACCES, errno.EPERM) or "Permission denied" in text:
+        return "permission denied", "choose a folder you may write in, or fix its permissions"
+    if code == errno.EDQUOT or "quota" in text.lower():
+        return "the disk quota is exceeded", "free space within your quota"
+    return f"{type(e).__name__}: {text[:200]}", "check free disk space and permissions there"
+
+
+def io_error(e: OSError, field: str | None = None, path: str | None = None) -> UserError:
+    """An ``OSError`` (a full disk, a read-only folder, ...) as the one-line ``UserError`` naming the path written
+    (``path``, else the error's own file name)."""
+    what, fix = io_problem(e)
+    where = path or e.filename or "the output"
+    return UserError(field or str(where), f"writing {where} failed: {what}" if field else what, fix)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale(folder: str, pattern: str) -> list[str]:
+    """Remove what a killed writer left in ``folder``: entries whose name matches ``pattern`` (a regex whose
+    group ``pid`` is the writer's process id) and whose writer is gone. Returns the paths removed."""
+    rx = re.compile(pattern)
+    removed = []
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return removed
+    for n in names:
+        m = rx.fullmatch(n)
+        if m is None or pid_alive(int(m.group("pid"))):
+            continue
+        p = os.path.join(folder, n)
+        try:
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            else:
+                os.remove(p)
+        except OSError:
+            continue
+        removed.append(p)
+    return removed

@@ -59,6 +59,7 @@ from typing import Any, Callable
 import numpy as np
 
 import megatrain_jax.checkpoint_shards as shards
+from megatrain_jax.atomic import io_problem
 from megatrain_jax.errors import UserError
 from megatrain_jax.orbax_io import checkpointer, restore_array  # noqa: F401 - the orbax glue (export uses it)
 
@@ -89,16 +90,92 @@ class CheckpointInfo:
     step: int
 
 
-def list_checkpoints(root: str) -> list[CheckpointInfo]:
-    """Committed checkpoints (``step_N`` with a manifest) under ``root``, oldest first."""
+def read_meta(path: str) -> tuple[dict, bytes]:
+    """``(manifest, state.json's bytes)`` of a checkpoint whose metadata is whole; ``CorruptCheckpoint``
+    when not: a missing or unreadable manifest.json or state.json, a state.json that fails the manifest's
+    checksum, a group or shard directory the manifest names that is missing. A LoRA adapter checkpoint
+    (``engine/lora_run.py``: its manifest lists ``files``) needs every file listed."""
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            manifest = json.loads(f.read())
+        with open(os.path.join(path, STATE), "rb") as f:
+            state_bytes = f.read()
+    except (OSError, ValueError) as e:
+        what = getattr(e, "filename", None)
+        why = f"no {os.path.basename(what)}" if isinstance(e, FileNotFoundError) and what else \
+            f"cannot read its metadata ({type(e).__name__}: {e})"
+        raise CorruptCheckpoint(why) from None
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpoint(f"{MANIFEST} is not a JSON object")
+    if "files" in manifest and "format" not in manifest:  # a LoRA adapter checkpoint
+        files = manifest["files"] if isinstance(manifest["files"], dict) else {}
+        missing = [rel for rel in files if not os.path.isfile(os.path.join(path, rel))]
+        if missing:
+            raise CorruptCheckpoint(f"{missing[0]} is missing")
+        return manifest, state_bytes
+    if manifest.get("format") != FORMAT:
+        raise CorruptCheckpoint(f"manifest format {manifest.get('format')} is not {FORMAT}")
+    if zlib.crc32(state_bytes) != manifest.get("state_crc32"):
+        raise CorruptCheckpoint(f"{STATE} fails its checksum")
+    if manifest.get("shards"):
+        parts = [f"shard_{p}" for p in range(int(manifest["shards"]))]
+    else:
+        parts = [os.path.join("groups", g) for g in manifest.get("groups", {})]
+    missing = [d for d in parts if not os.path.isdir(os.path.join(path, d))]
+    if missing:
+        raise CorruptCheckpoint(f"{missing[0]}/ is missing")
+    return manifest, state_bytes
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why ``path`` is not a complete checkpoint, or None when it is. The one definition of complete that
+    resume, export and retention share (``read_meta``); the arrays' checksums are checked when they are read."""
+    try:
+        read_meta(path)
+    except CorruptCheckpoint as e:
+        return str(e)
+    return None
+
+
+def _step_dirs(root: str) -> list[CheckpointInfo]:
     out = []
     if os.path.isdir(root):
         for name in os.listdir(root):
             m = _STEP_RE.match(name)
             path = os.path.join(root, name)
-            if m and os.path.isfile(os.path.join(path, MANIFEST)):
+            if m and os.path.isdir(path):
                 out.append(CheckpointInfo(path, int(m.group(1))))
     return sorted(out, key=lambda c: c.step)
+
+
+def list_checkpoints(root: str) -> list[CheckpointInfo]:
+    """Complete checkpoints (``step_N`` whose metadata is whole: ``checkpoint_problem``) under ``root``,
+    oldest first."""
+    return [c for c in _step_dirs(root) if checkpoint_problem(c.path) is None]
+
+
+def incomplete_checkpoints(root: str) -> list[tuple[CheckpointInfo, str]]:
+    """``step_N`` directories under ``root`` that are not complete checkpoints, with why (oldest first)."""
+    out = []
+    for c in _step_dirs(root):
+        why = checkpoint_problem(c.path)
+        if why is not None:
+            out.append((c, why))
+    return out
+
+
+def set_aside(path: str) -> str:
+    """Move a damaged or incomplete checkpoint to ``<path>.corrupt`` (kept for inspection); returns where."""
+    aside = f"{path}.corrupt"
+    if os.path.exists(aside):
+        aside = f"{aside}-{int(time.time())}"
+    os.replace(path, aside)
+    return aside
+
+
+def set_aside_incomplete(root: str) -> list[tuple[str, str, str]]:
+    """Every incomplete ``step_N`` under ``root`` moved aside as ``.corrupt``: ``[(path, why, aside)]``."""
+    return [(c.path, why, set_aside(c.path)) for c, why in incomplete_checkpoints(root)]
 
 
 def leftovers(root: str) -> list[str]:
@@ -186,6 +263,22 @@ def prune(root: str, keep_last: int, keep_every: int) -> list[str]:
 # ------------------------------------------------------------------------------------- saving
 
 
+def newest_line(root: str) -> str:
+    """Names the newest complete checkpoint under ``root`` (what --resume continues from), or says there is none."""
+    cks = list_checkpoints(root)
+    if not cks:
+        return "no complete checkpoint exists yet"
+    return f"the newest complete checkpoint {cks[-1].path} (step {cks[-1].step}) is intact: continue with --resume"
+
+
+def save_failure(e: BaseException, final: str, root: str) -> tuple[str, str, str]:
+    """The ``UserError`` arguments of a failed save: one line naming the checkpoint, the cause and the newest
+    complete one."""
+    what, fix = io_problem(e)
+    return ("train.out_dir", f"saving checkpoint {final} failed: {what}; nothing of it is kept",
+            f"{fix} (train.out_dir), lower train.keep_last or raise train.ckpt_every; {newest_line(root)}")
+
+
 def store_layouts(store) -> dict[str, list]:
     return {g.name: [[leaf.path, list(leaf.shape), leaf.offset, leaf.size] for leaf in g.layout.leaves]
             for g in store}
@@ -244,6 +337,8 @@ class CheckpointSaver:
         for path in leftovers(root) if self.shard[0] == 0 else ():  # (process 0's to clean up)
             log(f"checkpoint: removing {path} (left by an interrupted save)")
             shutil.rmtree(path, ignore_errors=True)
+        for path, why, aside in set_aside_incomplete(root) if self.shard[0] == 0 else ():
+            log(f"checkpoint: {path} is corrupted or incomplete ({why}); moved it to {aside}")
         trainer.before_update = self._before_update
 
     def _own_dir(self, step_tmp: str) -> str:
@@ -283,8 +378,13 @@ class CheckpointSaver:
             self.trainer.finish()
         self.wait()
         final = os.path.join(self.root, step_dirname(step))
-        if os.path.isdir(final) or self._shard_saved == step:  # this state is already saved (e.g. a signal right
-            # after a resume; sharded, process p > 0: its shard of this step is written, and process 0 commits it)
+        if os.path.isdir(final) and checkpoint_problem(final) is not None and self.shard[0] == 0:
+            # never taken for a save of this step: an incomplete one is set aside and the step written anew
+            why, aside = checkpoint_problem(final), set_aside(final)
+            self.log(f"checkpoint: {final} is corrupted or incomplete ({why}); moved it to {aside}; saving step "
+                     f"{step} anew")
+        if os.path.isdir(final) or self._shard_saved == step:  # this state is already saved, complete (a signal
+            # right after a resume; sharded, process p > 0: its shard of this step is written, process 0 commits it)
             self.last_path = final
             return final
         tmp = final + ".tmp"
@@ -313,10 +413,7 @@ class CheckpointSaver:
         self._job = None
         job.stats.call_s += time.perf_counter() - t0
         if job.error is not None:
-            raise UserError("train.out_dir", f"saving checkpoint {job.final} failed: "
-                            f"{type(job.error).__name__}: {job.error}",
-                            "check free disk space and permissions of train.out_dir; the previous "
-                            "checkpoint is intact, resume from it with --resume") from job.error
+            raise UserError(*save_failure(job.error, job.final, self.root)) from job.error
         self.history.append(job.stats)
         self.last_path = job.final
         return job.stats

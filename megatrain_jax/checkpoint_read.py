@@ -9,32 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import zlib
 
 import numpy as np
 
 import megatrain_jax.checkpoint_shards as shards
-from megatrain_jax.checkpoint import (BLOCK_ALIGN, FORMAT, MANIFEST, STATE, CorruptCheckpoint, Log, crc32,
-                                      leftovers, list_checkpoints, store_layouts)
+from megatrain_jax.checkpoint import (BLOCK_ALIGN, STATE, CorruptCheckpoint, Log, crc32, leftovers,
+                                      list_checkpoints, read_meta, set_aside, set_aside_incomplete, store_layouts)
 from megatrain_jax.errors import UserError
 from megatrain_jax.orbax_io import checkpointer, restore_array
 
 
 def read_checkpoint_meta(path: str) -> tuple[dict, dict]:
-    """``(manifest, state)`` of a committed checkpoint; ``CorruptCheckpoint`` when unreadable."""
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
-            manifest = json.loads(f.read())
-        with open(os.path.join(path, STATE), "rb") as f:
-            state_bytes = f.read()
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"cannot read its metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CorruptCheckpoint(f"manifest format {manifest.get('format') if isinstance(manifest, dict) else '?'} "
-                                f"is not {FORMAT}")
-    if zlib.crc32(state_bytes) != manifest.get("state_crc32"):
-        raise CorruptCheckpoint(f"{STATE} fails its checksum")
+    """``(manifest, state)`` of a complete checkpoint (``checkpoint.read_meta``); ``CorruptCheckpoint`` when not."""
+    manifest, state_bytes = read_meta(path)
     try:
         state = json.loads(state_bytes)
     except ValueError as e:
@@ -179,25 +166,27 @@ def restore_latest(root: str, store, host_opt, log: Log = print) -> tuple[str, d
 
     Returns ``(path, state)``. ``UserError`` when there is none (or none usable).
     """
-    cks = list_checkpoints(root)
     for path in leftovers(root):
         log(f"checkpoint: ignoring {path} (an interrupted save; the checkpoints before it are intact)")
+    incomplete = set_aside_incomplete(root)  # never resumed from, nor kept as if it were a checkpoint
+    cks = list_checkpoints(root)
     if not cks:
-        raise UserError("--resume", f"no complete checkpoint in {root}",
+        gone = "".join(f"; {p} is corrupted or incomplete ({why}): moved it to {aside}" for p, why, aside in incomplete)
+        raise UserError("--resume", f"no complete checkpoint in {root}{gone}",
                         "train without --resume to start a new run, or set train.out_dir to the run to continue")
     bad = []
     for c in reversed(cks):
         try:
             state = restore_into(c.path, store, host_opt)
         except CorruptCheckpoint as e:
-            aside = f"{c.path}.corrupt"
-            if os.path.exists(aside):
-                aside = f"{aside}-{int(time.time())}"
-            os.replace(c.path, aside)
+            aside = set_aside(c.path)
             bad.append(c.path)
             log(f"checkpoint: {c.path} is corrupted: {e}; moved it to {aside} and "
                 f"{'falling back to the previous checkpoint' if c is not cks[0] else 'no older checkpoint is left'}")
             continue
+        for p, why, aside in incomplete:
+            log(f"checkpoint: {p} is corrupted or incomplete ({why}); moved it to {aside}; falling back to the "
+                f"previous checkpoint: resuming from step {c.step} ({c.path})")
         if bad:
             log(f"checkpoint: resuming from {c.path} (step {c.step}) instead of the corrupted {', '.join(bad)}")
         return c.path, state

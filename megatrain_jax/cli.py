@@ -39,7 +39,7 @@ def _plan(args: argparse.Namespace) -> int:
     if cfg.model.from_hf:
         from megatrain_jax.hf import resolve_hf_model_config
 
-        resolve_hf_model_config(cfg.model)
+        resolve_hf_model_config(cfg.model, lambda msg: print(msg, file=sys.stderr))  # notices: lines, not warnings
     if args.processes is None:
         return _plan_printed(args, cfg)
     before = os.environ.get("MEGATRAIN_NUM_PROCESSES")
@@ -79,8 +79,27 @@ def _plan_printed(args: argparse.Namespace, cfg) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (the source tree's pyproject.toml where it is not installed)."""
+    try:
+        from importlib.metadata import version
+
+        return version("megatrain-jax")
+    except Exception:  # noqa: BLE001 - not installed: read the source tree's
+        import re
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        try:
+            with open(os.path.join(root, "pyproject.toml")) as f:
+                m = re.search(r'^version\s*=\s*"([^"]+)"', f.read(), re.M)
+            return m.group(1) if m else "unknown"
+        except OSError:
+            return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatrain-jax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"megatrain-jax {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model from a YAML config")
@@ -142,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a read-only folder, a permission, wherever it was met: one line naming the path
+        from megatrain_jax.atomic import io_error
+
+        print(f"error: {io_error(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # one line (train: what became of the save, the newest checkpoint)
         print(str(e) or "interrupted", file=sys.stderr, flush=True)

@@ -36,8 +36,10 @@ class MetricsWriter:
 
     def __init__(self, path: str, tensorboard: bool = True, log=None):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path, self.tb_dir = path, os.path.join(os.path.dirname(path) or ".", "tensorboard")
         self._f: TextIO = open(path, "a")
         self._tb = None
+        self.tb_error: OSError | None = None  # the TensorBoard writer's failure (its thread writes): raised by write()
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
@@ -46,11 +48,18 @@ class MetricsWriter:
                     log("metrics: tensorboardX is not installed; TensorBoard event files are not written "
                         "(pip install tensorboardX); metrics.jsonl has every figure")
             else:
-                self._tb = SummaryWriter(os.path.join(os.path.dirname(path) or ".", "tensorboard"), flush_secs=10)
+                self._tb = SummaryWriter(self.tb_dir, flush_secs=10)
+                _guard_event_writer(self._tb, self)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        """One record; an ``OSError`` (a full disk) of either file is raised here, in the caller's thread."""
+        try:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+        except OSError as e:  # named: the error of a write to an open file has no file name
+            raise OSError(e.errno, e.strerror or str(e), self.path) from None
+        if self.tb_error is not None:
+            raise self.tb_error
         if self._tb is not None and "step" in record:
             for k in self.SCALARS:
                 v = record.get(k)
@@ -58,6 +67,56 @@ class MetricsWriter:
                     self._tb.add_scalar(f"train/{k}", v, int(record["step"]))
 
     def close(self) -> None:
-        self._f.close()
+        """Close both files (each, whatever the other does); then raise the first ``OSError`` met."""
+        err = None
+        try:
+            self._f.close()
+        except OSError as e:
+            err = OSError(e.errno, e.strerror or str(e), self.path)
         if self._tb is not None:
-            self._tb.close()
+            self._tb.close()  # (guarded: a failure is kept in tb_error, never raised from its thread)
+        err = err or self.tb_error
+        if err is not None:
+            raise err
+
+
+class _GuardedEvents:
+    """tensorboardX's event-file writer, whose failures (a full disk) are kept in ``owner.tb_error`` instead of
+    ending its background thread with a traceback; nothing more is written once one failed."""
+
+    def __init__(self, inner, owner: MetricsWriter):
+        self._inner, self._owner = inner, owner
+
+    def _call(self, name: str, *args):
+        if self._owner.tb_error is not None:
+            return None
+        try:
+            return getattr(self._inner, name)(*args)
+        except OSError as e:
+            self._owner.tb_error = OSError(e.errno, e.strerror or str(e), self._owner.tb_dir)
+            return None
+
+    def write_event(self, event):
+        return self._call("write_event", event)
+
+    def flush(self):
+        return self._call("flush")
+
+    def close(self):
+        return self._call("close")
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _guard_event_writer(tb, owner: MetricsWriter) -> None:
+    """Put ``_GuardedEvents`` between the SummaryWriter and its event file (both its thread and ``flush``/``close``
+    write through it). A tensorboardX without these attributes is left as it is."""
+    try:
+        fw = tb._get_file_writer().event_writer
+        guarded = _GuardedEvents(fw._ev_writer, owner)
+        fw._ev_writer = guarded
+        if fw._worker is not None:
+            fw._worker._record_writer = guarded
+    except AttributeError:
+        pass

@@ -7,6 +7,31 @@ import os
 import numpy as np
 
 
+class _QuietFailedSaves:
+    """A logging filter: orbax logs a failed write (a full disk, a read-only folder) from each of its threads as
+    an ERROR with a traceback before raising it; ``checkpoint.py`` reports that failure itself, as one line
+    naming the checkpoint, so these records are dropped. Every other record passes."""
+
+    def filter(self, record) -> bool:
+        if "orbax" not in (record.pathname or ""):
+            return True
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted is left to its handler
+            return True
+        return not ("raised an exception" in msg or "Event loop is closed" in msg)
+
+
+def quiet_failed_saves() -> None:
+    """Install ``_QuietFailedSaves`` on the loggers orbax writes through (once)."""
+    import logging
+
+    for name in ("absl", ""):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietFailedSaves) for f in logger.filters):
+            logger.addFilter(_QuietFailedSaves())
+
+
 def checkpointer():
     """A synchronous orbax PyTree checkpointer whose numpy handler does not copy its inputs.
 
@@ -21,6 +46,8 @@ def checkpointer():
     import orbax.checkpoint as ocp
 
     import inspect
+
+    quiet_failed_saves()
 
     th = ocp.type_handlers
     # older orbax releases (the GPU image's, for one) have no such switch and copy the group being

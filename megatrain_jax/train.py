@@ -40,7 +40,7 @@ import numpy as np
 import yaml
 
 from megatrain_jax import checkpoint as ck
-from megatrain_jax.atomic import check_train_outputs
+from megatrain_jax.atomic import RunLock, check_train_outputs
 from megatrain_jax.atomic import check_writable as check_out_dir  # train.out_dir's write probe
 from megatrain_jax.config import Config
 from megatrain_jax.distributed import check_shared_dir, is_main
@@ -198,11 +198,31 @@ def _resume_checks(cfg: Config, dataset, state: dict, log: Log) -> None:
         if key in st and st[key] != now:
             log(f"warning: train.{key} was {st[key]} in the checkpointed run, now {now}"
                 + (" (the LR schedule's horizon changes)" if key == "steps" else " (the data order changes)"))
+    for key, was, now in _changed(saved_cfg.get("optim", {}), cfg.to_dict().get("optim", {}), "optim"):
+        log(f"warning: {key} was {was!r} in the checkpointed run, now {now!r} (the run continues with the new value)")
     if saved_cfg.get("data", {}).get("seq_len", cfg.data.seq_len) != cfg.data.seq_len:
         log(f"warning: data.seq_len was {saved_cfg['data']['seq_len']} in the checkpointed run, now {cfg.data.seq_len}")
     rng = state.get("rng", {}).get("numpy_global")
     if rng is not None:
         np.random.set_state((rng[0], np.asarray(rng[1], np.uint32), *rng[2:]))
+
+
+def _changed(old: Any, new: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, was, now)`` of every leaf that differs between two config sections (a key the checkpointed
+    run did not have is not a change)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [c for k in new if k in old for c in _changed(old[k], new[k], f"{prefix}.{k}")]
+    return [] if old == new else [(prefix, old, new)]
+
+
+def _eta(seconds: float) -> str:
+    """A time left as h:mm:ss (a day and more: d days h:mm:ss)."""
+    if not seconds == seconds or seconds == float("inf"):
+        return "?"
+    s = int(round(max(seconds, 0.0)))
+    days, s = divmod(s, 86400)
+    text = f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    return f"{days}d {text}" if days else text
 
 
 def _background_failure(e: BaseException, out_dir: str, step: int) -> UserError:
@@ -219,12 +239,19 @@ def _background_failure(e: BaseException, out_dir: str, step: int) -> UserError:
             f.write(f"--- after step {step}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             f.write("".join(traceback.format_exception(e)))
     except OSError:
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path) == 0:
+                os.remove(path)  # (an empty log on a full disk: nothing to read in it)
         path = "(could not be written)"
     msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return UserError("disk", f"writing failed after step {step}: {msg}; full traceback in {path}",
-                         "free space in train.out_dir, lower train.keep_last, or set train.ckpt_every=0 and "
-                         "train.final_checkpoint=false; committed checkpoints are intact (--resume)")
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT,
+                                              errno.EIO, errno.EFBIG):
+        what, fix = ck.io_problem(e)
+        where = f"writing {e.filename}" if getattr(e, "filename", None) else "writing"
+        tb = f"; full traceback in {path}" if not path.startswith("(") else ""
+        return UserError("disk", f"{where} failed after step {step}: {what}{tb}",
+                         f"{fix} (train.out_dir), lower train.keep_last, or set train.ckpt_every=0 and "
+                         f"train.final_checkpoint=false; {ck.newest_line(ck.checkpoint_root(out_dir))}")
     if "RESOURCE_EXHAUSTED" in msg or "Out of memory" in msg:
         return UserError("GPU memory", f"the device ran out of memory after step {step}: {msg}; full traceback "
                          f"in {path}", "lower train.gpu_memory_gb or the tokens per micro-batch "
@@ -257,6 +284,7 @@ class _Start:
     start_step: int = 0
     state: dict = field(default_factory=dict)  # the resumed checkpoint's state.json
     inputs: list = field(default_factory=list)  # what the run reads (the writers' rule keeps outputs off them)
+    lock: Any = None  # atomic.RunLock on train.out_dir (process 0), held until the run ends
 
 
 def run_inputs(cfg: Config, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
@@ -304,18 +332,38 @@ def _start(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) -> 
 
         resolve_hf_model_config(cfg.model, log)  # sizes before anything uses them; a Hub id becomes its snapshot
         _warn_positions(cfg, log)
-    dataset = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=t.batch_size)  # one batch must come out
+    try:
+        dataset = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=t.batch_size)  # one batch must come out
+    except UserError as e:
+        if cfg.model.from_hf and getattr(e, "max_id", None) is not None:  # config.json sets the vocabulary
+            raise UserError("data.path", f"{cfg.data.path} holds token id {e.max_id} but model.from_hf's vocabulary "
+                            f"has {cfg.model.vocab_size} ids (its config.json sets model.vocab_size)",
+                            "prepare the data with the model's own tokenizer (megatrain-jax prepare ... --tokenizer "
+                            f"{os.path.join(cfg.model.from_hf, 'tokenizer.json')}) and set data.tokenizer to it")
+        raise
     # before anything is allocated (a model with adapters: the plan's LoRA rows, plan/lora.py)
     plan = plan_or_refuse(cfg, log) if t.engine == "streamed" else None
-    if not resume:
-        trainer = Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg)
-        preference_start(cfg, trainer, dataset, plan, False, log)  # a preference objective (dpo/ipo: reference pass)
-        return _Start(trainer, plan, dataset, root, inputs=inputs)
-    trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
-    _resume_checks(cfg, dataset, state, log)
-    preference_start(cfg, trainer, dataset, plan, True, log)
-    log(f"resumed from {path}: step {int(state['step'])}, optimizer count {trainer.step_count}")
-    return _Start(trainer, plan, dataset, root, int(state["step"]), state, inputs)
+    # one command per run directory, from before anything in it is touched until the run ends (train() releases it)
+    lock = RunLock(t.out_dir) if main else None
+    try:
+        if not resume:
+            existing = ck.list_checkpoints(root) if main else []
+            if existing:  # committed by a command that ended after the check above
+                raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step "
+                                f"{existing[-1].step})", "pass --resume to continue that run, or choose another "
+                                "train.out_dir")
+            trainer = Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg)
+            preference_start(cfg, trainer, dataset, plan, False, log)  # a preference objective (dpo/ipo: reference pass)
+            return _Start(trainer, plan, dataset, root, inputs=inputs, lock=lock)
+        trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
+        _resume_checks(cfg, dataset, state, log)
+        preference_start(cfg, trainer, dataset, plan, True, log)
+        log(f"resumed from {path}: step {int(state['step'])}, optimizer count {trainer.step_count}")
+        return _Start(trainer, plan, dataset, root, int(state["step"]), state, inputs, lock=lock)
+    except BaseException:
+        if lock is not None:
+            lock.release(undo=True)  # a refusal leaves nothing behind: no lock file, no run directory it made
+        raise
 
 
 def _open_outputs(cfg: Config, start: _Start, resume: bool, main: bool, log: Log) -> tuple[MetricsWriter, str]:
@@ -375,7 +423,7 @@ class _Loop:
         ``train.max_bad_steps`` non-finite steps in a row. Closes the saver and the trainer."""
         t = self.cfg.train
         stop = StopSignals()
-        aborted = False
+        aborted = failed = False
         # a step that stops making progress (a GPU failed inside a collective) ends the run instead of hanging it
         watchdog = StallWatchdog(t.stall_timeout_s, t.out_dir, start_step=self.start.start_step)
         try:
@@ -391,7 +439,8 @@ class _Loop:
                 if s % t.log_every == 0 or s == self.start.start_step + 1 or s == t.steps:
                     self._log_step(s, res, rec, now - t0)
                 if self.saver is not None:
-                    self._report(self.saver.poll())  # a background save that has committed since the last step
+                    self.saver.poll()  # a background save that has committed since the last step
+                    self._report_saved()
                 if s == self.hooks.sigint_after_step:
                     signal.raise_signal(signal.SIGINT)  # test hook: a Ctrl-C now (handled before the next line)
                 self._stop_if_bad(s)
@@ -409,6 +458,7 @@ class _Loop:
             aborted = True  # a second signal: do not wait for a save in flight (its .tmp is ignored later)
             raise
         except UserError:
+            failed = True
             raise
         except Exception as e:  # noqa: BLE001 - a background failure (optimizer thread, checkpoint writer, device)
             aborted = True
@@ -416,7 +466,7 @@ class _Loop:
         finally:
             watchdog.close()
             try:
-                self._close(aborted)  # on an abort: the save in flight abandoned, its writer ended
+                self._close(aborted, failed)  # on an abort: the save in flight abandoned, its writer ended
             finally:
                 stop.restore()  # only now: a third signal must not cut that clean-up short
 
@@ -463,7 +513,7 @@ class _Loop:
         eta = elapsed / (s - self.start.start_step) * (t.steps - s)
         self.log(f"step {s:>6}/{t.steps}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  {reward_line(rec)}"
                  f"tokens/s {rec['tokens_per_s']:,.0f}  model TFLOPS {rec['model_tflops']:.3f}  "
-                 f"elapsed {elapsed:.0f}s  eta {eta:.0f}s")
+                 f"elapsed {_eta(elapsed)}  eta {_eta(eta)}")
 
     def _stop_if_bad(self, s: int) -> None:
         if self.bad_streak < self.cfg.train.max_bad_steps:
@@ -489,15 +539,19 @@ class _Loop:
                 "data": {"position": self.start.dataset.position(step, t.batch_size, d.seq_len),
                          "describe": self.start.dataset.describe(), "batch_size": t.batch_size, "seq_len": d.seq_len},
                 "rng": self.rng, "config": cfg.to_dict()}
-        path = self.saver.save(step, meta, wait=wait)
-        if wait:
-            self._report(self.saver.history[-1] if self.saver.history else None)
+        try:
+            path = self.saver.save(step, meta, wait=wait)
+        finally:
+            self._report_saved()  # every save that committed, also one save() waited for (saves slower than steps)
         return path
 
-    def _report(self, st) -> None:
-        if st is not None:
+    def _report_saved(self) -> None:
+        """One line for each save committed since the last report (``CheckpointSaver.history``)."""
+        history = getattr(self.saver, "history", [])
+        for st in history[getattr(self, "_reported", 0):]:
             self.log(f"checkpoint: step {st.step} saved to {st.path} ({st.nbytes / 1e9:.3f} GB in {st.write_s:.2f}s; "
                      f"training loop blocked {st.call_s:.3f}s, updates held {st.held_s:.3f}s)")
+        self._reported = len(history)
 
     def _kill(self) -> None:
         """``TrainHooks.kill_after_step``: a hard kill once the checkpoints so far are committed."""
@@ -505,7 +559,7 @@ class _Loop:
             self.saver.wait()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _close(self, aborted: bool) -> None:
+    def _close(self, aborted: bool, failed: bool = False) -> None:
         """Close the saver (an abort: abandon its save in flight), the trainer and the metrics. After
         an abort the abandoned save's writer is waited for, so no thread is left writing (or
         starting orbax work) while the interpreter shuts down."""
@@ -516,6 +570,7 @@ class _Loop:
                 else:
                     try:
                         self.saver.close()
+                        self._report_saved()
                     except KeyboardInterrupt:  # a second signal while waiting for the last save
                         aborted = True
                         self.abandoned_step = self.saver.abandon()
@@ -530,7 +585,13 @@ class _Loop:
                 settle = getattr(self.saver, "settle", None)  # CheckpointSaver's; LoRA's saver writes in-line
                 if aborted and settle is not None:
                     settle()
-                self.metrics.close()
+                try:
+                    self.metrics.close()
+                except OSError as e:  # (a full disk): never in place of the error being reported
+                    if not (aborted or failed):
+                        what, fix = ck.io_problem(e)
+                        raise UserError("train.out_dir", f"closing the metrics in {self.cfg.train.out_dir} failed: "
+                                        f"{what}", f"{fix}; {ck.newest_line(self.start.root)}") from None
 
     def abort_line(self, why: str) -> str:
         """The one line after an abort (``signals.abort_line``)."""
@@ -564,7 +625,17 @@ def train(cfg: Config, resume: bool = False, log: Log = print, hooks: TrainHooks
     main = is_main()  # process 0 writes checkpoints, metrics and logs; the others only train
     if not main:
         log = lambda _msg: None  # noqa: E731
-    start = _start(cfg, resume, log, main, inputs)  # every check; nothing written yet
+    start = _start(cfg, resume, log, main, inputs)  # every check; nothing written yet (train.out_dir locked)
+    try:
+        return _train_locked(cfg, start, resume, log, hooks, main)
+    finally:
+        if start.lock is not None:
+            start.lock.release()
+
+
+def _train_locked(cfg: Config, start: _Start, resume: bool, log: Log, hooks: TrainHooks | None,
+                  main: bool) -> dict[str, Any]:
+    t = cfg.train
     metrics, metrics_path = _open_outputs(cfg, start, resume, main, log)
     log(f"model: {cfg.model.total_params() / 1e6:.2f}M parameters "
         f"({cfg.model.non_embedding_params() / 1e6:.2f}M non-embedding), engine={t.engine}, "

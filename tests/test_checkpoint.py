@@ -609,3 +609,51 @@ def test_a_damaged_export_marker_never_removes_anything_outside(tmp_path):
     with output_dir(str(out), "hf", overwrite=True) as tmp:
         open(os.path.join(tmp, "b.safetensors"), "w").close()
     assert victim.read_text() == "keep" and sorted(os.listdir(out)) == ["b.safetensors", MARKER]
+
+
+# ------------------------------------------------------------------ complete or not a checkpoint (issue 66)
+
+
+def test_a_checkpoint_is_complete_or_it_is_not_one(tmp_path):
+    """Resume, retention and a save agree on one definition of complete (manifest, state.json and every group
+    it names): an incomplete step_N is set aside as .corrupt with one line, never resumed from, never counted
+    by retention, and a save of its step writes it anew instead of returning the folder it did not write."""
+    import shutil
+
+    store, opt = make_store()
+    tr = FakeTrainer(store, opt)
+    saver, _ = _saver(tr, tmp_path, keep_last=0)
+    for step in (1, 2, 3):
+        tr.step()
+        saver.save(step, MODEL_META, wait=True)
+    saver.close()
+    root = str(tmp_path)
+    os.remove(tmp_path / "step_00000003" / "manifest.json")
+    shutil.rmtree(tmp_path / "step_00000002" / "groups" / "block_0")
+    os.remove(tmp_path / "step_00000001" / "state.json")
+    assert [c.step for c in ck.list_checkpoints(root)] == []
+    assert [(c.step, why) for c, why in ck.incomplete_checkpoints(root)] == [
+        (1, "no state.json"), (2, "groups/block_0/ is missing"), (3, "no manifest.json")]
+    shutil.rmtree(tmp_path / "step_00000001")
+    shutil.rmtree(tmp_path / "step_00000002")
+    tr.finish()
+    saver, logs = _saver(tr, tmp_path, keep_last=1)  # the next start sets it aside, with one line naming it
+    assert logs == [f"checkpoint: {tmp_path / 'step_00000003'} is corrupted or incomplete (no manifest.json); "
+                    f"moved it to {tmp_path / 'step_00000003.corrupt'}"]
+    os.makedirs(tmp_path / "step_00000003" / "groups")  # a folder of the very step to save, left incomplete
+    path = saver.save(3, MODEL_META, wait=True)
+    assert ck.checkpoint_problem(path) is None and any("saving step 3 anew" in x for x in logs), logs
+    # retention counts complete checkpoints only: a newer incomplete one never pushes the good one out
+    os.makedirs(tmp_path / "step_00000009")
+    shutil.copy(tmp_path / "step_00000003" / "manifest.json", tmp_path / "step_00000009" / "manifest.json")
+    assert ck.prune(root, 1, 0) == [] and [c.step for c in ck.list_checkpoints(root)] == [3]
+    saver.close()
+    fresh = HostStore({n: Layout(t) for n, t in TREES.items()}, bf16_stream=True)
+    restore_logs = []
+    got, state = ckr.restore_latest(root, fresh, opt, log=restore_logs.append)
+    assert got == path and state["step"] == 3
+    assert restore_logs == [f"checkpoint: {tmp_path / 'step_00000009'} is corrupted or incomplete (no state.json); "
+                            f"moved it to "
+                            f"{tmp_path / 'step_00000009.corrupt'}; falling back to the previous checkpoint: "
+                            f"resuming from step 3 ({path})"]
+    tr.close()

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cli_runner import SHAKESPEARE, TINY, check_user_error, run_cli, run_in_process, sets, tree_snapshot
@@ -382,3 +383,290 @@ def test_relative_out_dir_saves_resumes_and_exports(tmp_path, capsys, monkeypatc
     exported = run_in_process(["export", "rel_run", "rel_export"], capsys)
     assert exported.rc == 0, str(exported)
     assert os.path.isdir(tmp_path / "rel_export")
+
+
+# ------------------------------------------------------------------ nothing lost, round three (issue 66)
+
+RUN3 = (*TINY_RUN, "train.ckpt_every=1", "train.keep_last=3", "train.log_every=1", "train.steps=3")
+
+
+@pytest.fixture(scope="module")
+def run3(tmp_path_factory):
+    """A run of 3 steps with a checkpoint after each, whose saves are slower than its steps (each group's
+    write waits 0.2 s): the run the damage below is done to, each test on its own copy."""
+    import time
+
+    from megatrain_jax import checkpoint as ck
+    from megatrain_jax.cli import main
+
+    real = ck.checkpointer
+
+    class Slow:
+        def __init__(self):
+            self.inner = real()
+
+        def save(self, *a, **kw):
+            time.sleep(0.2)
+            return self.inner.save(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    out = tmp_path_factory.mktemp("run3") / "run"
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(buf):
+        mp.setattr(ck, "checkpointer", Slow)
+        rc = main(["train", TINY, *sets(*RUN3, f"train.out_dir={out}")])
+    assert rc == 0, buf.getvalue()
+    return out, buf.getvalue()
+
+
+def _copy_run(run3, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(run3[0], dst)
+    return dst
+
+
+def test_every_committed_save_is_reported_also_when_saves_are_slower_than_steps(run3):
+    out, stdout = run3
+    for step in (1, 2, 3):
+        assert f"checkpoint: step {step} saved to" in stdout, stdout
+
+
+def test_a_checkpoint_without_its_manifest_is_set_aside_and_its_step_saved_again(run3, tmp_path, capsys):
+    """Issue 66 item 1: export and --resume name the incomplete newest checkpoint and the step they take; the
+    resumed run saves that step anew (the done line names a checkpoint it wrote); a changed optimizer field is
+    warned about."""
+    run = _copy_run(run3, tmp_path)
+    step3 = run / "checkpoints" / "step_00000003"
+    os.remove(step3 / "manifest.json")
+    exp = run_in_process(["export", str(run), str(tmp_path / "exported")], capsys)
+    assert exp.rc == 0 and f"export: skipping {step3}: not a complete checkpoint (no manifest.json); exporting step 2" \
+        in exp.stdout, str(exp)
+    res = run_in_process(["train", TINY, *sets(*RUN3, f"train.out_dir={run}", "optim.lr=0.002"), "--resume"], capsys)
+    assert res.rc == 0, str(res)
+    assert f"checkpoint: {step3} is corrupted or incomplete (no manifest.json); moved it to {step3}.corrupt; " \
+           "falling back to the previous checkpoint: resuming from step 2" in res.stdout, str(res)
+    assert "warning: optim.lr was" in res.stdout and "now 0.002" in res.stdout, str(res)
+    assert os.path.isfile(step3 / "manifest.json") and f"checkpoint {step3}" in res.stdout, str(res)
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_00000001", "step_00000002", "step_00000003",
+                                                       "step_00000003.corrupt"]
+
+
+def test_a_second_command_in_a_run_directory_is_refused_and_touches_nothing(run3, tmp_path, capsys):
+    """Issue 66 item 2: while one command holds the run (the lock, taken here as a first command would), a second
+    `train --resume` or a fresh `train` into it is one line naming the holder, exit 2, and nothing of the run is
+    moved or rewritten."""
+    from megatrain_jax.atomic import RunLock
+
+    run = _copy_run(run3, tmp_path)
+    lock = RunLock(str(run))
+    try:
+        before = tree_snapshot(run)
+        for extra in (["--resume"], []):
+            res = run_in_process(["train", TINY, *sets(*RUN3, f"train.out_dir={run}"), *extra], capsys)
+            lines = res.error_lines()
+            assert res.rc == 2 and len(lines) == 1, str(res)
+            assert f"is in use: process {os.getpid()}" in lines[0] or "already holds checkpoints" in lines[0], lines
+            assert tree_snapshot(run) == before
+    finally:
+        lock.release()
+    res = run_in_process(["train", TINY, *sets(*RUN3, f"train.out_dir={run}"), "--resume"], capsys)
+    assert res.rc == 0, str(res)  # released: the run continues (nothing left to do at step 3)
+
+
+def test_a_full_disk_while_training_is_one_line_naming_the_newest_checkpoint(run3, tmp_path, capsys, monkeypatch):
+    """Issue 66 item 3: the disk fills while training (the metrics' write fails with ENOSPC): one line naming the
+    file and the newest complete checkpoint, exit 2, no traceback, and that checkpoint loads."""
+    import errno
+
+    from megatrain_jax import checkpoint_read as ckr
+    from megatrain_jax.metrics import MetricsWriter
+
+    run = _copy_run(run3, tmp_path)
+    real = MetricsWriter.write
+
+    def full(self, record):
+        if record.get("step", 0) >= 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, record)
+
+    monkeypatch.setattr(MetricsWriter, "write", full)
+    res = run_in_process(["train", TINY, *sets(*RUN3, f"train.out_dir={run}", "train.steps=6", "train.ckpt_every=0",
+                                               "train.final_checkpoint=false"), "--resume"], capsys)
+    lines = res.error_lines()
+    assert res.rc == 2 and len(lines) == 1 and "Traceback" not in res.stderr, str(res)
+    step3 = run / "checkpoints" / "step_00000003"
+    assert lines[0].startswith("error: disk: writing ") and "the disk is full" in lines[0], lines
+    assert f"newest complete checkpoint {step3} (step 3) is intact" in lines[0], lines
+    ckr.load_checkpoint_arrays(str(step3))
+
+
+def test_the_tensorboard_writer_failing_is_raised_in_the_loop_never_from_its_thread(tmp_path):
+    """A full disk under the TensorBoard writer: its thread keeps the error (no traceback from a thread), the
+    next record raises it naming the folder, and close() closes both files before raising."""
+    import errno
+
+    from megatrain_jax.metrics import MetricsWriter, _GuardedEvents
+
+    w = MetricsWriter(str(tmp_path / "metrics.jsonl"), tensorboard=True)
+
+    class Full:
+        def write_event(self, event):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        flush = close = write_event
+
+    guard = _GuardedEvents(Full(), w)
+    guard.write_event(None)
+    assert isinstance(w.tb_error, OSError) and w.tb_error.filename == w.tb_dir
+    with pytest.raises(OSError) as e:
+        w.write({"step": 1, "loss": 1.0})
+    assert e.value.errno == errno.ENOSPC
+    with pytest.raises(OSError):
+        w.close()
+    assert w._f.closed
+
+
+def test_io_failures_of_export_and_prepare_are_one_line_and_leave_nothing(run3, tmp_path, capsys, monkeypatch):
+    """Issue 66 items 4-5: export onto a read-only folder or a full disk, prepare onto a full disk: one line naming
+    the output, exit 2, no temporary left; a killed writer's temporaries are removed by the next one."""
+    import errno
+
+    from megatrain_jax.data import packed
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_makedirs = os.makedirs
+
+    def read_only(path, *a, **kw):
+        if str(path).startswith(str(ro)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_makedirs(path, *a, **kw)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "makedirs", read_only)
+        line = check_user_error(run_in_process(["export", str(run3[0]), str(ro / "out")], capsys), "OUT")
+    assert "read-only" in line and str(ro / "out") in line
+    real_commit = packed.PackedWriter.commit
+
+    def full(self, extra):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "ds.tokens.bin.tmp999999999").write_bytes(b"left by a killed prepare")
+    with monkeypatch.context() as mp:
+        mp.setattr(packed.PackedWriter, "commit", full)
+        line = check_user_error(run_in_process(["prepare", SHAKESPEARE, "--out", str(tmp_path / "ds"), "--quiet"],
+                                               capsys), "--out")
+    assert "the disk is full" in line and str(tmp_path / "ds") in line
+    assert sorted(os.listdir(tmp_path)) == ["ro"], os.listdir(tmp_path)
+    assert real_commit is packed.PackedWriter.commit
+
+
+def test_plan_refusals_and_fixes_that_work(capsys):
+    """Issue 66 items 6, 7, 9, 10: an infinite size is refused in one line; a plan for a described machine states
+    the cores, GPU and link it assumed (never this machine's cores); sizes below 1 GB are in MB; a refusal's closest
+    placement names only settings --set takes."""
+    from megatrain_jax.plan.report import size_text
+
+    line = check_user_error(run_in_process(["plan", "configs/7b.yaml", "--gpu-memory-gb", "inf",
+                                            "--host-memory-gb", "inf"], capsys), "--gpu-memory-gb")
+    assert "finite" in line
+    res = run_in_process(["plan", TINY, "--gpu-memory-gb", "141", "--host-memory-gb", "512"], capsys)
+    assert res.rc == 0, str(res)
+    machine = next(ln for ln in res.stdout.splitlines() if ln.startswith("machine (described):"))
+    assert "16 CPU cores (assumed" in machine and "host<->GPU link 52 GB/s" in machine and "141 GB" in machine
+    res = run_in_process(["plan", TINY, "--gpu-memory-gb", "141", "--cpu-cores", "32"], capsys)
+    assert "32 CPU cores (--cpu-cores)" in res.stdout, str(res)
+    assert size_text(0.04e9) == "40.0 MB" and size_text(2.5e9) == "2.5 GB"
+    table = [ln for ln in res.stdout.splitlines() if ln.startswith(("┏", "│", "└"))]
+    assert table and max(len(ln) for ln in table) <= 100  # (no terminal here: 100 columns)
+
+
+def test_config_and_data_small_ones(tmp_path, capsys):
+    """Issue 66 items 11 and 14: --set into a section a base: left empty; a duplicate YAML key refused; a BOM
+    is no token; --version; the ETA as h:mm:ss."""
+    from megatrain_jax.config import load_config
+    from megatrain_jax.data import load_dataset
+    from megatrain_jax.train import _eta
+
+    (tmp_path / "child.yaml").write_text(f"base: {os.path.join(os.path.dirname(TINY), 'tiny.yaml')}\n")
+    assert load_config(str(tmp_path / "child.yaml"), ["model.lora.rank=4"]).model.lora.rank == 4
+    (tmp_path / "dup.yaml").write_text("train:\n  steps: 5\n  log_every: 1\n  steps: 7\n")
+    line = check_user_error(run_in_process(["plan", str(tmp_path / "dup.yaml")], capsys), "CONFIG")
+    assert "dup.yaml:4" in line and "'steps' appears twice" in line
+    text = "To be, or not to be, that is the question. " * 40
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    cfg = load_config(TINY, ["data.seq_len=16", f"data.path={tmp_path / 'bom.txt'}"])
+    ds = load_dataset(cfg.data, 256)
+    assert bytes(np.asarray(ds.tokens[:5])) == b"To be"
+    assert run_in_process(["prepare", str(tmp_path / "bom.txt"), "--out", str(tmp_path / "p"), "--quiet"],
+                          capsys).rc == 0
+    dtype = json.loads((tmp_path / "p.json").read_text())["dtype"]
+    assert bytes(np.fromfile(tmp_path / "p.tokens.bin", dtype=dtype)[:5].astype(np.uint8)) == b"To be"
+    res = run_in_process(["--version"], capsys)
+    assert res.rc == 0 and res.stdout.startswith("megatrain-jax "), str(res)
+    assert _eta(90061) == "1d 1:01:01" and _eta(3725) == "1:02:05" and _eta(float("nan")) == "?"
+
+
+def test_fixes_name_what_set_takes_and_what_can_work(tmp_path, capsys):
+    """Issue 66 items 8-9: the closest placement of a refusal is written as --set overrides that load (the plan's
+    own grad_hold_gpu_groups is no setting); with model.from_hf, data whose ids pass its vocabulary is refused
+    naming the data and the model's tokenizer (its config.json sets vocab_size), and the override notice is one
+    line of output, not a Python warning."""
+    import types
+    import warnings
+
+    from megatrain_jax.config import load_config
+    from megatrain_jax.plan.search import describe
+
+    cand = types.SimpleNamespace(micro_batches=4, activations="pinned_host", grad_hold="pinned_host", boundary_every=2,
+                                 stream_io=True, loss_chunk=1024, grad_hold_gpu_groups=5, activations_gpu_blocks=3,
+                                 seq_tile=0)
+    words = describe(cand).split()
+    assert not any("grad_hold_gpu_groups" in w for w in words), words
+    load_config(TINY, words)  # every one a key --set takes
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 32,
+        "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "max_position_embeddings": 128}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = _train(tmp_path, capsys, *TINY_RUN, f"model.from_hf={hf}", "model.hidden_size=64")
+    line = check_user_error(res, "data.path") if not res.stdout.strip() else res.error_lines()[0]
+    assert res.rc == 2 and line.startswith("error: data.path: ") and "tokenizer" in line and "vocab_size >=" not in line
+    assert "warning: model.from_hf: the checkpoint's config.json overrides the YAML for hidden_size=64 -> 32" \
+        in res.stdout, str(res)
+
+
+def test_ctrl_c_stops_prepare_within_a_second_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """Issue 66 item 14: a Ctrl-C while a tokenizer encodes a long text (a native call of many seconds) stops
+    prepare at once: exit 130, no file of the data set and no temporary left."""
+    import _thread
+    import threading
+    import time
+
+    from megatrain_jax.data import pipeline
+
+    class SlowTokenizer:
+        vocab_size, eos_id, path = 300, None, None
+
+        def encode_batch(self, texts):
+            time.sleep(30)  # (a long encode: the thread that calls it is held, the GIL is not)
+            return [np.zeros(len(t), np.uint32) for t in texts]
+
+        def describe(self):
+            return {"kind": "test"}
+
+    monkeypatch.setattr(pipeline, "load_tokenizer", lambda spec, field: SlowTokenizer())
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    t0 = time.perf_counter()
+    res = run_in_process(["prepare", SHAKESPEARE, "--out", str(tmp_path / "ds"), "--tokenizer", "x.json"], capsys)
+    assert time.perf_counter() - t0 < 1.5 and res.rc == 130, str(res)
+    assert os.listdir(tmp_path) == []

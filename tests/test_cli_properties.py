@@ -357,3 +357,171 @@ def test_every_writer_keeps_off_inputs_runs_and_data(writers_ws, name, place, ta
                 if os.path.isdir(ws / d) and not os.listdir(ws / d):
                     os.rmdir(ws / d)
         shutil.rmtree(backup, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ commands interleaved with damage (issue 66)
+
+DAMAGE_RUN = [*SMALL_RUN, "train.ckpt_every=1", "train.keep_last=0", "train.log_every=1000"]
+
+
+@pytest.fixture(scope="module")
+def damage_base(tmp_path_factory) -> Path:
+    """A run of 2 steps with a checkpoint after each (every example damages its own copy)."""
+    ws = tmp_path_factory.mktemp("damage")
+    (ws / "configs").mkdir()
+    shutil.copy(ROOT / "configs" / "tiny.yaml", ws / "configs" / "tiny.yaml")
+    (ws / "data").mkdir()
+    (ws / "data" / "text.txt").write_bytes((ROOT / "data" / "tinyshakespeare.txt").read_bytes()[:20_000])
+    rc, lines = _run(ws, ["train", "configs/tiny.yaml", *[x for s in DAMAGE_RUN + ["train.steps=2",
+                                                                                  "train.out_dir=run"]
+                                                          for x in ("--set", s)]])
+    assert rc == 0, lines
+    return ws
+
+
+def _damage_checkpoint(step_dir: Path, how: str) -> None:
+    if how == "no_manifest":
+        os.remove(step_dir / "manifest.json")
+    elif how == "no_state":
+        os.remove(step_dir / "state.json")
+    elif how == "truncated":  # every data file cut short: its arrays (the weights too) fail their checks when read
+        for dirpath, _, names in os.walk(step_dir / "groups"):
+            for n in names:
+                p = os.path.join(dirpath, n)
+                if os.path.getsize(p) > 1024:
+                    with open(p, "r+b") as f:
+                        f.truncate(os.path.getsize(p) // 3)
+
+
+FAULTS = st.one_of(
+    st.just(("none", "")),
+    st.tuples(st.just("damage"), st.sampled_from(["no_manifest", "no_state", "truncated"])),
+    st.tuples(st.just("full_disk"), st.sampled_from(["metrics", "checkpoint"])),
+    st.tuples(st.just("held"), st.sampled_from(["resume", "fresh"])),
+    st.tuples(st.just("killed"), st.sampled_from(["save", "metrics", "export"])),
+)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(plan=st.lists(st.tuples(FAULTS, st.sampled_from(["resume", "export"])), min_size=1, max_size=3))
+def test_commands_interleaved_with_damage_lose_nothing_silently(damage_base, plan):
+    """Issue 66: `train --resume` and `export` between damage to the run (a checkpoint missing a file or truncated,
+    a full disk at a write of the metrics or of a save, a second command while one holds the run, what a kill leaves
+    behind: a save's .tmp, a torn metrics line, an export's temporary). Invariants: exit 0 or 2, never a traceback;
+    a refusal is one line; every checkpoint not damaged stays and loads; --resume and export take the newest
+    undamaged one, and a newer damaged one is named in a line (no step is lost silently)."""
+    import errno
+
+    from megatrain_jax import checkpoint as ck
+    from megatrain_jax import checkpoint_read as ckr
+    from megatrain_jax.atomic import RunLock
+    from megatrain_jax.metrics import MetricsWriter
+
+    ws = damage_base
+    run = ws / "run"
+    backup = ws / "run-base"
+    if not backup.exists():
+        shutil.copytree(run, backup)
+    shutil.rmtree(run)
+    shutil.copytree(backup, run)
+    shutil.rmtree(ws / "out", ignore_errors=True)
+    root = ck.checkpoint_root(str(run))
+    good = {1, 2}  # the oracle: steps whose checkpoint is whole (never damaged by this test)
+    damaged: list[str] = []
+    actions = plan  # (named in the assertions' messages)
+    for (kind, arg), command in plan:
+        pending = None  # a fault for this command
+        event(f"{kind} {arg}, then {command}".replace(" , ", ", "))
+        if kind == "damage":
+            step = max(good)
+            _damage_checkpoint(Path(root) / ck.step_dirname(step), arg)
+            good.discard(step)
+            damaged.append(os.path.join(root, ck.step_dirname(step)))
+            if not good:
+                return  # nothing left to resume from: covered by the checkpoint tests
+        elif kind == "killed":
+            if arg == "save":
+                os.makedirs(os.path.join(root, ck.step_dirname(max(good) + 1) + ".tmp", "groups", "embed"),
+                            exist_ok=True)
+            elif arg == "metrics":
+                with open(run / "metrics.jsonl", "a") as f:
+                    f.write('{"step": 99, "lo')
+            else:
+                os.makedirs(ws / "out.tmp-999999999", exist_ok=True)
+        elif kind in ("full_disk", "held"):
+            pending = (kind, arg)
+        kind = command
+        steps = max(good) + 1
+        argv = ["export", "run", "out", "--overwrite"] if kind == "export" else \
+            ["train", "configs/tiny.yaml", *[x for s in DAMAGE_RUN + [f"train.steps={steps}", "train.out_dir=run"]
+                                             for x in ("--set", s)], "--resume"]
+        out, err = io.StringIO(), io.StringIO()
+        with pytest.MonkeyPatch.context() as mp:
+            lock = None
+            if pending == ("full_disk", "metrics"):
+                real = MetricsWriter.write
+                mp.setattr(MetricsWriter, "write", lambda self, r: (_ for _ in ()).throw(
+                    OSError(errno.ENOSPC, "No space left on device")) if r.get("step") == steps else real(self, r))
+            elif pending == ("full_disk", "checkpoint"):
+                real_ck = ck.checkpointer
+
+                class Full:
+                    def __init__(self):
+                        self.inner = real_ck()
+
+                    def save(self, path, item):
+                        raise OSError(errno.ENOSPC, "No space left on device")
+
+                    def __getattr__(self, name):
+                        return getattr(self.inner, name)
+
+                mp.setattr(ck, "checkpointer", Full)
+            elif pending is not None and pending[0] == "held":
+                lock = RunLock(str(run))
+                if pending[1] == "fresh":
+                    argv = [a for a in argv if a != "--resume"]
+            cli_tree = tree_snapshot(run)  # (the holder's lock file written)
+            cwd = os.getcwd()
+            os.chdir(ws)
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    rc = main(argv)
+            finally:
+                os.chdir(cwd)
+                if lock is not None:
+                    lock.release()
+        was, pending = pending, None
+        text, errs = out.getvalue(), [x for x in err.getvalue().splitlines() if x.strip()]
+        assert "Traceback" not in text + err.getvalue(), (actions, text, errs)
+        assert rc in (0, 2), (actions, rc, errs)
+        if rc == 2:
+            assert len(errs) == 1 and errs[0].startswith("error: "), (actions, errs)
+        if was is not None and was[0] == "held" and kind == "export":
+            assert rc == 0 or "corrupted" in errs[0], (actions, errs)  # a reader: never held off by a run
+            was = None
+        elif was is not None and was[0] == "held":
+            assert rc == 2 and ("is in use" in errs[0] or "already holds checkpoints" in errs[0]), (actions, errs)
+            assert tree_snapshot(run) == cli_tree, actions  # nothing of the holder's run moved or rewritten
+        elif was is not None and was[0] == "full_disk" and kind == "resume":
+            assert rc == 2 and ("the disk is full" in errs[0]), (actions, errs)
+            assert "newest complete checkpoint" in errs[0] or "no complete checkpoint" in errs[0], errs
+        newest = max(good)
+        if kind == "resume" and (was is None or was[0] == "full_disk"):
+            assert f"resumed from {os.path.join(root, ck.step_dirname(newest))}: step {newest}," in text, (actions, text)
+            for d in damaged:  # a damaged checkpoint newer than the one resumed from is named, never skipped silently
+                if int(os.path.basename(d)[5:]) > newest:
+                    assert d in text, (actions, d, text)
+            damaged = [d for d in damaged if int(os.path.basename(d)[5:]) <= newest]
+            if rc == 0:
+                good.add(steps)
+        if kind == "export" and was is None:
+            if rc == 0:
+                assert f"export: {os.path.join(root, ck.step_dirname(newest))} (step {newest})" in text, (actions, text)
+                for d in damaged:
+                    if os.path.isdir(d) and int(os.path.basename(d)[5:]) > newest:
+                        assert f"skipping {d}" in text, (actions, d, text)
+            else:
+                assert any(d in errs[0] for d in damaged), (actions, errs)
+        for s in good:  # every undamaged checkpoint is still there and loads
+            assert os.path.isdir(os.path.join(root, ck.step_dirname(s))), (actions, s, sorted(os.listdir(root)))
+        ckr.load_checkpoint_arrays(os.path.join(root, ck.step_dirname(max(good))))

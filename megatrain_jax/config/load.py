@@ -71,7 +71,9 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
     keys = dotted.split(".")
     node = tree
     for k in keys[:-1]:
-        node = node.setdefault(k, {})
+        if node.get(k) is None:  # absent, or an optional section left empty (model.lora: null after a base:)
+            node[k] = {}
+        node = node[k]
         if not isinstance(node, dict):
             raise UserError(dotted, "is not a section", "override a leaf key such as train.steps=10")
     if raw == "":
@@ -99,6 +101,29 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     return cfg
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int):
+        super().__init__(key, line)
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (``_DuplicateKey``)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                dup = key in seen
+            except TypeError:  # an unhashable key: the constructor below reports it
+                continue
+            if dup:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_tree(path: str, chain: tuple[str, ...], named_by: str | None = None) -> dict[str, Any]:
     """One config file as a dict, its ``base:`` (a path relative to it) merged underneath; ``chain``:
     the files that led here, so that a cycle of ``base:`` is one error, not a RecursionError."""
@@ -113,7 +138,10 @@ def _read_tree(path: str, chain: tuple[str, ...], named_by: str | None = None) -
                         f"({' -> '.join(chain + (real,))})", "remove the cycle of base: files")
     try:
         with open(path) as f:
-            tree = yaml.safe_load(f)
+            tree = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as e:
+        raise UserError("CONFIG", f"{path}:{e.line}: key {e.key!r} appears twice in one section (YAML would keep "
+                        "the last silently)", "keep one of them") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path

@@ -11,6 +11,7 @@ from megatrain_jax.data.packed import FORMAT_NAME, FORMAT_VERSION, PackedDataset
 from megatrain_jax.data.tokenizer import ByteTokenizer, dtype_for_vocab, load_tokenizer
 from megatrain_jax.errors import UserError
 
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which some editors put at the start of a text file
 _AUTO_FULL_VERIFY_BYTES = 1 << 30  # verify="auto": full sha256 below this size, size check above
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,7 +33,11 @@ def _load_text(path: str, data_cfg, vocab_size: int) -> PackedDataset:
         raise UserError("data.path", f"{path} holds {size} bytes", "use a text file with some content")
     tok_spec = getattr(data_cfg, "tokenizer", "byte") or "byte"
     if tok_spec == "byte":
-        tokens = np.memmap(path, dtype=np.uint8, mode="r")  # the bytes are the ids
+        with open(path, "rb") as f:
+            bom = len(_BOM) if f.read(len(_BOM)) == _BOM else 0  # a UTF-8 byte-order mark is no text: not trained on
+        if size - bom < 2:
+            raise UserError("data.path", f"{path} holds {size - bom} bytes", "use a text file with some content")
+        tokens = np.memmap(path, dtype=np.uint8, mode="r", offset=bom)  # the bytes are the ids
         desc = ByteTokenizer().describe()
     else:
         tok = load_tokenizer(tok_spec, "data.tokenizer")
@@ -40,7 +45,7 @@ def _load_text(path: str, data_cfg, vocab_size: int) -> PackedDataset:
             print(f"data: tokenizing {size / 1e6:.0f} MB in memory; `megatrain-jax prepare` does it once, streamed",
                   file=sys.stderr, flush=True)
         try:
-            with open(path, encoding="utf-8", newline="") as f:
+            with open(path, encoding="utf-8-sig", newline="") as f:  # (a byte-order mark is dropped)
                 tokens = tok.encode(f.read()).astype(dtype_for_vocab(tok.vocab_size))
         except UnicodeDecodeError as e:
             raise UserError("data.path", f"{path} is not valid UTF-8 (byte {e.start})", "convert it to UTF-8") from None
@@ -57,9 +62,11 @@ def _load_text(path: str, data_cfg, vocab_size: int) -> PackedDataset:
 def _check_vocab(ds: PackedDataset, vocab_size: int, path: str, max_id: int | None = None) -> None:
     m = max_token_id(ds.tokens) if max_id is None else max_id
     if m >= vocab_size:
-        raise UserError("model.vocab_size",
+        err = UserError("model.vocab_size",
                         f"data {path} holds token id {m} but the model's vocab_size is {vocab_size}",
                         f"set model.vocab_size >= {m + 1}, or prepare the data with the model's tokenizer")
+        err.max_id = m  # (a model.from_hf run names the data instead: its config.json sets vocab_size)
+        raise err
 
 
 def _corrupt(path: str, problem: str) -> UserError:

@@ -6,15 +6,17 @@ Everything is streamed into temporary files that are renamed into place only whe
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import os
+import re
 import time
 from typing import IO, Any, Iterator
 
 import numpy as np
 
 import megatrain_jax.data.chat as chat
-from megatrain_jax.atomic import check_place
+from megatrain_jax.atomic import check_place, io_problem, remove_stale
 from megatrain_jax.data.jsonl import NO_ASSISTANT, open_binary, prepare_jsonl, Report
 from megatrain_jax.data.packed import SUFFIXES, PackedWriter
 from megatrain_jax.data.progress import Progress
@@ -23,6 +25,7 @@ from megatrain_jax.errors import UserError
 
 _CHUNK_BYTES = 16 << 20  # a byte-tokenized text file is read in pieces of this size
 _TEXT_PIECE_CHARS = 1 << 22  # a long text file is encoded by a tokenizer.json in pieces of about this size
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # failures of the output, not of an input
 
 
 def _detect_format(path: str, fmt: str) -> str:
@@ -92,31 +95,58 @@ def _prepare_text(path: str, tok, w: PackedWriter, prog: Progress, fi: int, nf: 
     w.start_doc()
     if isinstance(tok, ByteTokenizer):  # raw bytes are the ids: no decoding at all
         with open_binary(path) as f:
+            first = True
             while True:
                 chunk = f.read(_CHUNK_BYTES)
                 if not chunk:
                     break
+                if first and chunk.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark: no text, not kept
+                    chunk = chunk[3:]
+                first = False
                 w.append(np.frombuffer(chunk, dtype=np.uint8))
                 prog.update(len(chunk), w, fi, nf)
     else:
         try:
             with open_binary(path) as fb:
-                f = io.TextIOWrapper(fb, encoding="utf-8", errors="strict", newline="")
+                f = io.TextIOWrapper(fb, encoding="utf-8-sig", errors="strict", newline="")  # (drops a BOM)
                 batch: list[str] = []
                 for piece in _text_pieces(f, _TEXT_PIECE_CHARS):
                     batch.append(piece)
                     if len(batch) >= 8:
-                        for ids in tok.encode_batch(batch):
+                        for ids in _interruptible(tok.encode_batch, batch):
                             w.append(ids)
                         prog.update(sum(len(p) for p in batch), w, fi, nf)
                         batch = []
-                for ids in tok.encode_batch(batch) if batch else []:
+                for ids in _interruptible(tok.encode_batch, batch) if batch else []:
                     w.append(ids)
                 prog.update(sum(len(p) for p in batch), w, fi, nf)
         except UnicodeDecodeError as e:
             raise UserError(path, f"is not valid UTF-8 (byte {e.start})",
                             "convert it to UTF-8 (e.g. iconv), or use --tokenizer byte") from None
     w.end_doc()
+
+
+def _interruptible(fn, *args):
+    """``fn(*args)`` on a daemon thread, waited for in short slices: a Ctrl-C reaches this thread within a fraction
+    of a second instead of after a long native call (a tokenizer encoding megabytes of text holds the thread that
+    calls it for seconds); the abandoned call ends with the process."""
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="prepare-encode", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.1)
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def _check_out(out: str, overwrite: bool, inputs: list[str | None] = ()) -> str:
@@ -217,6 +247,9 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
                    chat_template if chat_template != "chatml" else None]
     out = _check_out(out, overwrite, inputs_read)  # the writers' rule first: nothing read or written yet
     files = _expand_inputs(inputs)
+    # what a killed prepare to this prefix left (PREFIX.tokens.bin.tmp<pid>, ...): its process is gone
+    remove_stale(os.path.dirname(out), re.escape(os.path.basename(out)) + r"\.(json|tokens\.bin|mask\.bin|docs\.npy)"
+                 r"\.tmp(?P<pid>\d+)")
     tok = load_tokenizer(tokenizer, "--tokenizer")
     if chat_template == "chatml":
         template = chat.ChatTemplate(chat.CHATML_TEMPLATE)
@@ -259,6 +292,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
                 else:
                     _prepare_text(p, tok, w, prog, i, len(files))
             except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+                if getattr(e, "errno", None) in _WRITE_ERRNOS:  # the output's disk, not the input
+                    raise
                 raise UserError(p, f"could not be processed ({e.__class__.__name__}: {e})",
                                 "check that the input is readable and the output directory has space") from None
         if w.n_tokens < 2 and report.dropped.get(NO_ASSISTANT):
@@ -269,9 +304,13 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "byte", fmt: str = "au
                    "dropped": report.dropped, "bad_lines_skipped": report.n_bad, "bad_lines_first": report.bad_lines}
         index = w.commit({"vocab_size": tok.vocab_size, "tokenizer": tok.describe(),
                           "sources": [os.path.abspath(p) for p in files], "report": summary})
-    except BaseException:
+    except BaseException as e:
         w.abort()
         _remove_empty(made)  # directories this run created: nothing is left behind
+        if isinstance(e, OSError):  # a full disk, a read-only folder: one line (the temporaries are gone)
+            what, fix = io_problem(e)
+            raise UserError("--out", f"writing {out} failed: {what}; nothing of it is kept",
+                            f"{fix} (under {out_dir})") from None
         raise
     if not quiet:
         masked = f", {index['mask']['n_masked']:,} masked" if index["mask"] else ""

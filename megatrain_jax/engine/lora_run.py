@@ -105,7 +105,11 @@ class LoraTrainer:
             from megatrain_jax.hf import resolve_hf_model_config
 
             resolve_hf_model_config(cfg.model)
+        incomplete = ck.set_aside_incomplete(root)  # never resumed from (train.py's rule: checkpoint.read_meta)
         cks = ck.list_checkpoints(root)
+        for p, why, aside in incomplete:
+            log(f"checkpoint: {p} is corrupted or incomplete ({why}); moved it to {aside}"
+                + (f"; resuming from step {cks[-1].step}" if cks else ""))
         if not cks:
             raise UserError("--resume", f"no complete checkpoint in {root}",
                             "train without --resume to start a new run, or set train.out_dir to the run to continue")

@@ -91,7 +91,10 @@ def resolve_checkpoint(spec: str, log: Log = print) -> tuple[str, dict, dict]:
         return spec, manifest, state
     if os.path.basename(spec.rstrip("/")).endswith(".tmp"):
         raise UserError("CHECKPOINT", f"{spec} is an incomplete save", "export a committed step_N checkpoint")
-    root = spec if ck.list_checkpoints(spec) else ck.checkpoint_root(spec)
+    if ck.checkpoint_problem(spec) is not None and ck._STEP_RE.match(os.path.basename(os.path.normpath(spec))):
+        raise UserError("CHECKPOINT", f"{spec} is not a complete checkpoint ({ck.checkpoint_problem(spec)})",
+                        "export a complete checkpoint: its run's train.out_dir picks the newest")
+    root = spec if ck._step_dirs(spec) else ck.checkpoint_root(spec)
     cks = ck.list_checkpoints(root)
     if not cks:
         raise UserError("CHECKPOINT", f"no complete checkpoint in {spec}",
@@ -102,6 +105,9 @@ def resolve_checkpoint(spec: str, log: Log = print) -> tuple[str, dict, dict]:
         except ck.CorruptCheckpoint as e:
             log(f"export: skipping {c.path}: {e}")
             continue
+        for s, why in ck.incomplete_checkpoints(root):
+            if s.step > c.step:  # newer than what is exported: said, never passed over silently
+                log(f"export: skipping {s.path}: not a complete checkpoint ({why}); exporting step {c.step}")
         return c.path, manifest, state
     raise UserError("CHECKPOINT", f"every checkpoint in {root} is corrupted", "restore the files from a backup")
 

@@ -111,8 +111,12 @@ def resolve_hf_model_config(model_cfg: ModelConfig, log: Log = None) -> ModelCon
         if mine != getattr(default, name) and mine != theirs:
             clashes.append(f"{name}={mine!r} -> {theirs!r}")
     if clashes:
-        warn(f"model.from_hf: the checkpoint's config.json overrides the YAML for {', '.join(clashes)} "
-             "(architecture fields come from the checkpoint)")
+        msg = (f"model.from_hf: the checkpoint's config.json overrides the YAML for {', '.join(clashes)} "
+               "(architecture fields come from the checkpoint)")
+        if log is not None:
+            log(f"warning: {msg}")  # one line of the command's output, not a Python warning with its source line
+        else:
+            warn(msg)
     for name in STRUCTURAL:
         setattr(model_cfg, name, getattr(new, name))
     return model_cfg

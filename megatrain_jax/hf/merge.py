@@ -163,6 +163,10 @@ def export_merged(checkpoint: str, out: str, dtype: str = "bfloat16", *, archite
     from megatrain_jax.models.lora import adapter_shapes, plain_config
     from megatrain_jax.templates import Layout
 
+    if not os.path.isdir(checkpoint):
+        raise UserError("CHECKPOINT", f"{checkpoint!r} does not exist" if not os.path.exists(checkpoint) else
+                        f"{checkpoint!r} is not a directory", "give a LoRA run's train.out_dir (or one of its "
+                        "checkpoints)")
     check_output(out, "hf", sources=[checkpoint], overwrite=overwrite)
     found = find_lora_checkpoint(checkpoint, log)
     if found is None:
@@ -200,7 +204,7 @@ def lora_export_main(argv: list[str]) -> int | None:
     args = export_parser().parse_args(list(argv))
     if not args.merge_lora:
         if find_lora_checkpoint(args.checkpoint, lambda _: None) is not None:
-            raise UserError("--merge-lora", f"{args.checkpoint} is a LoRA run: a frozen base and an adapter (PEFT "
+            raise UserError("CHECKPOINT", f"{args.checkpoint} is a LoRA run: a frozen base and an adapter (PEFT "
                             "format, in step_N/adapter)", "pass --merge-lora for merged weights, or load the "
                             "adapter with peft.PeftModel.from_pretrained")
         return None

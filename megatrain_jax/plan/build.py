@@ -565,7 +565,11 @@ def search_summary(found: search.Result) -> dict[str, Any]:
     """What the search tried and, where nothing fit, the candidate that came closest."""
     b, room = found.best, found.ctx.gpu_usable if found.ctx else None
     on_gpu = [c for c in found.candidates if room is None or c.gpu_need <= room]
-    return {"tried": found.tried, "fitting": found.fitting, "chosen": search.describe(b), "fits": b.fits,
+    # where no candidate fits the GPU, the closest is the one that needs the least of it
+    near = None if on_gpu or b.fits else min(found.candidates, key=lambda c: c.gpu_need, default=None)
+    closest = {} if near is None or near.gpu_need >= b.gpu_need else \
+        {"closest": search.describe(near), "closest_gpu_need": near.gpu_need}
+    return {"tried": found.tried, "fitting": found.fitting, "chosen": search.describe(b), "fits": b.fits, **closest,
             "gpu_need": b.gpu_need, "host_need": b.host_need, "predicted_step_s": b.step.get("predicted_step_s"),
             # whether any candidate fits the GPU (none: the GPU, not the host, is what refuses), and the least
             # host need among those that do (the host limit a refusal names is planned from it)

@@ -5,6 +5,7 @@ first): host limits from the cgroup or /proc/meminfo, GPUs from nvidia-smi (thos
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -32,6 +33,7 @@ class Machine:
     pcie_bytes_s: float | None = None  # host<->GPU bytes/s each way (None: the H100 machine's measured rate)
     gpu_flops: float | None = None  # bf16 matmul FLOP/s (None: the H100's measured rate)
     target: bool = False  # described (target_machine), not this machine: no JAX devices read
+    cpu_source: str = "this machine"  # where cpu_cores comes from: this machine, --cpu-cores, or assumed
 
 
 def _read(path: str) -> str | None:
@@ -158,6 +160,9 @@ def disk_free(paths: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+TARGET_CPU_CORES = 16  # a described machine's host cores when --cpu-cores is not given (a one-GPU server's share)
+
+
 def target_machine(*, gpu_memory_gb: float | None = None, host_memory_gb: float | None = None,
                    pcie_gbps: float | None = None, gpu_tflops: float | None = None, gpu_count: int = 1,
                    cpu_cores: int | None = None, paths: tuple[str, ...] = ()) -> Machine:
@@ -167,8 +172,8 @@ def target_machine(*, gpu_memory_gb: float | None = None, host_memory_gb: float 
     no GPU memory given plans for this machine's GPUs, or for none."""
     for name, value in (("--gpu-memory-gb", gpu_memory_gb), ("--host-memory-gb", host_memory_gb),
                         ("--pcie-gbps", pcie_gbps), ("--gpu-tflops", gpu_tflops)):
-        if value is not None and not value > 0:
-            raise UserError(name, f"must be a positive number, got {value}", f"give {name} N with N > 0")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UserError(name, f"must be a positive finite number, got {value}", f"give {name} N with N > 0")
     if gpu_count < 1:
         raise UserError("--devices", f"must be >= 1, got {gpu_count}", "give the number of GPUs of the target")
     if cpu_cores is not None and cpu_cores < 1:
@@ -188,9 +193,15 @@ def target_machine(*, gpu_memory_gb: float | None = None, host_memory_gb: float 
             f"target GPU ({gpu_memory_gb:g} GB)"
     else:
         backend, gpu, count, gsrc, gname = here.backend, here.gpu_bytes, here.gpu_count, here.gpu_source, here.gpu_name
+    if cpu_cores is not None:
+        cores, csrc = cpu_cores, "--cpu-cores"
+    elif gpu_memory_gb is not None:  # another machine: never this one's cores
+        cores, csrc = TARGET_CPU_CORES, "assumed; --cpu-cores N gives the target's"
+    else:  # this machine's GPU: its host too
+        cores, csrc = (here.cpu_cores if here else os.cpu_count() or 1), "this machine"
     return Machine(backend=backend, host_bytes=host, host_available=avail, host_source=source, gpu_bytes=gpu,
-                   gpu_source=gsrc, gpu_count=count, gpu_name=gname,
-                   cpu_cores=cpu_cores or (here.cpu_cores if here else os.cpu_count() or 1),
+                   gpu_source=gsrc, gpu_count=count, gpu_name=gname, cpu_source=csrc,
+                   cpu_cores=cores,
                    disk_free=here.disk_free if here else disk_free(paths),
                    pcie_bytes_s=pcie_gbps * GB if pcie_gbps else None,
                    gpu_flops=gpu_tflops * 1e12 if gpu_tflops else None, target=True)

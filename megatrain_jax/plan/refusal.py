@@ -27,14 +27,18 @@ def verdict(p) -> UserError | None:
     if not fits_gpu(p):
         phase = max(p.gpu_phases, key=p.gpu_phases.get)
         room = usable(p.gpu_budget, GPU_MARGIN)
-        closest = p.search.get("chosen", "")
+        closest = p.search.get("closest", p.search.get("chosen", ""))
+        need = p.search.get("closest_gpu_need", p.gpu_need)
+        at = f" at its peak ({phase})" if need == p.gpu_need else ""
         return UserError("GPU memory", f"no placement the plan tried ({p.search.get('tried', 0)}) fits the "
-                         f"{p.gpu_budget / GB:.1f} GB budget; the closest ({closest}) needs {p.gpu_need / GB:.1f} GB "
-                         f"at its peak ({phase}), {(p.gpu_need - room) / GB:.1f} GB more than the "
+                         f"{p.gpu_budget / GB:.1f} GB budget; the closest ({closest}) needs {need / GB:.1f} GB"
+                         f"{at}, {(need - room) / GB:.1f} GB more than the "
                          f"{room / GB:.1f} GB the budget leaves after a {GPU_MARGIN[0]:.0%} + "
                          f"{GPU_MARGIN[1] / GiB:.0f} GiB margin", p.fix or "a GPU with more memory")
     if p.disk_free is not None and p.disk_need > p.disk_free:
-        return UserError("disk", f"checkpoints/export need {p.disk_need / GB:.1f} GB but {p.disk_free / GB:.1f} GB "
+        from megatrain_jax.plan.report import size_text
+
+        return UserError("disk", f"checkpoints/export need {size_text(p.disk_need)} but {size_text(p.disk_free)} "
                          f"is free where they go", "train.ckpt_every=0 and train.final_checkpoint=false, a lower "
                          "train.keep_last, or another train.out_dir")
     return None

@@ -28,8 +28,8 @@ def plan_table(p: Plan | LoraPlan) -> str:
     for r in p.rows:
         tab.add_row(r.where, r.what, f"{r.bytes / GB:.2f}", r.note)
     buf = io.StringIO()
-    Console(file=buf, width=130, force_terminal=False, color_system=None).print(tab)
-    lines = [buf.getvalue().rstrip()]
+    Console(file=buf, width=table_width(), force_terminal=False, color_system=None).print(tab)
+    lines = [buf.getvalue().rstrip(), machine_line(p.machine)]
     avail = "" if p.host_available is None or p.host_available >= p.host_limit else \
         f", {p.host_available / GB:.1f} GB available now" + (" (MemAvailable)" if p.host_source == "MemTotal" else "")
     lines.append(f"host: need {p.host_need / GB:.1f} GB ({p.host_bytes_per_param:.2f} bytes/param), limit "
@@ -43,8 +43,8 @@ def plan_table(p: Plan | LoraPlan) -> str:
     else:
         lines.append("GPU: none (CPU backend: device buffers are counted in host memory)")
     if p.disk_need:
-        lines.append(f"disk: need {p.disk_need / GB:.1f} GB, free "
-                     + (f"{p.disk_free / GB:.1f} GB" if p.disk_free is not None else "unknown"))
+        lines.append(f"disk: need {size_text(p.disk_need)}, free "
+                     + (size_text(p.disk_free) if p.disk_free is not None else "unknown"))
     if p.modes:
         lines.append("host state modes: " + "; ".join(
             f"{n} {m['bytes_per_param']:.1f} B/param = {m['host_gb']:.1f} GB "
@@ -76,6 +76,35 @@ def plan_table(p: Plan | LoraPlan) -> str:
     v = p.verdict()
     lines.append("verdict: fits" if v is None else f"verdict: does not fit: {v}")
     return "\n".join(lines)
+
+
+def table_width() -> int:
+    """The plan table's width: the terminal's (between 60 and 130 columns; 100 where it is not a terminal)."""
+    import shutil
+
+    return max(60, min(130, shutil.get_terminal_size((100, 24)).columns))
+
+
+def size_text(nbytes: float) -> str:
+    """A size that means something at any scale: GB from 1 GB up, MB below (``plan`` and its disk refusal)."""
+    return f"{nbytes / GB:.1f} GB" if nbytes >= GB else f"{nbytes / 1e6:.1f} MB"
+
+
+def machine_line(m: Machine) -> str:
+    """What the plan assumed of the machine: the GPU, the host<->GPU link, the GPU's speed and the host's cores,
+    each with where it comes from (a described machine's unknowns are assumed, never read off this one)."""
+    from megatrain_jax.plan.sizes import RATES
+
+    if m.backend != "gpu":
+        gpu = "no GPU (CPU backend)"
+    else:
+        gpu = f"{m.gpu_count} x {m.gpu_name or 'GPU'} ({m.gpu_source})"
+    link = f"{m.pcie_bytes_s / GB:.0f} GB/s (--pcie-gbps)" if m.pcie_bytes_s else \
+        f"{RATES['h2d'] / GB:.0f} GB/s (the H100 machine's; --pcie-gbps)"
+    flops = f"{m.gpu_flops / 1e12:.0f} TFLOP/s (--gpu-tflops)" if m.gpu_flops else \
+        f"{RATES['matmul_bf16'] / 1e12:.0f} TFLOP/s bf16 (the H100's; --gpu-tflops)"
+    return (f"machine{' (described)' if m.target else ''}: {gpu}; host<->GPU link {link}; GPU {flops}; "
+            f"host optimizer on {m.cpu_cores} CPU cores ({m.cpu_source})")
 
 
 def plan_json(p: Plan) -> str:

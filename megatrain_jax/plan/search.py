@@ -470,10 +470,9 @@ def describe(p: Placement) -> str:
     parts = [f"train.micro_batches={p.micro_batches}", f"train.activations={p.activations}",
              f"train.grad_hold={p.grad_hold}", f"train.boundary_every={p.boundary_every}",
              f"train.stream_io={'true' if p.stream_io else 'false'}", f"train.loss_chunk={p.loss_chunk}"]
-    if p.grad_hold_gpu_groups:
-        parts.append(f"grad_hold_gpu_groups={p.grad_hold_gpu_groups}")
+    # (grad_hold_gpu_groups is no setting: the plan decides it, so it is not named)
     if p.activations_gpu_blocks:
-        parts.append(f"activations_gpu_blocks={p.activations_gpu_blocks}")
+        parts.append(f"train.activations_gpu_blocks={p.activations_gpu_blocks}")
     if p.seq_tile:
         parts.append(f"model.seq_tile={p.seq_tile}")
     return " ".join(parts)
