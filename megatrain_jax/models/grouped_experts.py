@@ -285,10 +285,18 @@ _grouped_entry.defvjp(_entry_fwd, _entry_bwd)
 
 def backend_for(impl: str, hidden: int, width: int, experts: int, pairs: int):
     """(grouped matmul, tile rows) for ``impl`` at this shape: the Hopper kernels where ``auto`` runs on
-    a GPU whose shapes they take (models/grouped_kernels.py), else the portable XLA form with tiles of
-    8 rows (little padding; the CPU's batched matmul does not need larger)."""
+    a GPU whose shapes they take (models/grouped_kernels.py), else the portable XLA form (``xla_tile``)."""
     if impl == "auto" and jax.default_backend() == "gpu":
         chosen = grouped_kernels.mosaic_backend(hidden, width, experts, pairs)
         if chosen is not None:
             return chosen
-    return XLA, 8
+    return XLA, xla_tile(experts, pairs)
+
+
+def xla_tile(experts: int, pairs: int) -> int:
+    """Rows per tile of the portable form, which gathers each tile's expert weights: 8 on the CPU (little
+    padding; tests and small models); on an accelerator, tiles of about ``pairs / 2E`` rows (a power of
+    two), so the gathered weights stay near twice the experts' own bytes at about 1.5x the routed rows."""
+    if jax.default_backend() == "cpu":
+        return 8
+    return int(min(1024, max(8, 2 ** int(np.ceil(np.log2(max(pairs / (2 * experts), 1)))))))
