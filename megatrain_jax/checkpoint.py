@@ -68,7 +68,9 @@ BLOCK_ALIGN = 2048  # values per block of per-block state (int8 moments' scales:
 CKPT_SUBDIR = "checkpoints"
 MANIFEST = "manifest.json"
 STATE = "state.json"
-_STEP_RE = re.compile(r"^step_(\d+)$")
+STEP_RE = re.compile(r"^step_(\d+)$")
+"""The name of a checkpoint's directory (``step_dirname`` writes it), its step in group 1. Public: ``export``
+(``hf/commands.resolve_checkpoint``) tells a checkpoint from a run's directory by it, as ``list_checkpoints`` does."""
 Log = Callable[[str], None]
 
 
@@ -137,11 +139,14 @@ def checkpoint_problem(path: str) -> str | None:
     return None
 
 
-def _step_dirs(root: str) -> list[CheckpointInfo]:
+def step_dirs(root: str) -> list[CheckpointInfo]:
+    """Every ``step_N`` directory under ``root``, complete or not (oldest first): what ``list_checkpoints`` and
+    ``incomplete_checkpoints`` sort by ``checkpoint_problem``. Public: ``export`` (``hf/commands.resolve_checkpoint``)
+    takes a directory that holds any as a ``checkpoints/`` directory, and a run's ``out_dir`` otherwise."""
     out = []
     if os.path.isdir(root):
         for name in os.listdir(root):
-            m = _STEP_RE.match(name)
+            m = STEP_RE.match(name)
             path = os.path.join(root, name)
             if m and os.path.isdir(path):
                 out.append(CheckpointInfo(path, int(m.group(1))))
@@ -151,13 +156,13 @@ def _step_dirs(root: str) -> list[CheckpointInfo]:
 def list_checkpoints(root: str) -> list[CheckpointInfo]:
     """Complete checkpoints (``step_N`` whose metadata is whole: ``checkpoint_problem``) under ``root``,
     oldest first."""
-    return [c for c in _step_dirs(root) if checkpoint_problem(c.path) is None]
+    return [c for c in step_dirs(root) if checkpoint_problem(c.path) is None]
 
 
 def incomplete_checkpoints(root: str) -> list[tuple[CheckpointInfo, str]]:
     """``step_N`` directories under ``root`` that are not complete checkpoints, with why (oldest first)."""
     out = []
-    for c in _step_dirs(root):
+    for c in step_dirs(root):
         why = checkpoint_problem(c.path)
         if why is not None:
             out.append((c, why))

@@ -91,10 +91,10 @@ def resolve_checkpoint(spec: str, log: Log = print) -> tuple[str, dict, dict]:
         return spec, manifest, state
     if os.path.basename(spec.rstrip("/")).endswith(".tmp"):
         raise UserError("CHECKPOINT", f"{spec} is an incomplete save", "export a committed step_N checkpoint")
-    if ck.checkpoint_problem(spec) is not None and ck._STEP_RE.match(os.path.basename(os.path.normpath(spec))):
+    if ck.checkpoint_problem(spec) is not None and ck.STEP_RE.match(os.path.basename(os.path.normpath(spec))):
         raise UserError("CHECKPOINT", f"{spec} is not a complete checkpoint ({ck.checkpoint_problem(spec)})",
                         "export a complete checkpoint: its run's train.out_dir picks the newest")
-    root = spec if ck._step_dirs(spec) else ck.checkpoint_root(spec)
+    root = spec if ck.step_dirs(spec) else ck.checkpoint_root(spec)
     cks = ck.list_checkpoints(root)
     if not cks:
         raise UserError("CHECKPOINT", f"no complete checkpoint in {spec}",
