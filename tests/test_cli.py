@@ -570,7 +570,7 @@ def test_plan_refusals_and_fixes_that_work(capsys):
     """Issue 66 items 6, 7, 9, 10: an infinite size is refused in one line; a plan for a described machine states
     the cores, GPU and link it assumed (never this machine's cores); sizes below 1 GB are in MB; a refusal's closest
     placement names only settings --set takes."""
-    from megatrain_jax.plan.report import size_text
+    from megatrain_jax.plan.units import size_text
 
     line = check_user_error(run_in_process(["plan", "configs/7b.yaml", "--gpu-memory-gb", "inf",
                                             "--host-memory-gb", "inf"], capsys), "--gpu-memory-gb")

@@ -3,7 +3,8 @@
 The plan decides (``decisions.py``) where boundary activations live, where gradients wait for the
 clipping norm, how many micro-batches ``auto`` means, and the GPU budget XLA is given: nothing is
 left to XLA's defaults or to free memory read at run time. Sizes come from ``sizes.py``, the host rows
-and what a candidate placement costs from ``rows.py``, the placement from ``search.py``.
+and what a candidate placement costs from ``rows.py``, the placement from ``search.py``, the
+verdict and its fix from ``refusal.py``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Callable
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
 import megatrain_jax.plan.decisions as choose
+import megatrain_jax.plan.refusal as refusal
 import megatrain_jax.plan.search as search
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.lora import refuse_lora_sharded
@@ -82,9 +84,7 @@ class Plan:
 
     def verdict(self) -> UserError | None:
         """The first thing that does not fit, as the one-line error the CLI prints; None if it fits."""
-        from megatrain_jax.plan.refusal import verdict
-
-        return verdict(self)
+        return refusal.verdict(self)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -105,8 +105,6 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
     ``attention=False``: the model has no attention (no attention term or line). ``_mode_table=False``
     plans only the modes the verdict reads (the leaner ones up to the first that fits, when the host
     is short): the same verdict, fix and options, with ``modes`` partial (the tests' property runs)."""
-    from megatrain_jax.plan.refusal import find_fix, fits
-
     memo = PlanMemo()  # (the call's plans share what they compute alike)
     plan = _make_plan(cfg, machine, devices, attention, memo)
     if getattr(cfg.train, "objective", "sft") in ("dpo", "ipo"):  # the reference pass before step 1
@@ -117,13 +115,13 @@ def make_plan(cfg: Config, machine: Machine | None = None, *, devices: int | Non
         for name, over in choose.MODES.items():
             mode = _mode_plan(cfg, plan.machine, devices, attention, over, memo)
             plan.modes[name] = {"host_gb": mode.host_need / GB, "bytes_per_param": mode.host_bytes_per_param,
-                                "fits_host": mode.fits_host(), "fits": fits(mode),
+                                "fits_host": mode.fits_host(), "fits": refusal.fits(mode),
                                 "settings": choose.mode_settings(over)}
-    if not fits(plan):
+    if not refusal.fits(plan):
         def replan(variant: Config, m: Machine | None = None) -> Plan:
             return _make_plan(variant, m or plan.machine, devices, attention, memo)
 
-        plan.fix, plan.token_bytes = find_fix(cfg, plan, replan)
+        plan.fix, plan.token_bytes = refusal.find_fix(cfg, plan, replan)
     return plan
 
 
@@ -540,9 +538,7 @@ def _faster(mine: Plan, alt: Plan, option: str) -> Plan:
     only one that fits; of two, the other where it is faster by UPDATE_SWITCH_TOL, else the rule's (its path is the
     measured one: a device-side update with fp32 moments was not measured to pay, docs/design.md); of none, the
     rule's where its search found a candidate, else the other's (the nearer refusal)."""
-    from megatrain_jax.plan.refusal import fits
-
-    ok_mine, ok_alt = fits(mine), fits(alt)
+    ok_mine, ok_alt = refusal.fits(mine), refusal.fits(alt)
     if ok_mine != ok_alt:
         pick = mine if ok_mine else alt
     elif not ok_mine:  # the nearer refusal: one whose search found a placement for the GPU, then the smaller need
@@ -553,7 +549,7 @@ def _faster(mine: Plan, alt: Plan, option: str) -> Plan:
         t_mine, t_alt = mine.step["predicted_step_s"], alt.step["predicted_step_s"]
         pick = alt if t_alt < t_mine * (1 - UPDATE_SWITCH_TOL) else mine
     other = alt if pick is mine else mine
-    if fits(other):
+    if refusal.fits(other):
         pick.notes.append(f"train.{option}=auto: {getattr(pick.options, option)} (predicted step "
                           f"{pick.step['predicted_step_s']:.2f} s, host {pick.host_need / GB:.1f} GB; "
                           f"{getattr(other.options, option)}: {other.step['predicted_step_s']:.2f} s, "

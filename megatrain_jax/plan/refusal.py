@@ -14,6 +14,7 @@ from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
 from megatrain_jax.plan.decisions import MODES, mode_settings
 from megatrain_jax.plan.sizes import GB, GPU_MARGIN, HOST_MARGIN, XLA_FRACTION, GiB, usable
+from megatrain_jax.plan.units import size_text
 
 MIN_SEQ = 64  # the shortest sequence a fix proposes (below it, the model is what does not fit)
 
@@ -36,8 +37,6 @@ def verdict(p) -> UserError | None:
                          f"{room / GB:.1f} GB the budget leaves after a {GPU_MARGIN[0]:.0%} + "
                          f"{GPU_MARGIN[1] / GiB:.0f} GiB margin", p.fix or "a GPU with more memory")
     if p.disk_free is not None and p.disk_need > p.disk_free:
-        from megatrain_jax.plan.report import size_text
-
         return UserError("disk", f"checkpoints/export need {size_text(p.disk_need)} but {size_text(p.disk_free)} "
                          f"is free where they go", "train.ckpt_every=0 and train.final_checkpoint=false, a lower "
                          "train.keep_last, or another train.out_dir")

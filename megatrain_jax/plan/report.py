@@ -10,6 +10,7 @@ from megatrain_jax.plan.build import Plan, make_plan
 from megatrain_jax.plan.lora import LoraPlan, refuse_lora_scaling
 from megatrain_jax.plan.machine import Machine, detect_machine
 from megatrain_jax.plan.sizes import GB, GPU_MARGIN, HOST_MARGIN, GiB
+from megatrain_jax.plan.units import size_text
 
 
 def plan_table(p: Plan | LoraPlan) -> str:
@@ -83,11 +84,6 @@ def table_width() -> int:
     import shutil
 
     return max(60, min(130, shutil.get_terminal_size((100, 24)).columns))
-
-
-def size_text(nbytes: float) -> str:
-    """A size that means something at any scale: GB from 1 GB up, MB below (``plan`` and its disk refusal)."""
-    return f"{nbytes / GB:.1f} GB" if nbytes >= GB else f"{nbytes / 1e6:.1f} MB"
 
 
 def machine_line(m: Machine) -> str:
