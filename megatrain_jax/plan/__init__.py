@@ -1,9 +1,9 @@
 """The memory plan: what a run needs, where each buffer lives, and the engine's options.
 
 ``machine`` (what the run may use), ``sizes`` (bytes of each buffer), ``decisions`` (every auto),
-``search`` (the step's placement), ``rows`` (host rows, what a candidate costs), ``build`` (``make_plan``),
-``refusal`` (the verdict and its fix), ``units`` (sizes as text), ``report`` (table, JSON, scaling); the
-placement names are
+``search`` (the step's placement), ``rows`` (host rows, what a candidate costs), ``sharding`` (what several
+GPUs and processes allow of the update and the host state), ``build`` (``make_plan``), ``refusal`` (the verdict
+and its fix), ``units`` (sizes as text), ``report`` (table, JSON, scaling); the placement names are
 ``megatrain_jax.placements``'s; ``lora`` (the plan's LoRA rows: a frozen base and its adapters, and
 ``variant``, where the choice LoRA or full training is made). ``plan_or_refuse`` is the one planning step
 every entry point takes (the CLI's ``train``, the library's ``Trainer.from_config``): the plan on this

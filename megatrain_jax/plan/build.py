@@ -3,8 +3,8 @@
 The plan decides (``decisions.py``) where boundary activations live, where gradients wait for the
 clipping norm, how many micro-batches ``auto`` means, and the GPU budget XLA is given: nothing is
 left to XLA's defaults or to free memory read at run time. Sizes come from ``sizes.py``, the host rows
-and what a candidate placement costs from ``rows.py``, the placement from ``search.py``, the
-verdict and its fix from ``refusal.py``.
+and what a candidate placement costs from ``rows.py``, the placement from ``search.py``, what several GPUs
+and processes allow of the update from ``sharding.py``, the verdict and its fix from ``refusal.py``.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from megatrain_jax.errors import UserError
 import megatrain_jax.plan.decisions as choose
 import megatrain_jax.plan.refusal as refusal
 import megatrain_jax.plan.search as search
+import megatrain_jax.plan.sharding as sharding
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
-from megatrain_jax.plan.lora import refuse_lora_sharded
 from megatrain_jax.plan.memo import PlanMemo
 from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS, EngineOptions
 from megatrain_jax.optim.costs import auto_update_on
@@ -174,7 +174,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     """The plan of ``cfg`` (its state mode and fix aside): the run's limits, where the update runs, what streams,
     the placement searched, the GPU's peak with kept residuals, the host rows with their slabs (``memo``: the
     make_plan call's, shared by its plans)."""
-    cfg = _sharded_state(cfg)
+    cfg = sharding.sharded_state(cfg)
     if cfg.train.update_on == "auto" and cfg.train.early_state_groups not in ("auto", 0):  # (a device update's)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, update_on="device"))
     lim = _limits_of(cfg, machine, devices)
@@ -192,9 +192,9 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     if update_on == "device" and lim.n_dev > 1 and lim.on_gpu and lim.gpu_usable is not None and not headroom:
         headroom = _split_update_headroom(shapes, lim, notes)
     if update_on == "device" and lim.n_dev > 1:
-        _check_device_update(cfg, lim.n_dev)
+        sharding.check_device_update(cfg, lim.n_dev)
     if train.update_on == "auto" and lim.on_gpu and _device_update_runs(cfg, bf16) \
-            and (lim.n_dev == 1 or _device_update_several(cfg)):
+            and (lim.n_dev == 1 or sharding.device_update_several(cfg)):
         return _both_updates(cfg, update_on, lim.machine, devices, attention, memo)
     stream_copy = _stream_copy(cfg, shapes, lim, update_on, moment_bytes, bf16)
     device_cast = bf16 and stream_copy == "device"
@@ -214,53 +214,6 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     return _assemble(cfg, costs, lim, found, attn_info, rows=rows, gpu_rows=gpu_rows, slabs=slabs, n_keep=n_keep,
                      n_early=n_early,
                      stream_copy=stream_copy, notes=notes)
-
-
-def _update_shards(cfg: Config) -> bool:
-    """With several GPUs a device-side update splits each group between them (each its share: engine/shards.py)
-    where it is elementwise (the fused AdamW); an optax transformation works on whole tensors: every GPU runs it
-    alike."""
-    return cfg.optim.kernel == "fused"
-
-
-def _device_update_several(cfg: Config) -> bool:
-    """``update_on=auto`` may plan a device-side update over several GPUs: one process, and no pageable hold asked
-    for where the update is split (``_check_device_update``)."""
-    return (process_count() == 1 or cfg.train.host_state == "sharded") \
-        and not (_update_shards(cfg) and cfg.train.grad_hold in ("host_fp32", "host_bf16"))
-
-
-def _check_device_update(cfg: Config, n_dev: int) -> None:
-    """``update_on=device`` with several GPUs: the same refusals as the engine's (engine/updaters.DeviceUpdates)."""
-    if _update_shards(cfg) and cfg.train.grad_hold in ("host_fp32", "host_bf16"):
-        raise UserError("train.grad_hold", f"{cfg.train.grad_hold} keeps whole gradients in pageable host memory, and "
-                        f"with {n_dev} GPUs updating on the device each holds only its share",
-                        "set train.grad_hold to gpu_bf16, pinned_bf16 or resweep (or auto)")
-    if process_count() > 1 and cfg.train.host_state != "sharded":
-        raise UserError("train.update_on", "device with several processes needs train.host_state=sharded (with a "
-                        "replica in each, each process's GPUs would update only their shares of it)",
-                        "set train.host_state=sharded, or train.update_on=host (or auto)")
-
-
-def _sharded_state(cfg: Config) -> Config:
-    """``train.host_state=sharded``: each process backs only its GPUs' shares of the store, so its GPUs must update
-    and fetch exactly those (update_on=device, fetch=split, no stream_io; the fused AdamW, whose update is
-    elementwise). Settings left auto are set so; a setting that contradicts it is refused in one line."""
-    t = cfg.train
-    if t.host_state != "sharded":
-        return cfg
-    fix = "or set train.host_state=replicated"
-    if t.update_on == "host":
-        raise UserError("train.update_on", "host cannot update a sharded host state (each process backs only its "
-                        "GPUs' shares, and they update them)", f"set train.update_on=device (or auto), {fix}")
-    if t.stream_io is True:
-        raise UserError("train.stream_io", "true makes the embedding's and head's gradients whole in host memory, and "
-                        "a sharded host state holds only this process's shares", f"set train.stream_io=auto, {fix}")
-    if cfg.optim.kernel != "fused":
-        raise UserError("train.host_state", f"sharded splits each update elementwise, which {cfg.optim.name} "
-                        f"(optim.kernel={cfg.optim.kernel}) is not", f"use optim.name=adamw, {fix}")
-    refuse_lora_sharded(cfg)
-    return dataclasses.replace(cfg, train=dataclasses.replace(t, update_on="device", fetch="split", stream_io=False))
 
 
 def _either_fetch(cfg: Config, lim: _Limits, devices: int | None, attention: bool, memo: PlanMemo) -> Plan:
@@ -320,7 +273,8 @@ def _update_on_rule(cfg: Config, shapes: Shapes, lim: _Limits, bf16: bool) -> tu
         moment_bytes = cost.host_state
         shapes = dataclasses.replace(shapes, update_temp=cost.device_temp, update_chunked=cost.chunked)
         if train.update_on == "auto":
-            several = lim.n_dev if (lim.n_dev == 1 or not _device_update_several(cfg)) else 1  # (every GPU alike)
+            several = lim.n_dev if (lim.n_dev == 1 or not sharding.device_update_several(cfg)) \
+                else 1  # (every GPU alike)
             update_on = auto_update_on(cost, on_gpu=lim.on_gpu, devices=several, moments=optim.moments,
                                        bf16_host_copy=bf16 and train.stream_copy == "host")
     return update_on, moment_bytes, shapes
@@ -374,10 +328,11 @@ def _search_placement(cfg: Config, costs: PlacementCosts, lim: _Limits,
         stream_bytes=costs.stream_bytes, device_cast=device_cast, attn=attn_extra,
         update_state_bytes=costs.moment_bytes if costs.update_on == "device" else None, gpu_usable=lim.gpu_usable,
         host_usable=lim.host_usable, host_of=costs.host_of, step_of=costs.step_of,
-        update_shards=lim.n_dev if (costs.update_on == "device" and _update_shards(cfg)) else 1, memo=costs.memo,
+        update_shards=lim.n_dev if (costs.update_on == "device" and sharding.update_shards(cfg)) else 1,
+        memo=costs.memo,
         hold_shards=lim.n_dev if costs.update_on == "device" else 1)  # (engine/device_updates: held split)
     axes = search.axes_of(train, micro_candidates, on_gpu=lim.on_gpu, cpu_only=cpu_only, update_on=costs.update_on,
-                          devices=lim.n_dev, shares=_update_shards(cfg))
+                          devices=lim.n_dev, shares=sharding.update_shards(cfg))
     return search.search(shapes, axes, ctx), attn_info
 
 
@@ -423,7 +378,7 @@ def _gpu_peak(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
 
 def _early_bytes(cfg: Config, costs: PlacementCosts, lim: _Limits, n_early: int) -> float:
     """GPU bytes (each GPU's) of the first ``n_early`` groups' master and state: its share with a split update."""
-    shares = lim.n_dev if _update_shards(cfg) else 1
+    shares = lim.n_dev if sharding.update_shards(cfg) else 1
     return (4 + costs.moment_bytes) * early_params(costs.shapes, n_early) / shares
 
 

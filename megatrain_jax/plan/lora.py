@@ -54,7 +54,7 @@ def refuse_lora_scaling(cfg: Config) -> None:
 
 def refuse_lora_sharded(cfg: Config) -> None:
     """``train.host_state=sharded`` on a LoRA config: refused in one line (``make_lora_plan``, the plan and the train
-    command's; ``build._sharded_state``, a LoRA config planned as a full one)."""
+    command's; ``sharding.sharded_state``, a LoRA config planned as a full one)."""
     if cfg.train.host_state == "sharded" and variant(cfg.model.lora) == LORA:
         raise UserError("train.host_state", "sharded is for full training; LoRA's frozen base is streamed whole",
                         "set train.host_state=replicated")
