@@ -220,8 +220,9 @@ def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: 
 
 
 def preference_start(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: Callable[[str], None]) -> None:
-    """train.py's hook, before anything is written: a preference objective trains on preference pairs (and
-    pairs only under one); the objective set on the engine and, for dpo/ipo, the reference (``prepare``)."""
+    """The run's start's hook (run_start.py), before anything is written: a preference objective trains on
+    preference pairs (and pairs only under one); the objective set on the engine and, for dpo/ipo, the reference
+    (``prepare``)."""
     pairs = hasattr(dataset, "n_pairs")
     if cfg.train.objective != "sft" and not pairs:
         raise UserError("data.path", f"train.objective={cfg.train.objective} trains on preference pairs, and "

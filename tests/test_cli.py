@@ -186,7 +186,7 @@ def test_out_dir_check_leaves_nothing(tmp_path):
     """The write probe is removed, a new out_dir is not created by the check, and a directory that
     cannot hold files (procfs here, as a read-only filesystem would) is refused for real."""
     from megatrain_jax.errors import UserError
-    from megatrain_jax.train import check_out_dir
+    from megatrain_jax.run_start import check_out_dir
 
     check_out_dir(str(tmp_path / "new" / "run"))
     check_out_dir(str(tmp_path))

@@ -397,7 +397,7 @@ def test_reference_trainer_answers_the_trainer_interface(tmp_path):
 def test_from_hf_seq_len_above_max_position_embeddings_warns(tmp_path):
     """Issue 26 item 10: one warning line when data.seq_len exceeds the checkpoint's positions."""
     from megatrain_jax.config import Config
-    from megatrain_jax.train import _warn_positions
+    from megatrain_jax.run_start import _warn_positions
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     cfg = Config()

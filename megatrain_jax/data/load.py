@@ -18,7 +18,7 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 def resolve_path(path: str) -> str:
     """Relative paths that do not exist from the working directory are tried from the repository root.
-    Public: train.py resolves the data path with it before loading."""
+    Public: the run's start (run_start.py) resolves the data path with it before loading."""
     if os.path.isabs(path) or os.path.exists(path) or os.path.exists(path + ".json"):
         return path
     alt = os.path.join(_REPO_ROOT, path)
