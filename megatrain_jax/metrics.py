@@ -34,6 +34,8 @@ class MetricsWriter:
     SCALARS = ("loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "model_tflops", "model_tflops_with_attention",
                "step_time_s", "host_rss_gb", "host_peak_rss_gb", "gpu_peak_gb", "gpu_in_use_gb")
 
+    EVAL_SCALARS = {"eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}  # held-out evaluation (evaluate.py)
+
     def __init__(self, path: str, tensorboard: bool = True, log=None):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path, self.tb_dir = path, os.path.join(os.path.dirname(path) or ".", "tensorboard")
@@ -65,6 +67,10 @@ class MetricsWriter:
                 v = record.get(k)
                 if isinstance(v, (int, float)) and v == v:
                     self._tb.add_scalar(f"train/{k}", v, int(record["step"]))
+            for k, tag in self.EVAL_SCALARS.items():
+                v = record.get(k)
+                if isinstance(v, (int, float)) and v == v:
+                    self._tb.add_scalar(tag, v, int(record["step"]))
 
     def close(self) -> None:
         """Close both files (each, whatever the other does); then raise the first ``OSError`` met."""

@@ -72,6 +72,15 @@ class ReferenceTrainer:
 
         self._step = jax.jit(step, donate_argnums=(0, 1))
 
+        def forward_nll(params, tokens, labels, mask, positions, segment_ids):  # no gradient, no auxiliary loss
+            model = nnx.merge(graphdef, _cast(params, dtype))
+            x, _ = model.final_hidden_aux(tokens, positions, segment_ids, dtype=dtype, remat=False)
+            emb = model.embed.embedding[...].astype(dtype) if model.cfg.tie_embeddings else None
+            ce = optax.softmax_cross_entropy_with_integer_labels(model.head(x, emb).astype(jnp.float32), labels)
+            return jnp.sum(ce * mask, axis=1), jnp.sum(mask, axis=1)
+
+        self._forward_nll = jax.jit(forward_nll)
+
     def step(self, batch: Batch) -> StepResult:
         b, s = batch.tokens.shape
         mask = batch.loss_mask if batch.loss_mask is not None else np.ones((b, s), np.float32)
@@ -82,6 +91,19 @@ class ReferenceTrainer:
             None if batch.segment_ids is None else jnp.asarray(batch.segment_ids, jnp.int32))
         self.step_count += 1
         return StepResult(float(loss), float(norm), int(np.sum(mask)))
+
+    def forward_nll(self, batch: Batch):
+        """A forward-only pass (``evaluate.ForwardResult``): each sequence's summed NLL over its mask, its tokens."""
+        from megatrain_jax.evaluate import ForwardResult
+
+        b, s = batch.tokens.shape
+        mask = batch.loss_mask if batch.loss_mask is not None else np.ones((b, s), np.float32)
+        pos = batch.positions if batch.positions is not None else np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+        nll, toks = self._forward_nll(
+            self.params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.labels, jnp.int32),
+            jnp.asarray(mask, jnp.float32), jnp.asarray(pos, jnp.int32),
+            None if batch.segment_ids is None else jnp.asarray(batch.segment_ids, jnp.int32))
+        return ForwardResult(np.asarray(nll, np.float64), np.asarray(toks, np.float64))
 
     def params_tree(self) -> Any:
         return jax.tree_util.tree_map(np.asarray, self.params)

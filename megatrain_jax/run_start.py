@@ -21,6 +21,7 @@ from megatrain_jax.atomic import check_writable as check_out_dir  # train.out_di
 from megatrain_jax.config import Config
 from megatrain_jax.distributed import check_shared_dir
 from megatrain_jax.errors import UserError
+from megatrain_jax.evaluate import EvalRuns, eval_inputs, eval_split
 from megatrain_jax.placements import HOST_STATE_SHARDED
 from megatrain_jax.plan import plan_or_refuse
 from megatrain_jax.reference_logps import preference_start
@@ -48,6 +49,7 @@ class RunStart:
     state: dict = field(default_factory=dict)  # the resumed checkpoint's state.json
     inputs: list = field(default_factory=list)  # what the run reads (the writers' rule keeps outputs off them)
     lock: Any = None  # atomic.RunLock on train.out_dir (process 0), held until the run ends
+    eval: Any = None  # the held-out evaluations (evaluate.EvalRuns: data.eval / eval_fraction), or None
 
 
 def run_inputs(cfg: Config, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
@@ -64,8 +66,7 @@ def run_inputs(cfg: Config, extra: tuple[str, ...] | list[str] = ()) -> list[str
         out += [x for x in [p, *(p + s for s in SUFFIXES)] if os.path.lexists(x)]
     if d.tokenizer and d.tokenizer != "byte":
         out.append(d.tokenizer)
-    out += input_paths(cfg.model.from_hf)
-    return out
+    return out + input_paths(cfg.model.from_hf) + eval_inputs(cfg)  # (data.eval: evaluate.py)
 
 
 def start_run(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) -> RunStart:
@@ -104,8 +105,10 @@ def start_run(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) 
                             "prepare the data with the model's own tokenizer (megatrain-jax prepare ... --tokenizer "
                             f"{os.path.join(cfg.model.from_hf, 'tokenizer.json')}) and set data.tokenizer to it")
         raise
+    dataset, evals = eval_split(cfg, dataset, log)  # (data.eval / data.eval_fraction: evaluate.py)
     # before anything is allocated (a model with adapters: the plan's LoRA rows, plan/lora.py)
     plan = plan_or_refuse(cfg, log) if t.engine == "streamed" else None
+    evals = EvalRuns(cfg, evals, plan, log) if evals is not None else None
     # one command per run directory, from before anything in it is touched until the run ends (train() releases it)
     lock = RunLock(t.out_dir) if main else None
     try:
@@ -117,12 +120,12 @@ def start_run(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) 
                                 "train.out_dir")
             trainer = Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg)
             preference_start(cfg, trainer, dataset, plan, False, log)  # a preference objective (dpo/ipo: reference pass)
-            return RunStart(trainer, plan, dataset, root, inputs=inputs, lock=lock)
+            return RunStart(trainer, plan, dataset, root, inputs=inputs, lock=lock, eval=evals)
         trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
         _resume_checks(cfg, dataset, state, log)
         preference_start(cfg, trainer, dataset, plan, True, log)
         log(f"resumed from {path}: step {int(state['step'])}, optimizer count {trainer.step_count}")
-        return RunStart(trainer, plan, dataset, root, int(state["step"]), state, inputs, lock=lock)
+        return RunStart(trainer, plan, dataset, root, int(state["step"]), state, inputs, lock=lock, eval=evals)
     except BaseException:
         if lock is not None:
             lock.release(undo=True)  # a refusal leaves nothing behind: no lock file, no run directory it made

@@ -46,6 +46,7 @@ from megatrain_jax.distributed import is_main
 from megatrain_jax.placements import HOST_STATE_SHARDED
 from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
+from megatrain_jax.evaluate import eta_with_evals
 from megatrain_jax.plan import memory_snapshot
 from megatrain_jax.reference_logps import reward_line
 from megatrain_jax.metrics import MetricsWriter, attention_flops_per_token, model_flops_per_token
@@ -285,6 +286,7 @@ class _Loop:
                 dt, last = now - last, now
                 self._count(s, res)
                 rec = self._record(s, res, dt)
+                last = self.start.eval.run_into(rec, s, self.trainer, watchdog, last) if self.start.eval else last
                 self.metrics.write(rec)
                 if s % t.log_every == 0 or s == self.start.start_step + 1 or s == t.steps:
                     self._log_step(s, res, rec, now - t0)
@@ -360,7 +362,7 @@ class _Loop:
 
     def _log_step(self, s: int, res, rec: dict, elapsed: float) -> None:
         t = self.cfg.train
-        eta = elapsed / (s - self.start.start_step) * (t.steps - s)
+        eta = eta_with_evals(self.start.eval, elapsed, s, self.start.start_step, t.steps)  # (evaluate.py)
         self.log(f"step {s:>6}/{t.steps}  loss {res.loss:.4f}  grad_norm {res.grad_norm:.3f}  {reward_line(rec)}"
                  f"tokens/s {rec['tokens_per_s']:,.0f}  model TFLOPS {rec['model_tflops']:.3f}  "
                  f"elapsed {_eta(elapsed)}  eta {_eta(eta)}")
@@ -460,6 +462,7 @@ def _summary(cfg: Config, loop: _Loop, resume: bool, wall: float) -> dict[str, A
             "last_loss": losses[-1] if losses else None,
             "mean_last10": float(np.mean(losses[-10:])) if losses else None, "wall_s": wall,
             "skipped_steps": loop.skipped, "resumed_from": loop.start.start_step if resume else None,
+            "eval": loop.start.eval.last if loop.start.eval else None,
             "checkpoint": loop.final_path, "stopped_by": loop.stopped_by}
 
 

@@ -227,6 +227,10 @@ class DataConfig:
     seq_len: int = 128
     seed: int = 0
     doc_masking: bool = False  # attention does not cross document boundaries in packed sequences
+    eval: str | None = None  # a held-out file to evaluate on (any format prepare takes: .txt, .jsonl, a prepared
+    #                          prefix); null: none (evaluate.py)
+    eval_fraction: float | None = None  # hold out this share (0 < f < 1) of the training samples for evaluation, a
+    #                                     seeded split with no sample in both; null: none
 
 
 @dataclass
@@ -299,6 +303,9 @@ class TrainConfig:
     reference: str = "auto"  # dpo, ipo: the reference log-probabilities next to the data (PREFIX.reference.*):
     #                          auto (reused when made from the same weights and data, computed when absent,
     #                          refused when stale) | recompute (a forward pass of the initial weights replaces them)
+    eval_every: int = 0  # evaluate on the eval set (data.eval / data.eval_fraction) every N steps; it is also
+    #                      evaluated at the end of every run that has one. 0: only at the end
+    eval_tokens: int | None = None  # tokens per evaluation (whole samples, the same each time); null: one step's
     trace_step: int = 0  # > 0: record that step's per-layer timeline (host->GPU, compute, GPU->host, host
     #                      optimizer) to out_dir/timeline_step<N>.{png,json} and log where compute waited
 

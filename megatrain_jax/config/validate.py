@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import math
 
+from megatrain_jax.config.eval_fields import check_eval_fields
 from megatrain_jax.config.lora import check_lora_model, check_lora_run
 from megatrain_jax.config.schema import (GRAD_HOLDS, OPTIMIZER_FIELDS, Config, DataConfig, ModelConfig, OptimConfig,
                                          TrainConfig)
@@ -31,6 +32,7 @@ def validate(cfg: Config) -> None:
     _validate_optim_choices(o, t)
     _validate_numbers(m, t, o)
     _validate_schedule_and_data(cfg)
+    check_eval_fields(cfg)
 
 
 def _validate_shape(m: ModelConfig, t: TrainConfig, d: DataConfig) -> None:

@@ -307,13 +307,18 @@ class HeadStream:
                 self._inflight[c] = w  # pass 2 starts with it
         return st
 
-    def seq_logps(self, ws: jax.Array, hs: list, mbs: list) -> list:
-        """Forward only (the preference objectives' reference pass): each micro-batch's rows' summed
-        log-probabilities of their masked-in labels; no gradient."""
+    def forward_stats(self, ws: jax.Array, hs: list, mbs: list) -> list:
+        """Forward only, pass 1 alone: per micro-batch, each token's (running max, sum of exponentials, label's
+        logit) over the whole vocabulary (its log-sum-exp is max + log(sum)); no gradient, the chunks let go."""
         st = self._pass1(ws, hs, mbs)
         self._inflight.pop(self.n - 1, None)
         self._small_w, self._staged = None, None
-        return self.k.objective.stream_logps(self.k, st, mbs)
+        return st
+
+    def seq_logps(self, ws: jax.Array, hs: list, mbs: list) -> list:
+        """Forward only (the preference objectives' reference pass): each micro-batch's rows' summed
+        log-probabilities of their masked-in labels; no gradient."""
+        return self.k.objective.stream_logps(self.k, self.forward_stats(ws, hs, mbs), mbs)
 
     def loss(self, ws: jax.Array, hs: list, mbs: list, inv: jax.Array) -> tuple:
         """(M losses, M d hidden, [the head's squared gradient norm]); its gradient is on its way out."""

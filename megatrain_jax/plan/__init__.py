@@ -59,7 +59,23 @@ def plan_of(cfg, machine: Machine | None = None, *, devices: int | None = None) 
     """The memory plan for ``cfg`` on ``machine`` (this one by default): the LoRA rows for a model with
     adapters (``lora.make_lora_plan``), else the full-training plan (``make_plan``, on ``devices`` GPUs)."""
     lora_rows = lora_plan(cfg, machine)
-    return lora_rows if lora_rows is not None else make_plan(cfg, machine, devices=devices)
+    return lora_rows if lora_rows is not None else _with_eval(cfg, make_plan(cfg, machine, devices=devices))
+
+
+def _with_eval(cfg, plan: Plan) -> Plan:
+    """The eval passes (``plan/eval_pass.py``) as a note: their time, and that the step's forward covers their
+    memory."""
+    from megatrain_jax.config.eval_fields import has_eval
+
+    if has_eval(cfg) and plan.step:
+        from megatrain_jax.plan.eval_pass import plan_eval
+
+        e = plan_eval(cfg, plan)
+        if e is not None:
+            plan.notes.append(f"eval: {e['eval_passes']} pass(es) of {e['eval_tokens']:,} tokens, about "
+                              f"{e['eval_pass_s']:.2f} s each (a forward sweep, micro-batches of the step's shape: "
+                              "its GPU memory is under the step's forward peak)")
+    return plan
 
 
 def plan_or_refuse(cfg, log: Log = print) -> Plan | LoraPlan:
@@ -70,7 +86,7 @@ def plan_or_refuse(cfg, log: Log = print) -> Plan | LoraPlan:
     if lora_rows is not None:
         return lora_rows
     started_before = jax_backend_ready()
-    plan = make_plan(cfg)
+    plan = _with_eval(cfg, make_plan(cfg))
     if not started_before and jax_backend_ready() and plan.machine.backend == "gpu":
         # planning must start nothing (tests/test_device_optax.py checks it): XLA read its budgets just now
         log("plan: warning: JAX started while planning, before the plan could give XLA its GPU pool and pinned "
