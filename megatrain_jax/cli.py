@@ -1,4 +1,4 @@
-"""``megatrain-jax`` command line: train, plan, prepare, convert, export.
+"""``megatrain-jax`` command line: train, plan, prepare, convert, export, generate.
 
 Every user mistake surfaces as a ``UserError`` and becomes one line on stderr with exit code 2.
 """
@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("prepare", help="tokenize text / JSONL into a packed token file", add_help=False)
     sub.add_parser("convert", help="hf-to-mt / mt-to-hf checkpoint conversion", add_help=False)
     sub.add_parser("export", help="export a training checkpoint (Hugging Face directory; --format mt)", add_help=False)
+    sub.add_parser("generate", help="generate text from a run, an export or a Hugging Face model", add_help=False)
     return parser
 
 
@@ -148,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             from megatrain_jax.hf import convert_main
 
             return convert_main(argv[1:])
+        if argv and argv[0] == "generate":  # sample from a run, an export or a Hugging Face model
+            from megatrain_jax.generate.cli import generate_main
+
+            return generate_main(argv[1:])
         if argv and argv[0] == "export":  # a training checkpoint -> Hugging Face (or mt) directory
             from megatrain_jax.hf.merge import lora_export_main  # LoRA runs: --merge-lora
 

@@ -168,6 +168,12 @@ def _family_layouts(state: dict, path: str) -> tuple[ModelConfig, dict]:
     return cfg, layouts
 
 
+def family_layouts(state: dict, path: str) -> tuple[ModelConfig, dict]:
+    """A training checkpoint's ModelConfig and group layouts when its weights are a built-in family's (shared:
+    ``generate/source.py`` reads a run's weights group by group as ``export`` does)."""
+    return _family_layouts(state, path)
+
+
 def export_checkpoint(checkpoint: str, out: str, dtype: str = "bfloat16", fmt: str = "hf", *,
                       architecture: str | None = None, overwrite: bool = False,
                       max_shard_bytes: int = SHARD_BYTES, log: Log = print) -> str:

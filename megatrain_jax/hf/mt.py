@@ -129,6 +129,12 @@ def _mt_group_reader(mt_dir: str, name: str, layout) -> Callable[[np.ndarray], N
     return read
 
 
+def mt_group_reader(mt_dir: str, name: str, layout) -> Callable[[np.ndarray], None]:
+    """One group's reader of an mt directory, checked against ``layout`` (shared: ``generate/source.py`` reads an mt
+    export group by group)."""
+    return _mt_group_reader(mt_dir, name, layout)
+
+
 def load_mt(mt_dir: str, bf16_stream: bool, *, log: Log = print):
     """Read an ``mt`` directory into a new host store; returns ``(model_cfg, parts, store)``."""
     from megatrain_jax.hoststore import HostStore

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from megatrain_jax import kvcache
 from megatrain_jax.attention import attention
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.families import get_family
@@ -224,7 +225,11 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, aux: Aux) -> jax.Array:
-        """Attention over the whole sequence (B, S, heads x D), before the output projection."""
+        """Attention over the whole sequence (B, S, heads x D), before the output projection; while a generation
+        kernel traces the block, over its KV cache instead (``kvcache.py``)."""
+        ctx = kvcache.current()
+        if ctx is not None:
+            return ctx.attend(self, q, k, v)
         b, s, n, d = q.shape
         out = dot_product_attention(q, k, v, aux.get("segment_ids"), window=self.window, softcap=self.softcap,
                                     scale=self.scale)
