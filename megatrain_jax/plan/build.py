@@ -20,10 +20,11 @@ import megatrain_jax.plan.search as search
 import megatrain_jax.plan.sharding as sharding
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.memo import PlanMemo
-from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS, EngineOptions
+from megatrain_jax.bounds import DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS, IO_VOCAB_CHUNK
+from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.optim.costs import auto_update_on
 from megatrain_jax.plan.rows import PlacementCosts, disk_rows, xla_pool
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN, IO_VOCAB_CHUNK,
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN,
                                       MOMENT_BYTES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes, pinned_in_rows,
                                       early_params, pinned_limit, usable)
 from megatrain_jax.plan.step_model import optax_update_cost, reference_pass_note, step_basis, step_rates

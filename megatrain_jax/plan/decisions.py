@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from megatrain_jax.errors import UserError
-from megatrain_jax.plan.options import BLOCKS_QUEUED
+from megatrain_jax.bounds import BLOCKS_QUEUED
 from megatrain_jax.plan.sizes import (GB, GPU_MARGIN, GRAD_SLABS_FEWEST, GRAD_SLABS_MOST, MICRO_TOKENS,
                                       PREALLOCATE_ABOVE, RATES, XLA_FRACTION, Row, Shapes, residual_bytes_per_block,
                                       usable)

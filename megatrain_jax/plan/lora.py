@@ -25,7 +25,7 @@ from typing import Any
 
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
-from megatrain_jax.plan.options import BLOCKS_QUEUED
+from megatrain_jax.bounds import BLOCKS_QUEUED
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GPU_MARGIN, HOST_MARGIN, MICRO_TOKENS, RATES,
                                       RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes, block_working_set,
                                       loss_working_set, pinned_limit, pinned_pool, usable)

@@ -10,22 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from megatrain_jax.bounds import BLOCKS_QUEUED, DEFAULT_GRAD_SLABS, DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS
 from megatrain_jax.errors import UserError
 from megatrain_jax.placements import (ACT_DEVICE, ACTIVATIONS, FETCH, FETCH_FULL, FETCH_SPLIT, GPU_FP32, GRAD_HOLD,
                                       GRAD_HOLDS, HOST_STATE, HOST_STATE_REPLICATED, HOST_STATE_SHARDED, STREAM_COPY,
                                       STREAM_COPY_HOST, UPDATE_DEVICE, UPDATE_HOST, UPDATE_ON, GradHold)
-
-GRAD_SLAB_ELEMS = 32 << 20  # a pinned gradient slab: 32M fp32 values (128 MiB)
-DEFAULT_GRAD_SLABS = 8  # pinned gradient slabs of an engine built without a plan (the plan chooses its own count
-#                         between sizes.GRAD_SLABS_FEWEST and GRAD_SLABS_MOST)
-DEVICE_UPDATE_CHUNK = 8192 * 2048  # values per slice of a device-side update (bounded temporaries)
-# What the engine lets wait on the GPU at once, and the plan counts (sizes.gpu_phases). Unbounded, the dispatching
-# thread ran ahead of the GPU and the host copies fell behind it: the H100 held 23 block gradients waiting for a
-# pageable hold and 28 updated blocks waiting for their write-back, 3.4x and 2.3x the plan (experiments/probe_gpu_peak.py)
-BLOCKS_QUEUED = 2  # blocks dispatched and not yet computed (one computing, the next queued behind it)
-WRITEBACKS_IN_FLIGHT = 3  # device-side updates whose new master and state wait for their copy to the host
-HOLD_COPIES_IN_FLIGHT = 1  # gradients on the GPU waiting for their copy into a pageable host hold
-
 
 
 @dataclass(frozen=True)

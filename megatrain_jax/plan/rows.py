@@ -8,15 +8,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatrain_jax.bounds import GRAD_SLAB_ELEMS, IO_HEAD_GRADS_IN_FLIGHT, IO_VOCAB_CHUNK
 from megatrain_jax.config import Config
 import megatrain_jax.plan.decisions as choose
 from megatrain_jax.placements import PAGEABLE_HOLDS, PINNED_HOLDS
 import megatrain_jax.plan.moe as plan_moe
 from megatrain_jax.plan.machine import Machine, process_count
 from megatrain_jax.plan.memo import PlanMemo
-from megatrain_jax.plan.options import GRAD_SLAB_ELEMS
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_HOLD_BYTES,
-                                      IO_HEAD_GRADS_IN_FLIGHT, IO_VOCAB_CHUNK, MULTI_PROCESS_HOST_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
+                                      MULTI_PROCESS_HOST_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
                                       XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_use,
                                       pinned_need, pinned_pool)
 from megatrain_jax.plan.step_model import predicted_step
