@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from megatrain_jax.config import ModelConfig
-from megatrain_jax.placements import GRAD_HOLD_LIST
 import megatrain_jax.plan.moe as plan_moe
 from megatrain_jax.bounds import (BLOCKS_QUEUED, DEVICE_UPDATE_CHUNK, HOLD_COPIES_IN_FLIGHT, IO_VOCAB_CHUNK,
                                   PINNED_ACT_LAYERS_ON_GPU, WRITEBACKS_IN_FLIGHT)
@@ -81,8 +80,6 @@ RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9,
          # 16 threads of the H100 machine's host (experiments/bench_compact_adamw.py)
          "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 3.5e9, "optax": 1.0e9}}
 MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
-GPU_HOLD_BYTES = {h.name: h.gpu_bytes for h in GRAD_HOLD_LIST}  # GPU bytes/param of each gradient hold (None: none)
-HOST_HOLD_BYTES = {h.name: h.host_bytes for h in GRAD_HOLD_LIST if h.on_host}  # host bytes/param of each host hold
 IO_GATHER_RATE = 20e9  # bytes/s of the streamed head's host gather as the step sees it. Gathered twice a step on the
 # dispatching thread, an 8B (128256 x 4096) head cost 1.13 s more per step than the resident one (3.7e9 then:
 # experiments/probe_stream_io.py, H100 machine); now once, in the background (engine/io_head.py): with
