@@ -12,7 +12,8 @@ DEFAULT_GRAD_SLABS = 8  # pinned gradient slabs of an engine built without a pla
 DEVICE_UPDATE_CHUNK = 8192 * 2048  # values per slice of a device-side update (bounded temporaries)
 # What the engine lets wait on the GPU at once, and the plan counts (sizes.gpu_phases). Unbounded, the dispatching
 # thread ran ahead of the GPU and the host copies fell behind it: the H100 held 23 block gradients waiting for a
-# pageable hold and 28 updated blocks waiting for their write-back, 3.4x and 2.3x the plan (experiments/probe_gpu_peak.py)
+# pageable hold and 28 updated blocks waiting for their write-back, 3.4x and 2.3x the plan
+# (experiments/probe_gpu_peak.py)
 BLOCKS_QUEUED = 2  # blocks dispatched and not yet computed (one computing, the next queued behind it)
 WRITEBACKS_IN_FLIGHT = 3  # device-side updates whose new master and state wait for their copy to the host
 HOLD_COPIES_IN_FLIGHT = 1  # gradients on the GPU waiting for their copy into a pageable host hold

@@ -76,8 +76,8 @@ def step_basis(machine: Machine) -> str:
 
 
 def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_dev: int, n_keep: int, stream_bytes: int,
-                   moment_bytes: float, update_on: UpdatePlace, cpu_cores: int, attention: bool = True, n_early: int = 0,
-                   placement: choose.Placement | None = None, non_emb: int | None = None,
+                   moment_bytes: float, update_on: UpdatePlace, cpu_cores: int, attention: bool = True,
+                   n_early: int = 0, placement: choose.Placement | None = None, non_emb: int | None = None,
                    optax_cost: Any = None) -> dict[str, Any]:
     """The step's floor terms (compute, host->GPU, GPU->host, optimizer, host copies) and the largest of
     them; ``work_s`` is their sum (the search's second key). N GPUs: each receives every block over its
