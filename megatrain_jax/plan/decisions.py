@@ -75,11 +75,6 @@ class Candidate:
                 self.activations_gpu_blocks)
 
     @property
-    def splits_hold(self) -> bool:
-        """Whether the search tries its hold with the first groups on the GPU (``search.variants``)."""
-        return self.hold.splits
-
-    @property
     def splits_activations(self) -> bool:
         """Whether its activations may keep the last blocks' inputs on the GPU: parked, every input kept."""
         return self.activations.parked and self.boundary_every == 1

@@ -216,11 +216,11 @@ def _phases(shapes: Shapes, ctx: Context, c: Candidate) -> tuple[dict[str, float
     """(GPU phases, their peak) of candidate ``c``, computed once per search (or plan memo: ``_tables``) for each
     distinct ``Candidate.phase_key`` (``gpu_phases`` is a pure function of the shapes and the ``PhaseInputs``, whose
     rest is the context's)."""
-    memo = _tables(shapes, ctx)[1]
-    got = memo.get(c.phase_key)
+    memo, key = _tables(shapes, ctx)[1], c.phase_key
+    got = memo.get(key)
     if got is None:
         phases, _ = gpu_phases(shapes, _phase_inputs(shapes, ctx, c), want=False)
-        got = memo[c.phase_key] = (phases, max(phases.values()))
+        got = memo[key] = (phases, max(phases.values()))
     return got
 
 
@@ -345,7 +345,7 @@ def variants(shapes: Shapes, ctx: Context, axes: Axes, p: Placement) -> list[Pla
         if acts is not None:
             bases.append(acts)
             out.append(acts)
-    if axes.split and p.candidate.splits_hold:
+    if axes.split and p.hold.splits:
         out += [q for q in (_split(shapes, ctx, b) for b in bases) if q is not None]
     return [_costed(ctx, q) for q in out]  # (the split searches compared GPU needs only)
 
@@ -397,7 +397,7 @@ def _frontier(shapes: Shapes, ctx: Context, axes: Axes, fitting: list[Placement]
     if not axes.split or axes.activations_gpu_blocks is not None:
         return []
     split = sorted((p for p in fitting if p.activations_gpu_blocks and p.boundary_every == 1
-                    and p.candidate.splits_hold), key=rank)
+                    and p.hold.splits), key=rank)
     out = []
     for p in split[:FRONTIER_BEST]:
         for n in sorted({p.activations_gpu_blocks * f // 8 for f in FRONTIER_EIGHTHS} - {0}):
