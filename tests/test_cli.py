@@ -617,16 +617,16 @@ def test_fixes_name_what_set_takes_and_what_can_work(tmp_path, capsys):
     own grad_hold_gpu_groups is no setting); with model.from_hf, data whose ids pass its vocabulary is refused
     naming the data and the model's tokenizer (its config.json sets vocab_size), and the override notice is one
     line of output, not a Python warning."""
-    import types
     import warnings
 
     from megatrain_jax.config import load_config
+    from megatrain_jax.placements import PINNED_ACTIVATIONS, PINNED_HOST
+    from megatrain_jax.plan.decisions import Candidate, Placement
     from megatrain_jax.plan.search import describe
 
-    cand = types.SimpleNamespace(micro_batches=4, activations="pinned_host", grad_hold="pinned_host", boundary_every=2,
-                                 stream_io=True, loss_chunk=1024, grad_hold_gpu_groups=5, activations_gpu_blocks=3,
-                                 seq_tile=0)
-    words = describe(cand).split()
+    cand = Candidate(4, PINNED_ACTIVATIONS, PINNED_HOST, boundary_every=2, stream_io=True, loss_chunk=1024,
+                     grad_hold_gpu_groups=5, activations_gpu_blocks=3)
+    words = describe(Placement(cand, {}, [], 0.0, False)).split()
     assert not any("grad_hold_gpu_groups" in w for w in words), words
     load_config(TINY, words)  # every one a key --set takes
     hf = tmp_path / "hf"

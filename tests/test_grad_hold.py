@@ -334,7 +334,7 @@ def test_a_resweeps_sent_gradients_wait_on_the_device_at_most_the_planned_few(mo
     slabs: at most HOLD_COPIES_IN_FLIGHT gradients may wait on the device for theirs, as the plan counts. Unbounded,
     26 of the 3B's 28 block gradients piled up on the H100 (experiments/probe_resweep_io.py)."""
     from megatrain_jax.engine.updaters import HostUpdates
-    from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT
+    from megatrain_jax.bounds import HOLD_COPIES_IN_FLIGHT
 
     waiting, send = [], HostUpdates.send
 

@@ -179,7 +179,7 @@ CASES = [("configs/llama3.1-8b.yaml", ()), ("configs/3b.yaml", ("train.batch_siz
 def _every_candidate(found):
     """The whole product of the search's axes, each candidate evaluated afresh (and
     the split placements the search tries beside each, search.variants)."""
-    from megatrain_jax.plan import search
+    from megatrain_jax.plan import Candidate, search
 
     ax, out = found.axes, []
     for micro in ax.micro:
@@ -190,8 +190,8 @@ def _every_candidate(found):
                         continue
                     for io in ax.stream_io:
                         for chunk in ax.loss_chunks:
-                            p = search.evaluate(found.shapes, found.ctx, micro=micro, act=act, hold=hold, k=k,
-                                                io=io, chunk=chunk)
+                            c = Candidate(micro, act, hold, boundary_every=k, stream_io=io, loss_chunk=chunk)
+                            p = search.evaluate(found.shapes, found.ctx, c)
                             out += [p] + search.variants(found.shapes, found.ctx, ax, p)
     return out
 
@@ -279,14 +279,15 @@ def test_each_placement_pays_its_cost_in_the_predicted_step():
     """boundary_every k recomputes (k-1)/k of the blocks' forward; resweep runs the backward with its
     recompute again (~+75% of the compute) and streams the blocks again; a pageable hold is copied by
     one host thread; stream_io sends the head twice instead of embedding and head once."""
-    from megatrain_jax.plan import search
+    from megatrain_jax.placements import ACTIVATION_PLACES, GRAD_HOLD
+    from megatrain_jax.plan import Candidate, search
 
     p = make_plan(_cfg("configs/llama3.1-8b.yaml", "train.update_on=host"), _target(80, 128))
     r = p.found
 
-    def step(**kw):
-        base = dict(micro=4, act="device", hold="gpu_fp32", k=1, io=False, chunk=4096)
-        return search.evaluate(r.shapes, r.ctx, **{**base, **kw}).step
+    def step(micro=4, act="device", hold="gpu_fp32", k=1, io=False, chunk=4096):
+        c = Candidate(micro, ACTIVATION_PLACES[act], GRAD_HOLD[hold], boundary_every=k, stream_io=io, loss_chunk=chunk)
+        return search.evaluate(r.shapes, r.ctx, c).step
 
     s1, s2, s4 = step(), step(k=2), step(k=4)
     assert s1["compute_s"] < s2["compute_s"] < s4["compute_s"] < 1.25 * s1["compute_s"]
@@ -327,7 +328,7 @@ def test_a_split_placement_keeps_the_last_blocks_inputs_in_the_gpus_free_room():
     fixed = make_plan(_cfg(*sets, "train.activations=pinned_host", "train.activations_gpu_blocks=3",
                            "train.host_memory_gb=200"), _target(85.52, 135.1), _mode_table=False)
     assert fixed.options.activations_gpu_blocks in (0, 3)  # 3 where the pinned candidate is the one taken
-    assert all(c.activations_gpu_blocks == 3 for c in fixed.found.candidates if c.activations == "pinned_host")
+    assert all(c.activations_gpu_blocks == 3 for c in fixed.found.candidates if c.activations.parked)
 
 
 def test_on_a_gpu_budget_the_host_update_is_planned_beside_the_device_side_one():

@@ -168,7 +168,7 @@ def test_at_most_two_head_chunk_gradients_are_on_their_way_to_the_host(monkeypat
     import weakref
 
     from megatrain_jax.engine.io import HeadStream
-    from megatrain_jax.plan.sizes import IO_HEAD_GRADS_IN_FLIGHT
+    from megatrain_jax.bounds import IO_HEAD_GRADS_IN_FLIGHT
 
     views, most = [], [0]
     real_fetch, real_out = HeadStream._fetch, HeadStream._out

@@ -18,7 +18,7 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.optim.device_adamw import BLOCK
 from megatrain_jax.placements import (HOST_BF16, HOST_FP32, HOST_STATE_SHARDED, RESWEEP, STREAM_COPY_DEVICE,
                                       UPDATE_DEVICE, UPDATE_HOST)
-from megatrain_jax.plan.options import WRITEBACKS_IN_FLIGHT
+from megatrain_jax.bounds import WRITEBACKS_IN_FLIGHT
 
 
 # ------------------------------------------------------------------------------------------ device

@@ -36,7 +36,7 @@ from megatrain_jax.engine.kernels import NO_AUTOTUNE, grad_to_bf16, local_shard,
 from megatrain_jax.optim.host import alloc_aligned
 from megatrain_jax.placements import (GPU_BF16, GPU_FP32, GRAD_HOLD_LIST, HOST_BF16, HOST_FP32, PINNED_BF16,
                                       PINNED_HOST, RESWEEP, GradHold)
-from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT
+from megatrain_jax.bounds import HOLD_COPIES_IN_FLIGHT
 from megatrain_jax.transfer import Transfers
 
 # host copies of a slab (its landing in the pageable buffer, bf16 widened to fp32 for the update) split over

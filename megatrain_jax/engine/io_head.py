@@ -33,7 +33,7 @@ from megatrain_jax.engine.kernels import F32, local_shard, named
 from megatrain_jax.engine.loss import capped
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim.host import alloc_aligned
-from megatrain_jax.plan.sizes import IO_HEAD_GRADS_IN_FLIGHT
+from megatrain_jax.bounds import IO_HEAD_GRADS_IN_FLIGHT
 from megatrain_jax.templates import Layout
 
 HEAD_THREADS = max(1, min(8, os.cpu_count() or 1))  # the head's background gather and scatter

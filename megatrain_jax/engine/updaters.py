@@ -33,7 +33,8 @@ from megatrain_jax.engine.updates_base import EMBED, HEAD, Groups, Updates  # no
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer
 from megatrain_jax.placements import UPDATE_DEVICE, UPDATE_HOST
-from megatrain_jax.plan.options import HOLD_COPIES_IN_FLIGHT, EngineOptions
+from megatrain_jax.bounds import HOLD_COPIES_IN_FLIGHT
+from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.transfer import Transfers
 
 

@@ -15,7 +15,7 @@ from megatrain_jax.engine.device_updates import DeviceUpdate
 from megatrain_jax.engine.shards import Shards
 from megatrain_jax.engine.updates_base import Groups, Updates
 from megatrain_jax.hoststore import HostStore
-from megatrain_jax.plan.sizes import PINNED_ACT_LAYERS_ON_GPU
+from megatrain_jax.bounds import PINNED_ACT_LAYERS_ON_GPU
 from megatrain_jax.transfer import Transfers
 
 

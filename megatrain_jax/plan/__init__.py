@@ -16,10 +16,11 @@ import math
 import os
 from typing import Callable
 
+from megatrain_jax.placements import UPDATE_PLACES
 from megatrain_jax.plan.build import Plan, make_plan  # noqa: F401
 from megatrain_jax.plan.step_model import predicted_step  # noqa: F401
 from megatrain_jax.plan.lora import LoraPlan, lora_plan, lora_plan_or_refuse
-from megatrain_jax.plan.decisions import MODES, Placement, RuntimeSettings  # noqa: F401
+from megatrain_jax.plan.decisions import MODES, Candidate, Placement, RuntimeSettings  # noqa: F401
 from megatrain_jax.plan.machine import (Machine, detect_machine, host_limit,  # noqa: F401
                                         jax_backend_ready, memory_snapshot, target_machine)
 from megatrain_jax.plan.options import EngineOptions  # noqa: F401
@@ -96,7 +97,7 @@ def plan_or_refuse(cfg, log: Log = print) -> Plan | LoraPlan:
         raise err
     apply_gpu_settings(plan)
     o = plan.options
-    if o.update_on == "device":
+    if UPDATE_PLACES[o.update_on].on_device:
         few_malloc_arenas()
     gpu = f", GPU peak {plan.gpu_need / 1e9:.1f} of {plan.gpu_budget / 1e9:.1f} GB" if plan.gpu_budget else ""
     log(f"plan: host {plan.host_need / 1e9:.1f} of {plan.host_limit / 1e9:.1f} GB ({plan.host_source}) "

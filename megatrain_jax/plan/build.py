@@ -20,10 +20,13 @@ import megatrain_jax.plan.search as search
 import megatrain_jax.plan.sharding as sharding
 from megatrain_jax.plan.machine import Machine, detect_machine, process_count
 from megatrain_jax.plan.memo import PlanMemo
-from megatrain_jax.plan.options import DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS, EngineOptions
+from megatrain_jax.bounds import DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS, IO_VOCAB_CHUNK
+from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.optim.costs import auto_update_on
+from megatrain_jax.placements import (DEVICE_CAST, DEVICE_UPDATE, FULL_FETCH, HOST_UPDATE, SPLIT_FETCH, STREAM_COPIES,
+                                      UPDATE_PLACES, Fetch, StreamCopy, UpdatePlace, asked)
 from megatrain_jax.plan.rows import PlacementCosts, disk_rows, xla_pool
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN, IO_VOCAB_CHUNK,
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN,
                                       MOMENT_BYTES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes, pinned_in_rows,
                                       early_params, pinned_limit, usable)
 from megatrain_jax.plan.step_model import optax_update_cost, reference_pass_note, step_basis, step_rates
@@ -176,7 +179,7 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     make_plan call's, shared by its plans)."""
     cfg = sharding.sharded_state(cfg)
     if cfg.train.update_on == "auto" and cfg.train.early_state_groups not in ("auto", 0):  # (a device update's)
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, update_on="device"))
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, update_on=DEVICE_UPDATE.name))
     lim = _limits_of(cfg, machine, devices)
     if cfg.train.fetch == "auto":
         return _either_fetch(cfg, lim, devices, attention, memo)
@@ -189,15 +192,15 @@ def _make_plan(cfg: Config, machine: Machine | None, devices: int | None, attent
     if headroom:
         lim.gpu_usable -= headroom
     update_on, moment_bytes, shapes = _update_on_rule(cfg, shapes, lim, bf16)
-    if update_on == "device" and lim.n_dev > 1 and lim.on_gpu and lim.gpu_usable is not None and not headroom:
+    if update_on.on_device and lim.n_dev > 1 and lim.on_gpu and lim.gpu_usable is not None and not headroom:
         headroom = _split_update_headroom(shapes, lim, notes)
-    if update_on == "device" and lim.n_dev > 1:
+    if update_on.on_device and lim.n_dev > 1:
         sharding.check_device_update(cfg, lim.n_dev)
     if train.update_on == "auto" and lim.on_gpu and _device_update_runs(cfg, bf16) \
             and (lim.n_dev == 1 or sharding.device_update_several(cfg)):
         return _both_updates(cfg, update_on, lim.machine, devices, attention, memo)
     stream_copy = _stream_copy(cfg, shapes, lim, update_on, moment_bytes, bf16)
-    device_cast = bf16 and stream_copy == "device"
+    device_cast = bf16 and not stream_copy.on_host
     optax = optax_update_cost(cfg) if cfg.optim.kernel == "optax" else None
     costs = PlacementCosts(cfg, shapes, lim.machine, lim.n_dev, lim.gpu_budget, update_on, moment_bytes,
                            stream_bytes=2 if (bf16 and not device_cast) else 4, host_copy=bf16 and not device_cast,
@@ -222,13 +225,13 @@ def _either_fetch(cfg: Config, lim: _Limits, devices: int | None, attention: boo
     never larger; measured 1.8% faster at Qwen2.5-7B 4 x 128 x 1024 and the same at 4 x 32 x 1024, four H200s,
     experiments/bench_data_parallel.py); full on one GPU, and across the processes of a replicated store (each process's
     GPUs would gather from the others over the network: measured only with full)."""
-    def planned(fetch: str) -> Plan:
-        return _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fetch=fetch)), lim.machine,
-                          devices, attention, memo)
+    def planned(fetch: Fetch) -> Plan:
+        return _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fetch=fetch.name)),
+                          lim.machine, devices, attention, memo)
 
     if lim.n_dev == 1 or process_count() > 1:
-        return planned("full")
-    return _faster(planned("split"), planned("full"), "fetch")
+        return planned(FULL_FETCH)
+    return _faster(planned(SPLIT_FETCH), planned(FULL_FETCH), "fetch")
 
 
 def _split_update_headroom(shapes: Shapes, lim: _Limits, notes: list[str]) -> float:
@@ -260,7 +263,7 @@ def _huge_group_headroom(shapes: Shapes, lim: _Limits, notes: list[str]) -> floa
     return headroom
 
 
-def _update_on_rule(cfg: Config, shapes: Shapes, lim: _Limits, bf16: bool) -> tuple[str, float, Shapes]:
+def _update_on_rule(cfg: Config, shapes: Shapes, lim: _Limits, bf16: bool) -> tuple[UpdatePlace, float, Shapes]:
     """Where the update runs by the rule (``update_on=auto`` may then plan both: ``_both_updates``), the optimizer
     state's host bytes per parameter, and the shapes with an optax transformation's device temporaries (its state
     and temporaries from its own init/step)."""
@@ -275,37 +278,40 @@ def _update_on_rule(cfg: Config, shapes: Shapes, lim: _Limits, bf16: bool) -> tu
         if train.update_on == "auto":
             several = lim.n_dev if (lim.n_dev == 1 or not sharding.device_update_several(cfg)) \
                 else 1  # (every GPU alike)
-            update_on = auto_update_on(cost, on_gpu=lim.on_gpu, devices=several, moments=optim.moments,
-                                       bf16_host_copy=bf16 and train.stream_copy == "host")
+            update_on = UPDATE_PLACES[auto_update_on(cost, on_gpu=lim.on_gpu, devices=several, moments=optim.moments,
+                                                     bf16_host_copy=bf16 and _host_copy_asked(cfg))]
     return update_on, moment_bytes, shapes
 
 
-def _both_updates(cfg: Config, rule: str, machine: Machine, devices: int | None, attention: bool,
+def _both_updates(cfg: Config, rule: UpdatePlace, machine: Machine, devices: int | None, attention: bool,
                   memo: PlanMemo) -> Plan:
     """``update_on=auto``: both placements of the update are planned and the faster fitting one taken (steps within
     UPDATE_SWITCH_TOL equal: then the one the rule names, the measured path; a note names the other). A device-side
     update carries its state in flight and must hold every gradient (or resweep) on a small GPU; a host update waits
     for the norm with the host's cores: neither wins everywhere (issue 43)."""
     train, optim = cfg.train, cfg.optim
-    other = "host" if rule == "device" else "device"
-    mine = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=rule)), machine,
+    other = HOST_UPDATE if rule.on_device else DEVICE_UPDATE
+    mine = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=rule.name)), machine,
                       devices, attention, memo)
-    if rule == "host" and optim.kernel == "fused" and optim.moments == "float32" and mine.found.best.fits \
+    if not rule.on_device and optim.kernel == "fused" and optim.moments == "float32" and mine.found.best.fits \
             and mine.settings.devices == 1:
         return mine  # fp32 moments on one GPU: 16 bytes/param more over PCIe, not measured to pay; tried where
         #              the host update does not fit (several GPUs split it: each link carries its share)
-    alt = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=other)), machine,
+    alt = _make_plan(dataclasses.replace(cfg, train=dataclasses.replace(train, update_on=other.name)), machine,
                      devices, attention, memo)
     return _faster(mine, alt, "update_on")
 
 
-def _stream_copy(cfg: Config, shapes: Shapes, lim: _Limits, update_on: str, moment_bytes: float, bf16: bool) -> str:
+def _stream_copy(cfg: Config, shapes: Shapes, lim: _Limits, update_on: UpdatePlace, moment_bytes: float,
+                 bf16: bool) -> StreamCopy:
     """What streams with bf16 compute (``train.stream_copy``): the fp32 master for a device-side update; ``auto``
     decided with the host room left by the store, the runtime at its largest (a preallocated pool's allocator
     table) and the fewest slabs."""
-    stream_copy = "device" if (update_on == "device" and bf16) else cfg.train.stream_copy
-    if stream_copy != "auto":
-        return stream_copy
+    if update_on.on_device and bf16:
+        return DEVICE_CAST
+    fixed = asked(STREAM_COPIES, cfg.train.stream_copy)
+    if fixed is not None:
+        return fixed
     m = lim.machine
     runtime_max = RUNTIME_HOST_BYTES["gpu" if lim.on_gpu else "cpu"] \
         + (XLA_FRACTION * m.gpu_bytes * BFC_TABLE_BYTES_PER_POOL_BYTE if lim.on_gpu and m.gpu_bytes else 0.0)
@@ -326,11 +332,11 @@ def _search_placement(cfg: Config, costs: PlacementCosts, lim: _Limits,
                                        costs.memo) if costs.attention else (None, None)
     ctx = search.Context(
         stream_bytes=costs.stream_bytes, device_cast=device_cast, attn=attn_extra,
-        update_state_bytes=costs.moment_bytes if costs.update_on == "device" else None, gpu_usable=lim.gpu_usable,
+        update_state_bytes=costs.moment_bytes if costs.update_on.on_device else None, gpu_usable=lim.gpu_usable,
         host_usable=lim.host_usable, host_of=costs.host_of, step_of=costs.step_of,
-        update_shards=lim.n_dev if (costs.update_on == "device" and sharding.update_shards(cfg)) else 1,
+        update_shards=lim.n_dev if (costs.update_on.on_device and sharding.update_shards(cfg)) else 1,
         memo=costs.memo,
-        hold_shards=lim.n_dev if costs.update_on == "device" else 1)  # (engine/device_updates: held split)
+        hold_shards=lim.n_dev if costs.update_on.on_device else 1)  # (engine/device_updates: held split)
     axes = search.axes_of(train, micro_candidates, on_gpu=lim.on_gpu, cpu_only=cpu_only, update_on=costs.update_on,
                           devices=lim.n_dev, shares=sharding.update_shards(cfg))
     return search.search(shapes, axes, ctx), attn_info
@@ -345,10 +351,10 @@ def _gpu_peak(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
     phases, gpu_rows, gpu_need = placed.phases, search.gpu_rows(found.shapes, found.ctx, placed), placed.gpu_need
     n_keep, per_block = choose.choose_keep_residuals(
         train.keep_residuals, shapes, on_gpu=lim.on_gpu, devices=lim.n_dev,
-        act_on_gpu=placed.activations == "device" and placed.boundary_every == 1 and placed.grad_hold != "resweep",
+        act_on_gpu=placed.activations.on_gpu and placed.boundary_every == 1 and not placed.hold.is_resweep,
         moments=optim.moments, need=gpu_need, budget=lim.gpu_budget, gpu_usable=lim.gpu_usable,
         moe=bool(getattr(cfg.model, "num_experts", None)))
-    if optim.kernel == "optax" and costs.update_on == "device" and train.keep_residuals == "auto" and n_keep:
+    if optim.kernel == "optax" and costs.update_on.on_device and train.keep_residuals == "auto" and n_keep:
         # an optax update on the GPU works on whole groups (no chunking): with the room filled by kept residuals
         # the 3B shape ran out of memory, and without them it was as fast (bench_memory_plan.py, H100): none kept
         notes.append(f"train.keep_residuals=auto: 0 with an optax update on the GPU (the room would keep {n_keep})")
@@ -388,12 +394,12 @@ def _early_state(cfg: Config, costs: PlacementCosts, lim: _Limits, placed: choos
     backward, the groups that do and the kept residuals beside them; elsewhere none (asked for: refused). ``auto``
     keeps none until a GPU run measures it, and a note names what it predicts."""
     t = cfg.train
-    applies = costs.update_on == "device" and placed.grad_hold != "resweep" and not placed.stream_io \
+    applies = costs.update_on.on_device and not placed.hold.is_resweep and not placed.stream_io \
         and cfg.optim.kernel == "fused"
     if not applies and t.early_state_groups not in ("auto", 0):
         raise UserError("train.early_state_groups", "fetches the fused AdamW's device-side state during the "
-                        f"backward, and this plan updates on the {costs.update_on} with grad_hold="
-                        f"{placed.grad_hold}, stream_io={placed.stream_io}, optim.kernel={cfg.optim.kernel}",
+                        f"backward, and this plan updates on the {costs.update_on.name} with grad_hold="
+                        f"{placed.hold.name}, stream_io={placed.stream_io}, optim.kernel={cfg.optim.kernel}",
                         "set train.early_state_groups=auto (or 0)")
     if not applies or (t.early_state_groups == "auto" and not (lim.on_gpu and lim.gpu_usable is not None)):
         return 0, n_keep  # (auto: on a GPU, whose room it takes; asked for, anywhere)
@@ -435,7 +441,7 @@ def _slabs_and_host_rows(cfg: Config, costs: PlacementCosts, lim: _Limits,
 def _assemble(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Result,
               attn_info: dict[str, Any] | None, *, rows: list[Row], gpu_rows: list[Row], slabs: int, n_keep: int,
               n_early: int,
-              stream_copy: str, notes: list[str]) -> Plan:
+              stream_copy: StreamCopy, notes: list[str]) -> Plan:
     """The plan of the chosen placement: its XLA settings, the engine's options, the rows, the predicted step."""
     train, optim, placed = cfg.train, cfg.optim, found.best
     gpu_need = placed.gpu_need
@@ -455,10 +461,10 @@ def _assemble(cfg: Config, costs: PlacementCosts, lim: _Limits, found: search.Re
         gpu_mem_fraction=gpu_mem_fraction, gpu_preallocate=preallocate)
     options = EngineOptions(compute_dtype=train.compute_dtype, micro_batches=placed.micro_batches,
                             loss_chunk=placed.loss_chunk, clip_norm=optim.clip_norm, skip_nonfinite=True,
-                            activations=placed.activations, grad_hold=placed.grad_hold, grad_slabs=slabs,
-                            grad_slab_elems=GRAD_SLAB_ELEMS if costs.chunked else None, stream_copy=stream_copy,
-                            update_on=costs.update_on, fetch=train.fetch, host_state=train.host_state, keep_residuals=n_keep, early_state_groups=n_early,
-                            devices=train.devices,
+                            activations=placed.activations.name, grad_hold=placed.hold.name, grad_slabs=slabs,
+                            grad_slab_elems=GRAD_SLAB_ELEMS if costs.chunked else None, stream_copy=stream_copy.name,
+                            update_on=costs.update_on.name, fetch=train.fetch, host_state=train.host_state,
+                            keep_residuals=n_keep, early_state_groups=n_early, devices=train.devices,
                             device_update_chunk=DEVICE_UPDATE_CHUNK, seq_tile=placed.seq_tile,
                             grad_hold_gpu_groups=placed.grad_hold_gpu_groups, stream_io=placed.stream_io,
                             activations_gpu_blocks=placed.activations_gpu_blocks,
@@ -483,9 +489,15 @@ UPDATE_SWITCH_TOL = 0.05  # the other placement of the update is taken over the 
 def _device_update_runs(cfg: Config, bf16: bool) -> bool:
     """Whether a device-side update can run this config (one GPU is checked by the caller): no host bf16 copy
     streams, and the optimizer has a device form (the fused AdamW's, or an optax transformation's)."""
-    if bf16 and cfg.train.stream_copy == "host":
+    if bf16 and _host_copy_asked(cfg):
         return False
     return cfg.optim.kernel == "fused" or optax_update_cost(cfg).runs_on_device
+
+
+def _host_copy_asked(cfg: Config) -> bool:
+    """Whether the config asks for the bf16 streaming copy on the host (``train.stream_copy=host``)."""
+    fixed = asked(STREAM_COPIES, cfg.train.stream_copy)
+    return fixed is not None and fixed.on_host
 
 
 def _faster(mine: Plan, alt: Plan, option: str) -> Plan:

@@ -7,19 +7,21 @@ placement (micro-batches, activations, gradient hold, streaming, loss chunk) is 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from megatrain_jax.errors import UserError
-from megatrain_jax.plan.options import BLOCKS_QUEUED
+from megatrain_jax.placements import (DEVICE_CAST, DEVICE_UPDATE, HOST_COPY, HOST_UPDATE, STREAM_COPIES, UPDATE_PLACES,
+                                      ActivationPlace, GradHold, StreamCopy, UpdatePlace, asked)
+from megatrain_jax.bounds import BLOCKS_QUEUED
 from megatrain_jax.plan.sizes import (GB, GPU_MARGIN, GRAD_SLABS_FEWEST, GRAD_SLABS_MOST, MICRO_TOKENS,
                                       PREALLOCATE_ABOVE, RATES, XLA_FRACTION, Row, Shapes, residual_bytes_per_block,
                                       usable)
 
 # the host-state modes, fullest first: (name, overrides)
 MODES = {"full": {"moments": "float32"},
-         "compact": {"moments": "bfloat16", "stream_copy": "device"},
-         "leanest": {"moments": "int8", "stream_copy": "device"}}
+         "compact": {"moments": "bfloat16", "stream_copy": DEVICE_CAST.name},
+         "leanest": {"moments": "int8", "stream_copy": DEVICE_CAST.name}}
 
 
 def mode_settings(over: dict[str, str]) -> str:
@@ -45,31 +47,89 @@ class RuntimeSettings:
     pinned_limit_bytes: float = 0.0  # XLA's pinned-pool limit (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB), sizes.pinned_limit
 
 
-@dataclass
-class Placement:
-    """One candidate of the placement search (``search.py``): micro-batches, where activations and
-    held gradients live, how the step streams, and the GPU phases, host need and step it makes."""
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the placement search (``search.py``): micro-batches, where activations and held gradients
+    live (placement objects), how the step streams and the loss is chunked, and the split counts (the first groups
+    held on the GPU, the last blocks' inputs kept there). What the GPU phases read of it is ``phase_key``."""
 
     micro_batches: int
-    activations: str  # placements.ACTIVATIONS
-    grad_hold: str  # placements.GRAD_HOLDS
+    activations: ActivationPlace
+    hold: GradHold
+    boundary_every: int = 1  # keep every k-th block input
+    stream_io: bool = False  # embedding and head not resident
+    loss_chunk: int = 1024
+    grad_hold_gpu_groups: int = 0  # a host hold's (or a resweep's) first groups held on the GPU in bf16
+    activations_gpu_blocks: int = 0  # pinned activations: the last this-many blocks keep their inputs on the GPU
+    #                                  (a split)
+
+    def with_(self, **changes: Any) -> "Candidate":
+        return replace(self, **changes)
+
+    @property
+    def phase_key(self) -> tuple:
+        """Everything the GPU phases read of the candidate (``sizes.gpu_phases``): candidates equal in it (a host
+        hold's kind, say, or its host side) share their phases."""
+        return (self.micro_batches, self.activations.on_gpu, self.hold.gpu_bytes, self.loss_chunk,
+                self.boundary_every, self.stream_io, self.grad_hold_gpu_groups, self.hold.is_resweep,
+                self.activations_gpu_blocks)
+
+    @property
+    def splits_activations(self) -> bool:
+        """Whether its activations may keep the last blocks' inputs on the GPU: parked, every input kept."""
+        return self.activations.parked and self.boundary_every == 1
+
+
+@dataclass
+class Placement:
+    """A candidate (``Candidate``) evaluated: the GPU phases, host need and predicted step it makes on the run's
+    shapes, and whether it fits."""
+
+    candidate: Candidate
     phases: dict[str, float]
     gpu_rows: list[Row]
     gpu_need: float
     fits: bool
     notes: list[str] = field(default_factory=list)
     seq_tile: int = 0  # the blocks' sequence tile (0: untiled)
-    boundary_every: int = 1  # keep every k-th block input
-    stream_io: bool = False  # embedding and head not resident
-    grad_hold_gpu_groups: int = 0  # a host hold's first groups held on the GPU in bf16
-    grad_hold_gpu_params: int = 0  # their parameters
-    activations_gpu_blocks: int = 0  # pinned activations: the last this-many blocks keep their inputs on the GPU
-    #                                  (a split)
-    loss_chunk: int = 1024
+    grad_hold_gpu_params: int = 0  # the parameters of the groups held on the GPU (grad_hold_gpu_groups)
     blocks_queued: int = BLOCKS_QUEUED  # the engine's pace (EngineOptions.blocks_queued)
     host_need: float = 0.0  # the plan's host need with this candidate (fewest slabs)
     host_placed: float = 0.0  # the same without XLA's GPU pool table (what the search's order compares)
     step: dict[str, Any] = field(default_factory=dict)  # its predicted step (step_model.predicted_step)
+
+    # the candidate's decisions, read through
+    @property
+    def micro_batches(self) -> int:
+        return self.candidate.micro_batches
+
+    @property
+    def activations(self) -> ActivationPlace:
+        return self.candidate.activations
+
+    @property
+    def hold(self) -> GradHold:
+        return self.candidate.hold
+
+    @property
+    def boundary_every(self) -> int:
+        return self.candidate.boundary_every
+
+    @property
+    def stream_io(self) -> bool:
+        return self.candidate.stream_io
+
+    @property
+    def loss_chunk(self) -> int:
+        return self.candidate.loss_chunk
+
+    @property
+    def grad_hold_gpu_groups(self) -> int:
+        return self.candidate.grad_hold_gpu_groups
+
+    @property
+    def activations_gpu_blocks(self) -> int:
+        return self.candidate.activations_gpu_blocks
 
 
 def resolve_devices(train_devices: Any, gpu_count: int, processes: int, devices: int | None) -> int:
@@ -82,32 +142,33 @@ def resolve_devices(train_devices: Any, gpu_count: int, processes: int, devices:
 
 
 def choose_update_on(setting: str, *, on_gpu: bool, devices: int, kernel: str, moments: str, bf16: bool,
-                     stream_copy: str) -> str:
+                     stream_copy: str) -> UpdatePlace:
     """``train.update_on=auto``: the GPU applies the update where the moments are compact (bf16 or
     int8), on one GPU, with the fused kernel; the host elsewhere (fp32 moments: 8 bytes/param more each
     way over PCIe, not measured to pay). RESULTS.md: Qwen2.5-14B int8 350 -> 391 model-TFLOPS."""
-    if setting != "auto":
-        return setting
+    if asked(UPDATE_PLACES, setting) is not None:
+        return UPDATE_PLACES[setting]
+    copy = asked(STREAM_COPIES, stream_copy)
     if on_gpu and devices == 1 and kernel == "fused" and moments in ("bfloat16", "int8") \
-            and not (bf16 and stream_copy == "host"):
-        return "device"
-    return "host"
+            and not (bf16 and copy is not None and copy.on_host):
+        return DEVICE_UPDATE
+    return HOST_UPDATE
 
 
 def choose_stream_copy(shapes: Shapes, seq_len: int, model, on_gpu: bool, bf16: bool, room: float,
-                       h2d_rate: float = RATES["h2d"], matmul_rate: float = RATES["matmul_bf16"]) -> str:
+                       h2d_rate: float = RATES["h2d"], matmul_rate: float = RATES["matmul_bf16"]) -> StreamCopy:
     """``train.stream_copy=auto``: stream the fp32 master and cast it on the GPU (saving the host's
     2-byte copy of every block) where that doubled transfer stays hidden behind a block's forward
     compute, or where the copy does not fit the host; otherwise keep the bf16 host copy (RESULTS.md:
     ratio 0.18 cost 1% of tokens/s, 0.35 cost 4%)."""
     if not bf16:
-        return "host"  # fp32 compute streams the master itself: there is no copy to save
+        return HOST_COPY  # fp32 compute streams the master itself: there is no copy to save
     copy_bytes = 2.0 * shapes.layers * shapes.block
     if not on_gpu:
-        return "host" if copy_bytes <= room else "device"
+        return HOST_COPY if copy_bytes <= room else DEVICE_CAST
     fwd_flops = shapes.tokens * (2.0 * shapes.block + 2.0 * seq_len * model.num_heads * model.dim_per_head)
     ratio = (4.0 * shapes.block / h2d_rate) / (fwd_flops / matmul_rate)
-    return "device" if (ratio <= STREAM_HIDDEN_RATIO or copy_bytes > room) else "host"
+    return DEVICE_CAST if (ratio <= STREAM_HIDDEN_RATIO or copy_bytes > room) else HOST_COPY
 
 
 def micro_batch_candidates(setting: Any, batch: int, seq: int, devices: int) -> list[int]:

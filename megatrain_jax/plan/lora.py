@@ -25,7 +25,8 @@ from typing import Any
 
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
-from megatrain_jax.plan.options import BLOCKS_QUEUED
+from megatrain_jax.bounds import BLOCKS_QUEUED
+from megatrain_jax.placements import ACTIVATION_PLACES, HOST_STATES, asked
 from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GPU_MARGIN, HOST_MARGIN, MICRO_TOKENS, RATES,
                                       RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes, block_working_set,
                                       loss_working_set, pinned_limit, pinned_pool, usable)
@@ -55,7 +56,7 @@ def refuse_lora_scaling(cfg: Config) -> None:
 def refuse_lora_sharded(cfg: Config) -> None:
     """``train.host_state=sharded`` on a LoRA config: refused in one line (``make_lora_plan``, the plan and the train
     command's; ``sharding.sharded_state``, a LoRA config planned as a full one)."""
-    if cfg.train.host_state == "sharded" and variant(cfg.model.lora) == LORA:
+    if HOST_STATES[cfg.train.host_state].sharded and variant(cfg.model.lora) == LORA:
         raise UserError("train.host_state", "sharded is for full training; LoRA's frozen base is streamed whole",
                         "set train.host_state=replicated")
 
@@ -174,13 +175,14 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
     cands = [t.micro_batches] if t.micro_batches != "auto" else [
         k for k in (1, 2, 4, 8, 16, 32, 64) if t.batch_size % k == 0 and (
             shapes.tokens // k <= MICRO_TOKENS or k == t.batch_size)]
-    places = [t.activations] if t.activations != "auto" else ["device", "pinned_host"]
+    chosen = asked(ACTIVATION_PLACES, t.activations)
+    places = [chosen] if chosen is not None else list(ACTIVATION_PLACES.values())
     choice = None
     for place in places:
         for mb in cands:
             tok = shapes.tokens // mb
             ws = max(block_working_set(shapes, tok), loss_working_set(shapes, tok, t.loss_chunk))
-            need = fixed + blocks + (acts_all if place == "device" else 2 * acts_all // max(shapes.layers, 1)) + ws \
+            need = fixed + blocks + (acts_all if place.on_gpu else 2 * acts_all // max(shapes.layers, 1)) + ws \
                 + cotangent
             choice = (mb, place, need, ws)
             if budget is None or need <= usable(budget, GPU_MARGIN):
@@ -190,7 +192,7 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
         break
     mb, place, gpu_need, ws = choice
     runtime = RUNTIME_HOST_BYTES["gpu" if on_gpu else "cpu"]
-    host_acts = acts_all if place == "pinned_host" else 0
+    host_acts = acts_all if place.parked else 0
     # XLA's GPU allocator keeps a host table of 8 bytes per 256 of its pool, which a LoRA run makes whole at the
     # start (XLA_FRACTION of the GPU): the ~3 GB the H100 runs measured over the plan (bench_memory_plan.py)
     table = XLA_FRACTION * machine.gpu_bytes * BFC_TABLE_BYTES_PER_POOL_BYTE if on_gpu and machine.gpu_bytes else 0.0
@@ -217,8 +219,8 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
              Row("gpu", "adapter gradients fp32", 4 * na), Row("gpu", f"optimizer state ({cfg.optim.name})", state * na),
              Row("gpu", "update transient", 4 * na),
              Row("gpu", f"{BLOCKS_QUEUED + 1} streamed blocks (computing, queued, in flight) + 1 dequantised", blocks, f"block {block_bytes / GB:.2f} GB streamed"),
-             Row("gpu", "boundary activations" if place == "device" else "activations in flight",
-                 acts_all if place == "device" else 2 * acts_all // max(shapes.layers, 1)),
+             Row("gpu", "boundary activations" if place.on_gpu else "activations in flight",
+                 acts_all if place.on_gpu else 2 * acts_all // max(shapes.layers, 1)),
              Row("gpu", f"working set ({shapes.tokens // mb} tokens/micro-batch)", ws),
              Row("gpu", "cotangents flowing down the blocks (one layer)", cotangent)]
     n_base = m.non_embedding_params()
@@ -229,7 +231,7 @@ def make_lora_plan(cfg: Config, machine=None) -> LoraPlan:
     step = {"predicted_step_s": max(compute_s, stream_s), "compute_s": compute_s, "stream_s": stream_s,
             "binding": "compute-bound" if compute_s >= stream_s else "PCIe-bound"}
     return LoraPlan(rows, host_need, machine.host_bytes, machine.host_source, gpu_need if on_gpu else None, budget,
-                    mb, place, na, base, step, sum(lay.size for lay in layouts.values()), machine=machine)
+                    mb, place.name, na, base, step, sum(lay.size for lay in layouts.values()), machine=machine)
 
 
 def lora_plan_or_refuse(cfg: Config, log=print) -> LoraPlan | None:

@@ -10,22 +10,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from megatrain_jax.bounds import BLOCKS_QUEUED, DEFAULT_GRAD_SLABS, DEVICE_UPDATE_CHUNK, GRAD_SLAB_ELEMS
 from megatrain_jax.errors import UserError
-from megatrain_jax.placements import (ACT_DEVICE, ACTIVATIONS, FETCH, FETCH_FULL, FETCH_SPLIT, GPU_FP32, GRAD_HOLD,
-                                      GRAD_HOLDS, HOST_STATE, HOST_STATE_REPLICATED, HOST_STATE_SHARDED, STREAM_COPY,
-                                      STREAM_COPY_HOST, UPDATE_DEVICE, UPDATE_HOST, UPDATE_ON, GradHold)
-
-GRAD_SLAB_ELEMS = 32 << 20  # a pinned gradient slab: 32M fp32 values (128 MiB)
-DEFAULT_GRAD_SLABS = 8  # pinned gradient slabs of an engine built without a plan (the plan chooses its own count
-#                         between sizes.GRAD_SLABS_FEWEST and GRAD_SLABS_MOST)
-DEVICE_UPDATE_CHUNK = 8192 * 2048  # values per slice of a device-side update (bounded temporaries)
-# What the engine lets wait on the GPU at once, and the plan counts (sizes.gpu_phases). Unbounded, the dispatching
-# thread ran ahead of the GPU and the host copies fell behind it: the H100 held 23 block gradients waiting for a
-# pageable hold and 28 updated blocks waiting for their write-back, 3.4x and 2.3x the plan (experiments/probe_gpu_peak.py)
-BLOCKS_QUEUED = 2  # blocks dispatched and not yet computed (one computing, the next queued behind it)
-WRITEBACKS_IN_FLIGHT = 3  # device-side updates whose new master and state wait for their copy to the host
-HOLD_COPIES_IN_FLIGHT = 1  # gradients on the GPU waiting for their copy into a pageable host hold
-
+from megatrain_jax.placements import (ACT_DEVICE, ACTIVATION_PLACES, ACTIVATIONS, FETCH, FETCH_FULL, FETCHES, GPU_FP32,
+                                      GRAD_HOLD, GRAD_HOLDS, HOST_STATE, HOST_STATE_REPLICATED, HOST_STATES,
+                                      STREAM_COPIES, STREAM_COPY, STREAM_COPY_HOST, UPDATE_HOST, UPDATE_ON,
+                                      UPDATE_PLACES, ActivationPlace, Fetch, GradHold, HostState, StreamCopy,
+                                      UpdatePlace)
 
 
 @dataclass(frozen=True)
@@ -104,13 +95,13 @@ class EngineOptions:
             bad("train.fetch", f"{self.fetch!r}", "use " + " or ".join(FETCH))
         if self.host_state not in HOST_STATE:
             bad("train.host_state", f"{self.host_state!r}", "use " + " or ".join(HOST_STATE))
-        if self.host_state == HOST_STATE_SHARDED and (self.update_on != UPDATE_DEVICE or self.fetch != FETCH_SPLIT
-                                                      or self.stream_io):
+        if self.update_on not in UPDATE_ON:
+            bad("train.update_on", f"{self.update_on!r}", "use " + " or ".join(UPDATE_ON))
+        if self.host_state_place.sharded and (not self.update_place.on_device or not self.fetch_place.split
+                                              or self.stream_io):
             bad("train.host_state", "sharded needs each GPU to update and fetch its own shares (update_on=device, "
                 f"fetch=split, no stream_io), got update_on={self.update_on}, fetch={self.fetch}, "
                 f"stream_io={self.stream_io}", "set train.host_state=replicated, or leave those auto")
-        if self.update_on not in UPDATE_ON:
-            bad("train.update_on", f"{self.update_on!r}", "use " + " or ".join(UPDATE_ON))
         if int(self.grad_slabs) < 1:
             bad("train.grad_slabs", f"must be >= 1, got {self.grad_slabs}", "set a positive integer")
         if isinstance(self.seq_tile, bool) or not isinstance(self.seq_tile, int) or self.seq_tile < 0:
@@ -118,12 +109,12 @@ class EngineOptions:
                 "set 0 (untiled) or tokens per tile")
         if int(self.early_state_groups) < 0:
             bad("train.early_state_groups", f"must be >= 0, got {self.early_state_groups}", "set 0 or more")
-        if int(self.early_state_groups) and self.update_on != UPDATE_DEVICE:
+        if int(self.early_state_groups) and not self.update_place.on_device:
             bad("train.early_state_groups", f"fetches a device-side update's state, and update_on={self.update_on}",
                 "set train.early_state_groups=0 (or auto), or train.update_on=device")
         if int(self.keep_residuals) < 0:
             bad("train.keep_residuals", f"must be >= 0, got {self.keep_residuals}", "set 0 or more")
-        if self.update_on == UPDATE_DEVICE and self.stream_copy == STREAM_COPY_HOST \
+        if self.update_place.on_device and self.stream_copy_place.on_host \
                 and self.compute_dtype == "bfloat16":
             bad("train.update_on", "device needs a store without a bf16 streaming copy",
                 "set train.stream_copy=device (or train.update_on=host)")
@@ -131,12 +122,33 @@ class EngineOptions:
     @property
     def host_bf16_copy(self) -> bool:
         """Whether the host store keeps a bf16 streaming copy of the blocks."""
-        return self.compute_dtype == "bfloat16" and self.stream_copy == STREAM_COPY_HOST
+        return self.compute_dtype == "bfloat16" and self.stream_copy_place.on_host
 
     @property
     def grad_hold_placement(self) -> GradHold:
         """The gradient hold ``grad_hold`` names: the object the engine builds its hold from."""
         return GRAD_HOLD[self.grad_hold]
+
+    # the other placements as objects (the fields hold their names, which serialise)
+    @property
+    def activation_place(self) -> ActivationPlace:
+        return ACTIVATION_PLACES[self.activations]
+
+    @property
+    def update_place(self) -> UpdatePlace:
+        return UPDATE_PLACES[self.update_on]
+
+    @property
+    def stream_copy_place(self) -> StreamCopy:
+        return STREAM_COPIES[self.stream_copy]
+
+    @property
+    def fetch_place(self) -> Fetch:
+        return FETCHES[self.fetch]
+
+    @property
+    def host_state_place(self) -> HostState:
+        return HOST_STATES[self.host_state]
 
     def with_(self, **changes: Any) -> "EngineOptions":
         return replace(self, **changes)

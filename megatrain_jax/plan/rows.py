@@ -8,15 +8,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatrain_jax.bounds import GRAD_SLAB_ELEMS, IO_HEAD_GRADS_IN_FLIGHT, IO_VOCAB_CHUNK
 from megatrain_jax.config import Config
 import megatrain_jax.plan.decisions as choose
-from megatrain_jax.placements import PAGEABLE_HOLDS, PINNED_HOLDS
+from megatrain_jax.placements import HOST_STATES, UpdatePlace
 import megatrain_jax.plan.moe as plan_moe
 from megatrain_jax.plan.machine import Machine, process_count
 from megatrain_jax.plan.memo import PlanMemo
-from megatrain_jax.plan.options import GRAD_SLAB_ELEMS
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_HOLD_BYTES,
-                                      IO_HEAD_GRADS_IN_FLIGHT, IO_VOCAB_CHUNK, MULTI_PROCESS_HOST_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST,
+                                      MULTI_PROCESS_HOST_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
                                       XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_use,
                                       pinned_need, pinned_pool)
 from megatrain_jax.plan.step_model import predicted_step
@@ -25,9 +25,9 @@ STORE_SLACK = 0.005  # host bytes per byte of the store the process holds beyond
 #                      registration of the store): 0.3% measured at 70B; the row is 0.5% (one point measured)
 
 
-def has_slabs(on_gpu: bool, update_on: str, p: choose.Placement) -> bool:
+def has_slabs(on_gpu: bool, update_on: UpdatePlace, p: choose.Placement) -> bool:
     """Whether the run has pinned gradient slabs: a host update's gradient, or a pageable hold's, lands there."""
-    return on_gpu and (update_on == "host" or p.grad_hold in PAGEABLE_HOLDS)
+    return on_gpu and (not update_on.on_device or p.hold.pageable)
 
 
 @dataclass
@@ -42,7 +42,7 @@ class PlacementCosts:
     machine: Machine
     n_dev: int
     gpu_budget: float | None
-    update_on: str
+    update_on: UpdatePlace
     moment_bytes: float  # optimizer state bytes/param in host memory
     stream_bytes: int  # bytes per streamed block parameter
     host_copy: bool  # the host keeps a bf16 streaming copy of the blocks
@@ -89,7 +89,7 @@ class PlacementCosts:
     def hold_share(self) -> float:
         """The part of the held gradients in this process's host memory: where the GPUs split a device-side update
         each holds its share (engine/shards.py), so a process of several holds its GPUs' shares only."""
-        split = self.update_on == "device" and self.n_dev > 1 and self.chunked
+        split = self.update_on.on_device and self.n_dev > 1 and self.chunked
         return self.local_dev / self.n_dev if split else 1.0
 
     def has_slabs(self, p: choose.Placement) -> bool:
@@ -112,8 +112,8 @@ class PlacementCosts:
                          hold_share=self.hold_share)
         arrays = pinned_need(rows)
         in_use = pinned_in_use(rows, shapes, p.boundary_every, p.grad_hold_gpu_groups, arrays,
-                               p.activations_gpu_blocks, HOST_HOLD_BYTES[p.grad_hold]) \
-            if p.activations == "pinned_host" and p.grad_hold in PINNED_HOLDS else arrays
+                               p.activations_gpu_blocks, p.hold.host_bytes) \
+            if p.activations.parked and p.hold.pinned else arrays
         if in_use < arrays:
             rows.append(Row("host", PINNED_REUSED, in_use - arrays,
                             "held gradients land where the activations they follow were"))
@@ -128,10 +128,10 @@ class PlacementCosts:
         whole ones): a held block's gradient, a parked block input (one GPU's), a gradient slab."""
         shapes = self.shapes
         sizes = [self.slab if self.has_slabs(p) else 0.0]
-        if p.grad_hold in PINNED_HOLDS:
+        if p.hold.pinned:
             groups = [shapes.block] + ([] if p.stream_io else [shapes.embed, shapes.head])
-            sizes.append(HOST_HOLD_BYTES[p.grad_hold] * max(groups))
-        if p.activations == "pinned_host":
+            sizes.append(p.hold.host_bytes * max(groups))
+        if p.activations.parked:
             sizes.append(self.host_act_bytes / max(shapes.layers * self.local_dev, 1))
         return max(sizes)
 
@@ -145,7 +145,7 @@ class PlacementCosts:
 
     def step_of(self, p: choose.Placement) -> dict[str, Any]:
         """The candidate's predicted step (the same for candidates that differ only in the loss chunk or GPU bytes)."""
-        key = (p.grad_hold, p.activations, p.boundary_every, p.stream_io, p.grad_hold_gpu_params, p.micro_batches,
+        key = (p.hold, p.activations, p.boundary_every, p.stream_io, p.grad_hold_gpu_params, p.micro_batches,
                p.blocks_queued, p.activations_gpu_blocks)
         if key not in self._steps:
             self._steps[key] = self.predicted_step(p, n_keep=0)
@@ -162,7 +162,7 @@ class PlacementCosts:
     def host_of(self, p: choose.Placement) -> tuple[float, float]:
         """The candidate's host need with the fewest slabs, and the same without XLA's GPU pool table (what the
         search's order compares): the rows of where it puts things summed once per placement."""
-        key = (p.grad_hold, p.activations, p.boundary_every, p.stream_io, p.grad_hold_gpu_groups,
+        key = (p.hold, p.activations, p.boundary_every, p.stream_io, p.grad_hold_gpu_groups,
                p.grad_hold_gpu_params, p.activations_gpu_blocks)
         fixed = self._placed_sums.get(key)
         if fixed is None:
@@ -182,11 +182,11 @@ def _host_sums(rows: list[Row]) -> tuple[float, float]:
 
 def store_share(cfg: Config) -> float:
     """The part of the store one process backs: 1/N of N processes with ``train.host_state=sharded``, else all."""
-    return 1.0 / process_count() if cfg.train.host_state == "sharded" else 1.0
+    return 1.0 / process_count() if HOST_STATES[cfg.train.host_state].sharded else 1.0
 
 
 def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bool, on_gpu: bool, n_dev: int,
-              placed: choose.Placement, host_act_bytes: float, slab_row: Row | None, update_on: str = "host",
+              placed: choose.Placement, host_act_bytes: float, slab_row: Row | None, update_on: UpdatePlace,
               optax_group_bytes: float = 0.0, store_share: float = 1.0, hold_share: float = 1.0) -> list[Row]:
     """Host memory by component: the store, the pinned buffers the placement asks for, the checkpoint
     writer, the data loader and the runtime (``slab_row``: the gradient slabs of a host update; ``store_share``:
@@ -223,19 +223,19 @@ def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bo
         held *= hold_share
     split = f"; the first {placed.grad_hold_gpu_groups} groups wait on the GPU" if placed.grad_hold_gpu_groups \
         else ""
-    if placed.grad_hold in PINNED_HOLDS:
-        rows.append(Row("host", "gradients held for clipping (pinned)", HOST_HOLD_BYTES[placed.grad_hold] * held,
-                        placed.grad_hold[7:].replace("host", "fp32") + split))
-    elif placed.grad_hold in HOST_HOLD_BYTES:
-        rows.append(Row("host", "gradients held for clipping (pageable)", HOST_HOLD_BYTES[placed.grad_hold] * held,
-                        placed.grad_hold[5:] + ", fed through the slabs" + split))
+    hold = placed.hold
+    if hold.pinned:
+        rows.append(Row("host", "gradients held for clipping (pinned)", hold.host_bytes * held, hold.dtype + split))
+    elif hold.pageable:
+        rows.append(Row("host", "gradients held for clipping (pageable)", hold.host_bytes * held,
+                        hold.dtype + ", fed through the slabs" + split))
         # measured over the rows above with a pageable hold, never with the pinned one (H100, bench_gpu_budgets.py:
         # 8B +2.3 GB, 14B +2.7 GB at 24 GB): one group in fp32 beside the hold, the size of the largest that goes
         # through it (stream_io: a block; the embedding's and head's gradients are made in host memory, and
         # counting the 8B's head there put the plan 5.3% over its run at 24 GB: bench_memory_plan.py)
         rows.append(Row("host", "pageable hold's staging (one group in fp32)",
                         4.0 * (shapes.block if placed.stream_io else shapes.largest_group)))
-    if placed.activations == "pinned_host":
+    if placed.activations.parked:
         k = placed.boundary_every
         kept = -(-shapes.layers // k) - kept_on_gpu(shapes.layers, k, placed.activations_gpu_blocks)
         parked = max(k - 2, 0)  # a segment's recomputed inputs below its top two wait parked too (weights.Boundaries)
@@ -244,7 +244,7 @@ def host_rows(cfg: Config, shapes: Shapes, moment_bytes: float, *, host_copy: bo
                                               f"{parked} recomputed parked" if parked else "",
                                               f"the last {placed.activations_gpu_blocks} blocks' on the GPU"
                                               if placed.activations_gpu_blocks else "") if x)))
-    host_updated = shapes.largest_group if update_on == "host" else \
+    host_updated = shapes.largest_group if not update_on.on_device else \
         (max(shapes.embed, shapes.head) if placed.stream_io else 0)
     if optax_group_bytes and host_updated:
         # one group at a time (one host-optimizer thread): the 110B lean shape's head (1.25B parameters, Adafactor,
@@ -300,7 +300,7 @@ def disk_rows(cfg: Config, params: int, mom: float) -> tuple[list[Row], float]:
         n_ckpt = 1
     if n_ckpt:
         shared = f"; every process's shards together ({process_count()} processes: the filesystem they share)" \
-            if t.host_state == "sharded" and process_count() > 1 else ""
+            if HOST_STATES[t.host_state].sharded and process_count() > 1 else ""
         rows.append(Row("disk", f"checkpoints ({n_ckpt} x {ckpt_bytes / GB:.1f} GB)", n_ckpt * ckpt_bytes,
                         f"in {t.out_dir}{shared}"))
     if t.export:

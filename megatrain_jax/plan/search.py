@@ -23,10 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from megatrain_jax.placements import ACTIVATIONS, GRAD_HOLDS, HOST_HOLDS
-from megatrain_jax.plan.decisions import Placement
+from megatrain_jax.placements import (ACTIVATION_PLACES, DEVICE_ACTIVATIONS, GPU_FP32, GRAD_HOLD, GRAD_HOLD_LIST,
+                                      ActivationPlace, GradHold, UpdatePlace, asked)
+from megatrain_jax.plan.decisions import Candidate, Placement
 from megatrain_jax.plan.memo import PlanMemo
-from megatrain_jax.plan.sizes import (AUTO_SEQ_TILE, GPU_HOLD_BYTES, TILE_ABOVE, AttentionExtra, PhaseInputs, Shapes,
+from megatrain_jax.plan.sizes import (AUTO_SEQ_TILE, TILE_ABOVE, AttentionExtra, PhaseInputs, Shapes,
                                       block_working_set, gpu_phases)
 
 BOUNDARY_EVERY = (1, 2, 4)
@@ -40,8 +41,8 @@ class Axes:
     """The values each decision may take."""
 
     micro: tuple[int, ...]
-    activations: tuple[str, ...]
-    holds: tuple[str, ...]
+    activations: tuple[ActivationPlace, ...]
+    holds: tuple[GradHold, ...]
     boundary: tuple[int, ...]
     stream_io: tuple[bool, ...]
     loss_chunks: tuple[int, ...]
@@ -55,7 +56,7 @@ class Axes:
             * len(self.stream_io) * len(self.loss_chunks)
 
 
-def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, update_on: str = "host",
+def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, update_on: UpdatePlace,
             devices: int = 1, shares: bool = False) -> Axes:
     """The search's axes from the config's settings. On the CPU backend the device memory is host
     memory: without a budget nothing is placed elsewhere; with one, only the placements of a GPU run
@@ -63,19 +64,20 @@ def axes_of(train: Any, micro: list[int], *, on_gpu: bool, cpu_only: bool, updat
     candidate whatever runs the update (a device-side update's resweep applies each group in the second
     sweep) and whatever the number of GPUs (data parallel runs every hold, boundary_every and stream_io:
     tests/test_data_parallel.py); a split of the activations (their last blocks on the GPU) is one GPU's."""
-    holds = GRAD_HOLDS if train.grad_hold == "auto" else (train.grad_hold,)
-    if update_on == "device" and devices > 1 and shares:  # each GPU updates its share: no whole gradient in pageable
-        holds = tuple(h for h in holds if h not in ("host_fp32", "host_bf16")) or holds  # memory
-    acts = ACTIVATIONS if train.activations == "auto" else (train.activations,)
+    asked_hold, asked_acts = asked(GRAD_HOLD, train.grad_hold), asked(ACTIVATION_PLACES, train.activations)
+    holds = GRAD_HOLD_LIST if asked_hold is None else (asked_hold,)
+    if update_on.on_device and devices > 1 and shares:  # each GPU updates its share: no whole gradient in pageable
+        holds = tuple(h for h in holds if not h.pageable) or holds  # memory
+    acts = tuple(ACTIVATION_PLACES.values()) if asked_acts is None else (asked_acts,)
     boundary = BOUNDARY_EVERY if train.boundary_every == "auto" else (int(train.boundary_every),)
     io = (False, True) if train.stream_io == "auto" else (bool(train.stream_io),)
     if not on_gpu:  # GPU mechanisms: a CPU run takes them only when asked for
-        holds = tuple(h for h in holds if h in ("gpu_fp32", "gpu_bf16", "pinned_host")) or holds
+        holds = tuple(h for h in holds if h.cpu_backend) or holds
         boundary = (1,) if train.boundary_every == "auto" else boundary
         io = (False,) if train.stream_io == "auto" else io
     if cpu_only:
-        holds = ("gpu_fp32",) if train.grad_hold == "auto" else holds
-        acts = ("device",) if train.activations == "auto" else acts
+        holds = (GPU_FP32,) if asked_hold is None else holds
+        acts = (DEVICE_ACTIVATIONS,) if asked_acts is None else acts
     chunks = [int(train.loss_chunk)]
     while chunks[-1] // 2 >= MIN_LOSS_CHUNK:
         chunks.append(chunks[-1] // 2)
@@ -164,41 +166,33 @@ def group_params(shapes: Shapes, n: int, io: bool = False) -> int:
     return 0 if n <= 0 else (0 if io else shapes.embed) + (min(n, shapes.layers + 1) - 1) * shapes.block
 
 
-def evaluate(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k: int, io: bool, chunk: int,
-             grad_hold_gpu_groups: int = 0, activations_gpu_blocks: int = 0, want_rows: bool = False) -> Placement:
-    """One candidate: its GPU phases, host need, predicted step, and whether it fits both (its GPU rows
+def evaluate(shapes: Shapes, ctx: Context, c: Candidate, want_rows: bool = False) -> Placement:
+    """Candidate ``c`` evaluated: its GPU phases, host need, predicted step, and whether it fits both (its GPU rows
     only with ``want_rows``: ``gpu_rows`` makes them for the one taken)."""
-    return _costed(ctx, _placed(shapes, ctx, micro=micro, act=act, hold=hold, k=k, io=io, chunk=chunk,
-                                grad_hold_gpu_groups=grad_hold_gpu_groups,
-                                activations_gpu_blocks=activations_gpu_blocks, want_rows=want_rows))
+    return _costed(ctx, _placed(shapes, ctx, c, want_rows=want_rows))
 
 
-def _placed(shapes: Shapes, ctx: Context, *, micro: int, act: str, hold: str, k: int, io: bool, chunk: int,
-            grad_hold_gpu_groups: int = 0, activations_gpu_blocks: int = 0, want_rows: bool = False) -> Placement:
-    """A candidate with its GPU phases only (``fits`` False, no host need or step: ``_costed`` adds them). The
+def _placed(shapes: Shapes, ctx: Context, c: Candidate, want_rows: bool = False) -> Placement:
+    """Candidate ``c`` with its GPU phases only (``fits`` False, no host need or step: ``_costed`` adds them). The
     split searches (``_most``, ``_split``) try several counts by their GPU need alone and keep one."""
-    groups = grad_hold_gpu_groups
     if want_rows:
-        phases, rows = gpu_phases(shapes, _phase_inputs(shapes, ctx, micro, act, hold, k, io, chunk, groups,
-                                                        activations_gpu_blocks), want=True)
+        phases, rows = gpu_phases(shapes, _phase_inputs(shapes, ctx, c), want=True)
         need = max(phases.values())
     else:
-        phases, need = _phases(shapes, ctx, micro, act, hold, k, io, chunk, groups, activations_gpu_blocks)
+        phases, need = _phases(shapes, ctx, c)
         phases, rows = dict(phases), []  # (a copy: the plan adds phases to the one it takes)
-    return Placement(micro, act, hold, phases, rows, need, False, seq_tile=shapes.seq_tile, boundary_every=k,
-                     stream_io=io, grad_hold_gpu_groups=groups, grad_hold_gpu_params=group_params(shapes, groups, io),
-                     loss_chunk=chunk, blocks_queued=shapes.blocks_queued,
-                     activations_gpu_blocks=activations_gpu_blocks)
+    return Placement(c, phases, rows, need, False, seq_tile=shapes.seq_tile,
+                     grad_hold_gpu_params=group_params(shapes, c.grad_hold_gpu_groups, c.stream_io),
+                     blocks_queued=shapes.blocks_queued)
 
 
-def _phase_inputs(shapes: Shapes, ctx: Context, micro: int, act: str, hold: str, k: int, io: bool, chunk: int,
-                  groups: int, activations_gpu_blocks: int) -> PhaseInputs:
+def _phase_inputs(shapes: Shapes, ctx: Context, c: Candidate) -> PhaseInputs:
     return PhaseInputs(
-        micro_batches=micro, stream_bytes=ctx.stream_bytes, device_cast=ctx.device_cast, act_on_gpu=act == "device",
-        hold_bytes=GPU_HOLD_BYTES[hold], loss_chunk=chunk, deferred=True, attn=ctx.attn,
-        update_state_bytes=ctx.update_state_bytes, boundary_every=k, stream_io=io,
-        grad_hold_gpu_bytes=group_bytes(shapes, groups, io), resweep=hold == "resweep",
-        activations_gpu_blocks=activations_gpu_blocks, update_shards=ctx.update_shards,
+        micro_batches=c.micro_batches, stream_bytes=ctx.stream_bytes, device_cast=ctx.device_cast,
+        act_on_gpu=c.activations.on_gpu, hold_bytes=c.hold.gpu_bytes, loss_chunk=c.loss_chunk, deferred=True,
+        attn=ctx.attn, update_state_bytes=ctx.update_state_bytes, boundary_every=c.boundary_every,
+        stream_io=c.stream_io, grad_hold_gpu_bytes=group_bytes(shapes, c.grad_hold_gpu_groups, c.stream_io),
+        resweep=c.hold.is_resweep, activations_gpu_blocks=c.activations_gpu_blocks, update_shards=ctx.update_shards,
         hold_shards=ctx.hold_shards)
 
 
@@ -218,18 +212,14 @@ def _tables(shapes: Shapes, ctx: Context) -> tuple[Shapes, dict, dict]:
     return got
 
 
-def _phases(shapes: Shapes, ctx: Context, micro: int, act: str, hold: str, k: int, io: bool, chunk: int, groups: int,
-            activations_gpu_blocks: int) -> tuple[dict[str, float], float]:
-    """(GPU phases, their peak) of a candidate, computed once per search (or plan memo: ``_tables``) for each
-    distinct ``PhaseInputs`` (``gpu_phases`` is a pure function of the shapes and them; the rest of
-    ``PhaseInputs`` is the context's)."""
-    memo = _tables(shapes, ctx)[1]
-    key = (micro, act == "device", GPU_HOLD_BYTES[hold], chunk, k, io, groups, hold == "resweep",
-           activations_gpu_blocks)  # (the hold's GPU bytes and whether it resweeps: all of it the phases read)
+def _phases(shapes: Shapes, ctx: Context, c: Candidate) -> tuple[dict[str, float], float]:
+    """(GPU phases, their peak) of candidate ``c``, computed once per search (or plan memo: ``_tables``) for each
+    distinct ``Candidate.phase_key`` (``gpu_phases`` is a pure function of the shapes and the ``PhaseInputs``, whose
+    rest is the context's)."""
+    memo, key = _tables(shapes, ctx)[1], c.phase_key
     got = memo.get(key)
     if got is None:
-        phases, _ = gpu_phases(shapes, _phase_inputs(shapes, ctx, micro, act, hold, k, io, chunk, groups,
-                                                     activations_gpu_blocks), want=False)
+        phases, _ = gpu_phases(shapes, _phase_inputs(shapes, ctx, c), want=False)
         got = memo[key] = (phases, max(phases.values()))
     return got
 
@@ -244,34 +234,26 @@ def _costed(ctx: Context, p: Placement) -> Placement:
 
 def gpu_rows(shapes: Shapes, ctx: Context, p: Placement) -> list:
     """The GPU rows of candidate ``p`` (evaluated again, with them)."""
-    return _again(shapes, ctx, p, want_rows=True).gpu_rows
+    return _placed(shapes, ctx, p.candidate, want_rows=True).gpu_rows
 
 
 def _counted(shapes: Shapes, ctx: Context, base: Placement, **change: int) -> tuple[dict[str, float], float]:
     """(GPU phases, peak) of ``base`` with its split counts changed, without making the candidate (the split
     searches try several counts and keep one). The phases are the memo's: read them, do not change them."""
-    kw = {"groups": base.grad_hold_gpu_groups, "activations_gpu_blocks": base.activations_gpu_blocks}
-    kw.update({("groups" if k == "grad_hold_gpu_groups" else k): v for k, v in change.items()})
-    return _phases(shapes, ctx, base.micro_batches, base.activations, base.grad_hold, base.boundary_every,
-                   base.stream_io, base.loss_chunk, **kw)
+    return _phases(shapes, ctx, base.candidate.with_(**change))
 
 
 def _again(shapes: Shapes, ctx: Context, base: Placement, **change: int) -> Placement:
     """``base`` with its split counts changed (``grad_hold_gpu_groups``, ``activations_gpu_blocks``), its GPU
     phases only (``_placed``)."""
-    kw = {"grad_hold_gpu_groups": base.grad_hold_gpu_groups, "activations_gpu_blocks": base.activations_gpu_blocks,
-          **change}
-    return _placed(shapes, ctx, micro=base.micro_batches, act=base.activations, hold=base.grad_hold,
-                   k=base.boundary_every, io=base.stream_io, chunk=base.loss_chunk, **kw)
+    return _placed(shapes, ctx, base.candidate.with_(**change))
 
 
 def _once(shapes: Shapes, ctx: Context, base: Placement, what: Any, count: Callable[[], int | None]) -> int | None:
     """``count()``, a split search's count ``what`` for ``base``, once for bases of equal GPU phases: the split
     searches read only those (by ``base``'s decisions, as ``_phases`` keys them), its peak and the GPU room."""
     counts = _tables(shapes, ctx)[2]
-    key = (what, base.micro_batches, base.activations == "device", GPU_HOLD_BYTES[base.grad_hold],
-           base.grad_hold == "resweep", base.loss_chunk, base.boundary_every, base.stream_io,
-           base.grad_hold_gpu_groups, base.activations_gpu_blocks, base.gpu_need)
+    key = (what, base.candidate.phase_key, base.gpu_need)
     if key not in counts:
         counts[key] = count()
     return counts[key]
@@ -358,13 +340,13 @@ def variants(shapes: Shapes, ctx: Context, axes: Axes, p: Placement) -> list[Pla
     blocks' inputs on the GPU, where that count is searched; and a host hold with its first groups on the GPU,
     on ``p`` and on that split."""
     bases, out = [p], []
-    if axes.activations_gpu_blocks is None and p.activations == "pinned_host" and p.boundary_every == 1:
+    if axes.activations_gpu_blocks is None and p.candidate.splits_activations:
         acts = _split_acts(shapes, ctx, p)
         if acts is not None:
             bases.append(acts)
             out.append(acts)
-    if axes.split and (p.grad_hold in HOST_HOLDS or p.grad_hold == "resweep"):  # (a resweep's second sweep stops
-        out += [q for q in (_split(shapes, ctx, b) for b in bases) if q is not None]  # above the groups it holds)
+    if axes.split and p.hold.splits:
+        out += [q for q in (_split(shapes, ctx, b) for b in bases) if q is not None]
     return [_costed(ctx, q) for q in out]  # (the split searches compared GPU needs only)
 
 
@@ -390,10 +372,10 @@ def _search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
                             continue
                         found = False  # a smaller chunk changes only the loss's GPU bytes: the first that fits
                         fixed = (min(axes.activations_gpu_blocks or 0, shapes.layers - 1)
-                                 if act == "pinned_host" else 0)  # a fixed split of the activations
+                                 if act.parked else 0)  # a fixed split of the activations
                         for chunk in axes.loss_chunks:
-                            p = evaluate(shapes, ctx, micro=micro, act=act, hold=hold, k=k, io=io, chunk=chunk,
-                                         activations_gpu_blocks=fixed)
+                            p = evaluate(shapes, ctx, Candidate(micro, act, hold, boundary_every=k, stream_io=io,
+                                                                loss_chunk=chunk, activations_gpu_blocks=fixed))
                             consider(p)
                             for q in variants(shapes, ctx, axes, p):
                                 consider(q)
@@ -415,7 +397,7 @@ def _frontier(shapes: Shapes, ctx: Context, axes: Axes, fitting: list[Placement]
     if not axes.split or axes.activations_gpu_blocks is not None:
         return []
     split = sorted((p for p in fitting if p.activations_gpu_blocks and p.boundary_every == 1
-                    and (p.grad_hold in HOST_HOLDS or p.grad_hold == "resweep")), key=rank)
+                    and p.hold.splits), key=rank)
     out = []
     for p in split[:FRONTIER_BEST]:
         for n in sorted({p.activations_gpu_blocks * f // 8 for f in FRONTIER_EIGHTHS} - {0}):
@@ -467,8 +449,8 @@ def _tiled_search(shapes: Shapes, axes: Axes, ctx: Context) -> Result:
 
 def describe(p: Placement) -> str:
     """A candidate's decisions as the settings a user types."""
-    parts = [f"train.micro_batches={p.micro_batches}", f"train.activations={p.activations}",
-             f"train.grad_hold={p.grad_hold}", f"train.boundary_every={p.boundary_every}",
+    parts = [f"train.micro_batches={p.micro_batches}", f"train.activations={p.activations.name}",
+             f"train.grad_hold={p.hold.name}", f"train.boundary_every={p.boundary_every}",
              f"train.stream_io={'true' if p.stream_io else 'false'}", f"train.loss_chunk={p.loss_chunk}"]
     # (grad_hold_gpu_groups is no setting: the plan decides it, so it is not named)
     if p.activations_gpu_blocks:

@@ -12,6 +12,8 @@ import dataclasses
 
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
+from megatrain_jax.placements import (GRAD_HOLD, HOST_STATES, SPLIT_FETCH, DEVICE_UPDATE, UPDATE_PLACES,
+                                      asked)
 from megatrain_jax.plan.lora import refuse_lora_sharded
 from megatrain_jax.plan.machine import process_count
 
@@ -26,17 +28,16 @@ def update_shards(cfg: Config) -> bool:
 def device_update_several(cfg: Config) -> bool:
     """``update_on=auto`` may plan a device-side update over several GPUs: one process, and no pageable hold asked
     for where the update is split (``check_device_update``)."""
-    return (process_count() == 1 or cfg.train.host_state == "sharded") \
-        and not (update_shards(cfg) and cfg.train.grad_hold in ("host_fp32", "host_bf16"))
+    return (process_count() == 1 or _sharded(cfg)) and not (update_shards(cfg) and _pageable_hold(cfg))
 
 
 def check_device_update(cfg: Config, n_dev: int) -> None:
     """``update_on=device`` with several GPUs: the same refusals as the engine's (engine/updaters.DeviceUpdates)."""
-    if update_shards(cfg) and cfg.train.grad_hold in ("host_fp32", "host_bf16"):
+    if update_shards(cfg) and _pageable_hold(cfg):
         raise UserError("train.grad_hold", f"{cfg.train.grad_hold} keeps whole gradients in pageable host memory, and "
                         f"with {n_dev} GPUs updating on the device each holds only its share",
                         "set train.grad_hold to gpu_bf16, pinned_bf16 or resweep (or auto)")
-    if process_count() > 1 and cfg.train.host_state != "sharded":
+    if process_count() > 1 and not _sharded(cfg):
         raise UserError("train.update_on", "device with several processes needs train.host_state=sharded (with a "
                         "replica in each, each process's GPUs would update only their shares of it)",
                         "set train.host_state=sharded, or train.update_on=host (or auto)")
@@ -47,10 +48,11 @@ def sharded_state(cfg: Config) -> Config:
     and fetch exactly those (update_on=device, fetch=split, no stream_io; the fused AdamW, whose update is
     elementwise). Settings left auto are set so; a setting that contradicts it is refused in one line."""
     t = cfg.train
-    if t.host_state != "sharded":
+    if not _sharded(cfg):
         return cfg
     fix = "or set train.host_state=replicated"
-    if t.update_on == "host":
+    update = asked(UPDATE_PLACES, t.update_on)
+    if update is not None and not update.on_device:
         raise UserError("train.update_on", "host cannot update a sharded host state (each process backs only its "
                         "GPUs' shares, and they update them)", f"set train.update_on=device (or auto), {fix}")
     if t.stream_io is True:
@@ -60,4 +62,15 @@ def sharded_state(cfg: Config) -> Config:
         raise UserError("train.host_state", f"sharded splits each update elementwise, which {cfg.optim.name} "
                         f"(optim.kernel={cfg.optim.kernel}) is not", f"use optim.name=adamw, {fix}")
     refuse_lora_sharded(cfg)
-    return dataclasses.replace(cfg, train=dataclasses.replace(t, update_on="device", fetch="split", stream_io=False))
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, update_on=DEVICE_UPDATE.name, fetch=SPLIT_FETCH.name,
+                                                              stream_io=False))
+
+
+def _sharded(cfg: Config) -> bool:
+    return HOST_STATES[cfg.train.host_state].sharded
+
+
+def _pageable_hold(cfg: Config) -> bool:
+    """Whether the config asks for a hold in pageable host memory (whole gradients there)."""
+    hold = asked(GRAD_HOLD, cfg.train.grad_hold)
+    return hold is not None and hold.pageable

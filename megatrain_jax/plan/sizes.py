@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from megatrain_jax.config import ModelConfig
-from megatrain_jax.placements import GRAD_HOLD_LIST
 import megatrain_jax.plan.moe as plan_moe
-from megatrain_jax.plan.options import BLOCKS_QUEUED, DEVICE_UPDATE_CHUNK, HOLD_COPIES_IN_FLIGHT, WRITEBACKS_IN_FLIGHT
+from megatrain_jax.bounds import (BLOCKS_QUEUED, DEVICE_UPDATE_CHUNK, HOLD_COPIES_IN_FLIGHT, IO_VOCAB_CHUNK,
+                                  PINNED_ACT_LAYERS_ON_GPU, WRITEBACKS_IN_FLIGHT)
 
 GB = 1e9
 GiB = 1 << 30
@@ -37,7 +37,7 @@ BFC_TABLE_BYTES_PER_POOL_BYTE = 1.0 / 32  # XLA's BFC allocator: one 8-byte chun
 PREALLOCATE_ABOVE = 0.75  # of the GPU budget: below it XLA grows its pool on demand, so the allocator table
 # covers only what is used; above it the pool is made whole at the start (RESULTS.md)
 BFC_FIRST_REGION = 2 << 20
-# pinned gradient slabs (of options.GRAD_SLAB_ELEMS values) the plan chooses between (decisions.choose_slabs): a deeper
+# pinned gradient slabs (of bounds.GRAD_SLAB_ELEMS values) the plan chooses between (decisions.choose_slabs): a deeper
 GRAD_SLABS_FEWEST, GRAD_SLABS_MOST = 6, 24  # pool feeds the host optimizer (6 -> 24: Llama-2-7B 388 -> 397 on the H100)
 # One block's recompute + VJP working set (the engine's block backward: XLA's temporaries beyond its arguments),
 # per backend, in bytes per token and unit of width in bf16 compute (x4 in fp32 compute, as calibrated before)
@@ -80,22 +80,14 @@ RATES = {"matmul_bf16": 600e12, "matmul_fp32": 350e12, "h2d": 52e9, "d2h": 52e9,
          # 16 threads of the H100 machine's host (experiments/bench_compact_adamw.py)
          "adamw_elems": {"float32": 3.9e9, "bfloat16": 3.5e9, "int8": 3.5e9, "optax": 1.0e9}}
 MOMENT_BYTES = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / 2048}
-GPU_HOLD_BYTES = {h.name: h.gpu_bytes for h in GRAD_HOLD_LIST}  # GPU bytes/param of each gradient hold (None: none)
-HOST_HOLD_BYTES = {h.name: h.host_bytes for h in GRAD_HOLD_LIST if h.on_host}  # host bytes/param of each host hold
 IO_GATHER_RATE = 20e9  # bytes/s of the streamed head's host gather as the step sees it. Gathered twice a step on the
 # dispatching thread, an 8B (128256 x 4096) head cost 1.13 s more per step than the resident one (3.7e9 then:
 # experiments/probe_stream_io.py, H100 machine); now once, in the background (engine/io_head.py): with
 # it the 8B at 24 GB predicts 8.24 s against 7.88 measured, as over as the whole GPU's prediction (bench_memory_plan.py)
-IO_VOCAB_CHUNK = 16384  # vocabulary rows of the head on the GPU at once with train.stream_io (the engine's chunk)
-IO_HEAD_GRADS_IN_FLIGHT = 2  # stream_io: the head chunks' gradients on their way to the host at once (XLA's pinned
-#                             pool; engine/io_head.py waits for the oldest before the next): unbounded, all ten of
-#                             the 110B's 0.54 GB chunks were, and the pool ran out in step 1 (bench_memory_plan.py)
 PINNED_LIMIT_FACTOR = 1.02  # XLA's pinned-host pool limit over the plan's pinned bytes (+ PINNED_LIMIT_ROOM):
 # the pool's arrays are few sizes (activation layers, slabs), so little is lost between them; every byte of the
 # limit past the arrays is page-locked RSS once the last region is taken (1.5x cost the 8B at 10 GB 12 GB)
 PINNED_LIMIT_ROOM = 2  # GiB over the factor: the small first regions no array fits in, and the tail of each region
-PINNED_ACT_LAYERS_ON_GPU = 3  # layers of parked activations on the GPU at once while their copies run (the engine
-#                               waits for the oldest beyond it: weights.Boundaries)
 MICRO_BATCH_BYTES_PER_PARAM = 24.0  # GPU memory traffic each micro-batch adds per block parameter and step: the
 # fp32 master cast to bf16 inside each call (forward and backward, 6 bytes each) and the backward's fp32 accumulation
 # of the weight gradient (12; alone where no cast runs: 12). Without this term the 8B's step was 3% under its prediction at 4 micro-batches, 1%

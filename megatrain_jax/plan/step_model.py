@@ -12,9 +12,9 @@ from megatrain_jax.optim.costs import device_update_s, update_cost
 import megatrain_jax.plan.decisions as choose
 import megatrain_jax.plan.moe as plan_moe
 from megatrain_jax.plan.machine import Machine
-from megatrain_jax.placements import BF16_HOLDS, PAGEABLE_HOLDS, PINNED_HOLDS
+from megatrain_jax.placements import FETCHES, GPU_FP32, UpdatePlace
 from megatrain_jax.plan.sizes import (DISPATCH_BLOCK_S, DISPATCH_CALL_S, HOLD_RETURN_RATE, HOST_COPY_PARALLEL_RATE,
-                                      HOST_COPY_RATE, HOST_HOLD_BYTES, IO_GATHER_RATE, MICRO_BATCH_BYTES_PER_PARAM,
+                                      HOST_COPY_RATE, IO_GATHER_RATE, MICRO_BATCH_BYTES_PER_PARAM,
                                       RATES, Shapes, early_params, kept_on_gpu)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
@@ -76,8 +76,8 @@ def step_basis(machine: Machine) -> str:
 
 
 def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_dev: int, n_keep: int, stream_bytes: int,
-                   moment_bytes: float, update_on: str, cpu_cores: int, attention: bool = True, n_early: int = 0,
-                   placement: choose.Placement | None = None, non_emb: int | None = None,
+                   moment_bytes: float, update_on: UpdatePlace, cpu_cores: int, attention: bool = True,
+                   n_early: int = 0, placement: choose.Placement | None = None, non_emb: int | None = None,
                    optax_cost: Any = None) -> dict[str, Any]:
     """The step's floor terms (compute, host->GPU, GPU->host, optimizer, host copies) and the largest of
     them; ``work_s`` is their sum (the search's second key). N GPUs: each receives every block over its
@@ -90,11 +90,12 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     ``non_embedding_params()`` and ``optax_update_cost(cfg)``, where the caller has them (the search asks thousands)."""
     train, optim, model, p = cfg.train, cfg.optim, cfg.model, placement
     k = p.boundary_every if p else 1
-    hold = p.grad_hold if p else "gpu_fp32"
+    hold = p.hold if p else GPU_FP32
+    device_update = update_on.on_device
     io = bool(p and p.stream_io)
     # GPUs sharing each group's device-side update (the elementwise fused AdamW: engine/shards.py); an optax update
     # runs on every GPU alike
-    shares = n_dev if (update_on == "device" and optim.kernel == "fused") else 1
+    shares = n_dev if (device_update and optim.kernel == "fused") else 1
     tokens = train.batch_size * cfg.data.seq_len
     non_emb = plan_moe.step_matmul_params(model) if non_emb is None else non_emb  # (MoE: plan/moe.py)
     attn = 12.0 * model.num_layers * model.num_heads * model.dim_per_head * cfg.data.seq_len if attention else 0.0
@@ -102,12 +103,12 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # a resweep runs the recompute (1 forward) and backward (2 forwards) once more: ~+75%, over the blocks above
     # those whose gradients it holds on the GPU (grad_hold_gpu_groups: the embedding and the lowest blocks)
     again = 0.0
-    if hold == "resweep":
+    if hold.is_resweep:
         again = (shapes.layers - min(max((p.grad_hold_gpu_groups if p else 0) - 1, 0), shapes.layers)) / shapes.layers
     rate = rates["matmul_bf16" if train.compute_dtype == "bfloat16" else "matmul_fp32"] * n_dev
     compute_s = _matmul_s(tokens, non_emb, attn, fwd_blocks, shapes, n_keep, k, again, rate)
     # the cast of each gradient held in bf16 (gpu_bf16, host_bf16, a split hold's GPU groups): 6 bytes/param
-    cast = shapes.params if hold in BF16_HOLDS else (p.grad_hold_gpu_params if p else 0)
+    cast = shapes.params if hold.bf16 else (p.grad_hold_gpu_params if p else 0)
     memory_rate = rates.get("gpu_memory", GPU_MEMORY_RATE)
     memory_s = 6.0 * cast / memory_rate
     # each micro-batch's gradient accumulation in fp32, per block (a resweep's second sweep accumulates again)
@@ -127,7 +128,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     io_bytes = 2 * shapes.dtype_bytes * out_matrix + 4 * tokens // n_dev * shapes.hidden if io \
         else 4 * (shapes.embed + shapes.head)
     # (train.fetch=split: each GPU's link carries its 1/N share of each block; the rest comes over NVLink)
-    per_link = n_dev if (train.fetch == "split" and n_dev > 1) else 1
+    per_link = n_dev if (FETCHES[train.fetch].split and n_dev > 1) else 1
     h2d_bytes = 2 * shapes.layers * shapes.block * stream_bytes / per_link + io_bytes
     h2d_bytes += shapes.layers * shapes.block * stream_bytes * again / per_link
     opt_rate = RATES["adamw_elems"]["optax" if optim.kernel == "optax" else optim.moments] * min(cpu_cores, 16) / 16
@@ -135,31 +136,31 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     h2d_s = max(h2d_bytes / rates["h2d"], n_dev * h2d_bytes / rates["host_read"])
     grad_d2h = 4.0 * shapes.params
     extra_h2d = extra_d2h = copy_bytes = widen_bytes = 0.0
-    if p is not None and p.activations == "pinned_host":  # the parked inputs (a split keeps the last ones on the GPU)
+    if p is not None and p.activations.parked:  # the parked inputs (a split keeps the last ones on the GPU)
         act = shapes.tokens * shapes.hidden * shapes.dtype_bytes \
             * (-(-shapes.layers // k) - kept_on_gpu(shapes.layers, k, p.activations_gpu_blocks))
         extra_d2h += act
         extra_h2d += act * (1 + again)
     # stream_io with a device-side update: the embedding and head (gradients in host memory) update on the host
     io_params = (shapes.embed + shapes.head) if io else 0  # their gradients wait in host memory, outside any hold
-    host_params = io_params if update_on == "device" else 0
-    if hold in HOST_HOLD_BYTES:
-        held = HOST_HOLD_BYTES[hold] * (shapes.params - io_params - (p.grad_hold_gpu_params if p else 0))
-        if update_on == "device":  # out for the norm, back for the update (several GPUs: each its share)
+    host_params = io_params if device_update else 0
+    if hold.on_host:
+        held = hold.host_bytes * (shapes.params - io_params - (p.grad_hold_gpu_params if p else 0))
+        if device_update:  # out for the norm, back for the update (several GPUs: each its share)
             extra_d2h += held / shares
             extra_h2d += held / shares
-        elif hold in BF16_HOLDS:  # the held part leaves in bf16
+        elif hold.bf16:  # the held part leaves in bf16
             grad_d2h -= held
-        if hold not in PINNED_HOLDS:  # the copier moves each landed slab into the pageable hold
-            copy_bytes += held * (2 if update_on == "device" else 1)
-        if hold in BF16_HOLDS and update_on == "host" and optim.kernel == "optax":
+        if hold.pageable:  # the copier moves each landed slab into the pageable hold
+            copy_bytes += held * (2 if device_update else 1)
+        if hold.bf16 and not device_update and optim.kernel == "optax":
             widen_bytes = 2 * held  # widened to fp32 for an optax host update, after the norm (the fused
             #                         kernels widen each value as they read it: HostOptimizer.bf16_grads)
     step = {"compute_s": compute_s, "h2d_s": h2d_s + extra_h2d / rates["h2d"],
             "d2h_s": grad_d2h / (rates["d2h"] * n_dev) + extra_d2h / rates["d2h"],
             "optimizer_s": shapes.params / opt_rate, "host_copy_s": (copy_bytes + widen_bytes) / copy_rate,
             "gpu_memory_s": memory_s}
-    if update_on == "device":  # the state crosses PCIe both ways instead of the gradient; the host kernel only
+    if device_update:  # the state crosses PCIe both ways instead of the gradient; the host kernel only
         dev_params = shapes.params - host_params  # for what stays in host memory (stream_io's embedding, head)
         # (several GPUs: each receives its 1/N share of the state over its link and sends its share back, and the
         # updated weights are gathered over NVLink: engine/shards.py)
@@ -179,7 +180,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # hide behind. A host update chain (widening a bf16 hold, the kernel) longer than the forward is exposed;
     # a device-side one runs inside the forward, except the embedding's host update (stream_io) at its start
     fwd_s = fwd_blocks / rate  # the forward sweep alone (a segment's recompute runs in the backward)
-    if update_on == "host":
+    if not device_update:
         chain = step["optimizer_s"] + widen_bytes / copy_rate
         step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, chain)
     else:
@@ -188,7 +189,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
         embed_s = _embed_wait_s(shapes.embed / opt_rate if host_params else 0.0,  # (the second sweep: its rate)
                                 3 * fwd_blocks * again / (rate * RECOMPUTE_BACKWARD_SPEEDUP))
         step["updates_after_norm_s"] = compute_s - fwd_s + max(fwd_s, state_s) + embed_s
-        if hold in PAGEABLE_HOLDS:  # a pageable hold comes back through the copier on that path
+        if hold.pageable:  # a pageable hold comes back through the copier on that path
             step["updates_after_norm_s"] += held / HOLD_RETURN_RATE
     step["work_s"] = sum(step[t] for t in terms)
     return _bound(step, terms + ("updates_after_norm_s",))
