@@ -88,27 +88,11 @@ def logits_fp32(tokens_path: str, out_path: str, d: str) -> None:
 
 def serve(out_dir: str) -> None:
     hf_reference._randomize = _randomize  # this process only
-    hf_reference.make(out_dir, VARIANTS)
-    print("ready", flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
-        if req[0] == "logits":
-            hf_reference.logits(req[1], req[2], req[3:])
-        elif req[0] == "dequant":
-            dequant(req[1], req[2])
-        elif req[0] == "logits_fp32":
-            logits_fp32(req[1], req[2], req[3])
-        else:
-            raise SystemExit(f"unknown request {req[0]!r}")
-        print("done", flush=True)
+    hf_reference.serve(out_dir, VARIANTS, {"dequant": dequant, "logits_fp32": logits_fp32})
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    hf_reference.quiet_torch()
     if sys.argv[1] == "serve":
         serve(sys.argv[2])
     else:

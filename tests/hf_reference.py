@@ -197,23 +197,32 @@ def logits(tokens_path: str, out_path: str, dirs: list[str]) -> None:
     np.savez(out_path, **arrays)
 
 
-def serve(out_dir: str, variants: dict) -> None:
+def serve(out_dir: str, variants: dict, requests: dict | None = None) -> None:
+    """``make``, then ``ready``, then each request on stdin answered with ``done``: ``["logits", TOKENS.npy,
+    OUT.npz, DIR, ...]``, and ``[NAME, ARG, ...]`` as ``requests[NAME](ARG, ...)``
+    (tests/torch_reference.py's ``ReferenceServer`` is the other end)."""
+    handlers = {"logits": lambda tokens, out, *dirs: logits(tokens, out, list(dirs)), **(requests or {})}
     make(out_dir, variants)
     print("ready", flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
         req = json.loads(line)
-        if req[0] != "logits":
+        if req[0] not in handlers:
             raise SystemExit(f"unknown request {req[0]!r}")
-        logits(req[1], req[2], req[3:])
+        handlers[req[0]](*req[1:])
         print("done", flush=True)
 
 
-if __name__ == "__main__":
+def quiet_torch() -> None:
+    """At most two CPU threads; transformers' warnings and progress bars off."""
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+
+
+if __name__ == "__main__":
+    quiet_torch()
     if sys.argv[1] == "make":
         make(sys.argv[2])
     elif sys.argv[1] == "make-families":

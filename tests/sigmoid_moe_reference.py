@@ -8,11 +8,9 @@
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
-import transformers
 
 import hf_reference as H
 
@@ -63,9 +61,7 @@ def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
 H._randomize = _randomize
 
 if __name__ == "__main__":
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    H.quiet_torch()
     if sys.argv[1] == "serve":
         H.serve(sys.argv[2], VARIANTS)
     elif sys.argv[1] == "make":

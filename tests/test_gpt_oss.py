@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import jax
@@ -37,7 +35,7 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.hf import export_hf, load_hf_into_store, model_from_store
 from megatrain_jax.hf.names import hf_tensors, interleaved_part
 from megatrain_jax.hf.mxfp4 import FP4_VALUES, dequantize
-from tests.torch_reference import ROOT, TORCH_VENV
+from tests.torch_reference import ROOT, served_refs, server_fixture
 from tests.torch_reference import rel as _rel
 
 TOL = 1e-4
@@ -46,66 +44,15 @@ AUX_COEF = 0.25  # hf_reference.AUX_COEF
 FIXTURES = ROOT / "tests" / "fixtures"
 
 
-class _Torch:
-    """``gpt_oss_reference.py serve`` in .venv-torch: builds the references, then answers requests."""
-
-    def __init__(self, d: Path):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JAX", "XLA", "VIRTUAL_ENV"))}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
-        self.dir, self.err = d, open(d / "stderr.txt", "w+")
-        self.proc = subprocess.Popen([str(TORCH_VENV / "bin" / "python"), str(ROOT / "tests" / "gpt_oss_reference.py"),
-                                      "serve", str(d / "refs")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, text=True, env=env)
-        self.ready = False
-
-    def wait(self, word: str) -> None:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.err.seek(0)
-                pytest.fail(f"gpt_oss_reference.py serve died:\n{self.err.read()[-4000:]}")
-            if line.strip() == word:
-                return
-
-    def refs(self) -> Path:
-        if not self.ready:
-            self.wait("ready")
-            self.ready = True
-        return self.dir / "refs"
-
-    def ask(self, *req: str) -> None:
-        self.refs()
-        self.proc.stdin.write(json.dumps(list(req)) + "\n")
-        self.proc.stdin.flush()
-        self.wait("done")
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.err.close()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def torch_ref(tmp_path_factory):
     """Started before the module's first test, so that the references build while JAX compiles."""
-    if not (TORCH_VENV / ".ready").exists():  # the JAX-only tests still run
-        yield None
-        return
-    server = _Torch(tmp_path_factory.mktemp("gpt_oss"))
-    yield server
-    server.close()
+    yield from server_fixture(tmp_path_factory, "gpt_oss", "gpt_oss_reference.py")
 
 
 @pytest.fixture(scope="module")
 def refs(torch_ref) -> Path:
-    if torch_ref is None:
-        pytest.skip("no transformers reference environment (scripts/setup_torch_ref.sh)")
-    d = torch_ref.refs()
-    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == sorted(VARIANTS)
-    return d
+    return served_refs(torch_ref, VARIANTS)
 
 
 def _import(d: Path, **over):

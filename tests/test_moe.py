@@ -44,7 +44,7 @@ from megatrain_jax.optim import build_host_optimizer, build_reference_tx
 from megatrain_jax.reference import ReferenceTrainer
 from megatrain_jax.templates import Layout
 from tests.cli_runner import cpu_xla_flags
-from tests.torch_reference import ROOT, TORCH_VENV
+from tests.torch_reference import ROOT, served_refs, server_fixture
 from tests.torch_reference import rel as _rel
 
 TOL = 1e-4
@@ -67,66 +67,15 @@ EXPECT = {
 }
 
 
-class _Torch:
-    """``hf_reference.py serve-moe`` in .venv-torch: builds the references, then answers requests."""
-
-    def __init__(self, d: Path):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JAX", "XLA", "VIRTUAL_ENV"))}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
-        self.dir, self.err = d, open(d / "stderr.txt", "w+")
-        self.proc = subprocess.Popen([str(TORCH_VENV / "bin" / "python"), str(ROOT / "tests" / "hf_reference.py"),
-                                      "serve-moe", str(d / "refs")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, text=True, env=env)
-        self.ready = False
-
-    def wait(self, word: str) -> None:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.err.seek(0)
-                pytest.fail(f"hf_reference.py serve-moe died:\n{self.err.read()[-4000:]}")
-            if line.strip() == word:
-                return
-
-    def refs(self) -> Path:
-        if not self.ready:
-            self.wait("ready")
-            self.ready = True
-        return self.dir / "refs"
-
-    def logits(self, tokens: str, out: str, dirs: list[str]) -> None:
-        self.refs()
-        self.proc.stdin.write(json.dumps(["logits", tokens, out, *dirs]) + "\n")
-        self.proc.stdin.flush()
-        self.wait("done")
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.err.close()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def torch_ref(tmp_path_factory):
     """Started before the module's first test, so that the references build while JAX compiles."""
-    if not (TORCH_VENV / ".ready").exists():  # the JAX-only tests still run
-        yield None
-        return
-    server = _Torch(tmp_path_factory.mktemp("moe"))
-    yield server
-    server.close()
+    yield from server_fixture(tmp_path_factory, "moe", "hf_reference.py", "serve-moe")
 
 
 @pytest.fixture(scope="module")
 def moe_refs(torch_ref) -> Path:
-    if torch_ref is None:
-        pytest.skip("no transformers reference environment (scripts/setup_torch_ref.sh)")
-    d = torch_ref.refs()
-    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == sorted(VARIANTS)
-    return d
+    return served_refs(torch_ref, VARIANTS)
 
 
 def _import(d: Path, **over):
@@ -586,7 +535,7 @@ def test_exports_load_in_transformers(moe_refs, torch_ref, tmp_path):
         dirs.append(str(tmp_path / name))
         expect.append((name, cfg.family, "float32", logits))
     np.save(tmp_path / "tokens.npy", tokens)
-    torch_ref.logits(str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), dirs)
+    torch_ref.ask("logits", str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), *dirs)
     got = np.load(tmp_path / "out.npz")
     info = json.loads(str(got["info"]))
     for i, (variant, family, dtype, mine) in enumerate(expect):

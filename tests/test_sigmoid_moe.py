@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import warnings
 from pathlib import Path
 
@@ -33,7 +31,7 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.hf import export_hf, hf_config_to_model_config, hf_name, load_hf_into_store, model_from_store
 from megatrain_jax.models import abstract_model
 from megatrain_jax.models.sigmoid_moe import sigmoid_route
-from tests.torch_reference import ROOT, TORCH_VENV, child_env
+from tests.torch_reference import ROOT, served_refs, server_fixture
 from tests.torch_reference import rel as _rel
 
 TOL = 1e-4  # tests/test_moe.py's
@@ -56,64 +54,15 @@ ARCH = {"glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"
 HF_CONFIGS = ROOT / "tests" / "fixtures" / "hf_configs"
 
 
-class _Torch:
-    """``sigmoid_moe_reference.py serve`` in .venv-torch: builds the references, then answers requests."""
-
-    def __init__(self, d: Path):
-        self.dir, self.err = d, open(d / "stderr.txt", "w+")
-        self.proc = subprocess.Popen([str(TORCH_VENV / "bin" / "python"), str(ROOT / "tests" / "sigmoid_moe_reference.py"),
-                                      "serve", str(d / "refs")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, text=True, env=child_env(OMP_NUM_THREADS="2"))
-        self.ready = False
-
-    def wait(self, word: str) -> None:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.err.seek(0)
-                pytest.fail(f"sigmoid_moe_reference.py serve died:\n{self.err.read()[-4000:]}")
-            if line.strip() == word:
-                return
-
-    def refs(self) -> Path:
-        if not self.ready:
-            self.wait("ready")
-            self.ready = True
-        return self.dir / "refs"
-
-    def logits(self, tokens: str, out: str, dirs: list[str]) -> None:
-        self.refs()
-        self.proc.stdin.write(json.dumps(["logits", tokens, out, *dirs]) + "\n")
-        self.proc.stdin.flush()
-        self.wait("done")
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.err.close()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def torch_ref(tmp_path_factory):
     """Started before the module's first test, so that the references build while JAX compiles."""
-    if not (TORCH_VENV / ".ready").exists():  # the JAX-only tests still run
-        yield None
-        return
-    server = _Torch(tmp_path_factory.mktemp("sigmoid_moe"))
-    yield server
-    server.close()
+    yield from server_fixture(tmp_path_factory, "sigmoid_moe", "sigmoid_moe_reference.py")
 
 
 @pytest.fixture(scope="module")
 def refs(torch_ref) -> Path:
-    if torch_ref is None:
-        pytest.skip("no transformers reference environment (scripts/setup_torch_ref.sh)")
-    d = torch_ref.refs()
-    assert sorted(p.name for p in d.iterdir() if p.is_dir()) == sorted(VARIANTS)
-    return d
+    return served_refs(torch_ref, VARIANTS)
 
 
 def _import(d: Path, **over):
@@ -442,7 +391,7 @@ def test_exports_load_in_transformers(refs, torch_ref, tmp_path):
         dirs.append(str(tmp_path / name))
         expect.append((name, cfg.family, logits))
     np.save(tmp_path / "tokens.npy", tokens)
-    torch_ref.logits(str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), dirs)
+    torch_ref.ask("logits", str(tmp_path / "tokens.npy"), str(tmp_path / "out.npz"), *dirs)
     got = np.load(tmp_path / "out.npz")
     info = json.loads(str(got["info"]))
     for i, (name, family, want) in enumerate(expect):
