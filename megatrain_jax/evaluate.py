@@ -142,6 +142,22 @@ class EvalSet:
     def n_batches(self) -> int:
         return math.ceil(len(self.windows) / self.batch_size)
 
+    def size(self) -> str:
+        n = len(self.windows)
+        return f"{n} samples = {n * self.seq_len:,}"
+
+    @staticmethod
+    def forward(trainer: Any):
+        return forward_pass(trainer)
+
+    def evaluate(self, run_batch, on_batch=None) -> dict[str, float]:
+        return evaluate(run_batch, self, on_batch)
+
+    @staticmethod
+    def line(figures: dict) -> str:
+        """The eval log line's figures (after the loss)."""
+        return f"perplexity {figures['eval_ppl']:.3f}  ({figures['eval_tokens']:,} tokens"
+
     def batches(self):
         """The eval batches as the engine takes them (``engine.Batch``; document structure only with doc masking, as
         ``train.to_engine_batch``), each ``batch_size`` rows (the last filled with rows whose mask is zero)."""
@@ -181,7 +197,13 @@ def eval_split(cfg: Any, dataset: Any, log=print) -> tuple[Any, EvalSet | None]:
                        f"(data.eval_fraction={d.eval_fraction})")
         return train_ds, ev
     if d.eval:
-        ds, keep = _load_eval_file(cfg)
+        ds, keep = load_eval_file(cfg)
+        if hasattr(ds, "n_pairs"):
+            if keep is not None:
+                keep.cleanup()
+            raise UserError("data.eval", f"{d.eval} holds preference pairs, and train.objective="
+                            f"{t.objective or 'sft'} trains on plain text", "hold out SFT data, or set train.objective "
+                            "to dpo, ipo, simpo or orpo")
         n = ds.n_samples(s)
         if n == 0:
             raise UserError("data.eval", f"{d.eval} has {ds.n_tokens:,} tokens, fewer than one sample of "
@@ -205,7 +227,7 @@ def _eval_set(cfg: Any, ds: Any, windows: np.ndarray, source: str) -> EvalSet:
                    doc_masking=bool(cfg.data.doc_masking))
 
 
-def _load_eval_file(cfg: Any) -> tuple[Any, Any]:
+def load_eval_file(cfg: Any) -> tuple[Any, Any]:
     """``data.eval`` as a data set: loaded as ``data.path`` is (``.txt``, a prepared prefix), or tokenized by
     ``prepare`` into a temporary directory (JSONL, text in other suffixes); (data set, the directory to keep)."""
     from megatrain_jax.data import load_dataset
@@ -466,8 +488,7 @@ class EvalRuns:
         self.planned_s = None if planned is None else planned["eval_pass_s"]
         self._run = None
         self.last: dict[str, Any] | None = None
-        n = len(eval_set.windows)
-        log(f"eval: {eval_set.source}; {n} samples = {n * eval_set.seq_len:,} tokens per evaluation, "
+        log(f"eval: {eval_set.source}; {eval_set.size()} tokens per evaluation, "
             + (f"every {self.every} steps and " if self.every else "") + "at the end")
 
     def due(self, s: int) -> bool:
@@ -480,14 +501,14 @@ class EvalRuns:
 
     def run(self, s: int, trainer: Any, on_batch=None) -> dict[str, Any]:
         if self._run is None:
-            self._run = forward_pass(trainer)
+            self._run = self.set.forward(trainer)
         t0 = time.perf_counter()
-        figures = evaluate(self._run, self.set, on_batch)
+        figures = self.set.evaluate(self._run, on_batch)
+        line = self.set.line(figures)
         dt = time.perf_counter() - t0
         self.pass_s.append(dt)
         self.last = {"step": s, **figures}
-        self.log(f"eval   {s:>6}/{self.steps}  eval_loss {figures['eval_loss']:.4f}  "
-                 f"perplexity {figures['eval_ppl']:.3f}  ({figures['eval_tokens']:,} tokens in {dt:.1f}s)")
+        self.log(f"eval   {s:>6}/{self.steps}  eval_loss {figures['eval_loss']:.4f}  {line} in {dt:.1f}s)")
         return {**figures, "eval_time_s": dt}
 
     def run_into(self, rec: dict, s: int, trainer: Any, watchdog: Any, last: float) -> float:

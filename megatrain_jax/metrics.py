@@ -32,9 +32,13 @@ class MetricsWriter:
     files in ``<dir>/tensorboard`` (``tensorboard --logdir <train.out_dir>/tensorboard``)."""
 
     SCALARS = ("loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "model_tflops", "model_tflops_with_attention",
-               "step_time_s", "host_rss_gb", "host_peak_rss_gb", "gpu_peak_gb", "gpu_in_use_gb")
+               "step_time_s", "host_rss_gb", "host_peak_rss_gb", "gpu_peak_gb", "gpu_in_use_gb",
+               "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")  # (preference objectives)
 
-    EVAL_SCALARS = {"eval_loss": "eval/loss", "eval_ppl": "eval/perplexity"}  # held-out evaluation (evaluate.py)
+    # held-out evaluation (evaluate.py); a preference objective's as TRL logs them (its eval loss: eval/loss)
+    EVAL_SCALARS = {"eval_loss": "eval/loss", "eval_ppl": "eval/perplexity",
+                    **{f"eval/{k}": f"eval/{k}" for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                                                          "rewards/margins", "logps/chosen", "logps/rejected")}}
 
     def __init__(self, path: str, tensorboard: bool = True, log=None):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

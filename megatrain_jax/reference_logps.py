@@ -126,31 +126,19 @@ def write(cfg: Any, dataset: Any, arr: np.ndarray, seconds: float) -> str:
 # ------------------------------------------------------------------------------------ the pass
 
 
-def forward_logps(engine: Any, batch: Any) -> np.ndarray:
-    """Each row's summed log-probability of its masked-in labels under the engine's current weights: a
-    streamed forward-only pass (blocks fetched and run once, no activation kept, nothing updated)."""
+def forward_logps(engine: Any, batch: Any, fp: Any = None) -> np.ndarray:
+    """Each row's summed log-probability of its masked-in labels under the engine's current weights: the blocks'
+    streamed forward-only sweep (``evaluate.ForwardPass.sweep``: each block fetched and run once, no activation
+    kept, nothing updated), then the objective's head, forward only (``fp``: a ``ForwardPass`` of ``engine`` to
+    reuse)."""
     from megatrain_jax.engine.step import Batch
+    from megatrain_jax.evaluate import ForwardPass
 
-    k, weights, io, L = engine.kernels, engine.weights, engine.io, engine.num_layers
+    k, io = engine.kernels, engine.io
     obj = k.objective
     b = engine.preference_batch(Batch(batch.tokens, batch.labels, batch.loss_mask))
-    mbs = engine._micro_batches(b)
     k.begin(engine.count)
-    engine.pace.reset()
-    emb = io.take_embed(b, mbs)
-    weights.prefetch(0)
-    hs = io.embed(emb, mbs)
-    for i in range(L):
-        w = weights.take(i)
-        weights.prefetch(i + 1, wait=False)
-        if i >= engine._head_from:
-            io.prefetch_head()
-        layer = k.layers[i]
-        hs = [layer.again(w, h, mb.aux, m) for m, (h, mb) in enumerate(zip(hs, mbs))]
-        engine.pace.dispatched(hs[-1])
-        weights.prefetch(i + 1)
-    del w
-    head = io.take_head()
+    mbs, emb, head, hs = (fp or ForwardPass(engine)).sweep(b)
     if hasattr(io, "head") and hasattr(io.head, "seq_logps"):  # stream_io: the head's chunks, pass 1 only
         out = io.head.seq_logps(head, hs, mbs)
     elif hasattr(k, "model"):  # LoRA's frozen ends
@@ -164,12 +152,15 @@ def forward_logps(engine: Any, batch: Any) -> np.ndarray:
 def reference_pass(engine: Any, dataset: Any, batch_size: int, seq_len: int, log: Callable[[str], None] = print
                    ) -> tuple[np.ndarray, float]:
     """(pairs, 2) reference log-probabilities of every pair, in batches of ``batch_size`` rows, and the seconds taken."""
+    from megatrain_jax.evaluate import ForwardPass
+
     n, per = dataset.n_pairs, batch_size // 2
     out = np.zeros((n, 2), np.float32)
+    fp = ForwardPass(engine)
     t0 = last = time.perf_counter()
     for lo in range(0, n, per):
         pairs = np.arange(lo, lo + per) % n  # the last batch wraps around (its extra rows are dropped)
-        rows = forward_logps(engine, dataset.rows(pairs, seq_len))
+        rows = forward_logps(engine, dataset.rows(pairs, seq_len), fp)
         take = min(per, n - lo)
         out[lo:lo + take] = rows.reshape(-1, 2)[:take]
         if time.perf_counter() - last > 30:
@@ -190,7 +181,6 @@ def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: 
     """The objective set on the trainer's engine and, for dpo/ipo, the dataset's reference log-probabilities
     (``dataset.reference``, which its batches then carry): cached, or made by the pass (fresh runs only) and
     written next to the data."""
-    from megatrain_jax.distributed import is_main
     from megatrain_jax.objectives import from_config
 
     obj = from_config(cfg.train)
@@ -204,6 +194,15 @@ def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: 
                         "batch_size / (micro_batches x devices) is even")
     if obj is None or not obj.needs_reference:
         return
+    dataset.reference = reference_of(cfg, engine, dataset, plan, resume, log)
+
+
+def reference_of(cfg: Any, engine: Any, dataset: Any, plan: Any, resume: bool, log: Callable[[str], None]
+                 ) -> np.ndarray:
+    """The (pairs, 2) reference log-probabilities of ``dataset``: cached, or made by the pass (fresh runs only) and
+    written next to the data."""
+    from megatrain_jax.distributed import is_main
+
     arr = cached(cfg, dataset, resume)
     if arr is None:
         t = cfg.train
@@ -216,13 +215,15 @@ def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: 
         log(f"reference pass: done in {secs:.1f} s; {path}")
     else:
         log(f"reference log-probabilities: {paths(dataset.path)[0]} (made from the same weights and data)")
-    dataset.reference = arr
+    return arr
 
 
-def preference_start(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: Callable[[str], None]) -> None:
+def preference_start(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: Callable[[str], None],
+                     eval_set: Any = None) -> None:
     """The run's start's hook (run_start.py), before anything is written: a preference objective trains on
     preference pairs (and pairs only under one); the objective set on the engine and, for dpo/ipo, the reference
-    (``prepare``)."""
+    (``prepare``). A split of the pairs (``data.eval_fraction``) takes its reference from the whole data set's pass;
+    a held-out file of pairs (``data.eval``) has its own, cached next to it as the training data's is."""
     pairs = hasattr(dataset, "n_pairs")
     if cfg.train.objective != "sft" and not pairs:
         raise UserError("data.path", f"train.objective={cfg.train.objective} trains on preference pairs, and "
@@ -233,7 +234,14 @@ def preference_start(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bo
     if cfg.train.objective != "sft":
         from megatrain_jax.distributed import is_main
 
-        prepare(cfg, trainer, dataset, plan, resume, log if is_main() else (lambda _m: None))
+        say = log if is_main() else (lambda _m: None)
+        full = getattr(dataset, "base", dataset)  # (preference_eval.PreferenceSplit: the whole set, one pass)
+        prepare(cfg, trainer, full, plan, resume, say)
+        held = getattr(eval_set, "dataset", None)
+        engine = getattr(trainer, "engine", trainer)
+        obj = engine.kernels.objective
+        if held is not None and held is not full and obj is not None and obj.needs_reference:
+            held.reference = reference_of(cfg, engine, held, plan, resume, say)
 
 
 def reward_line(rec: dict) -> str:

@@ -24,6 +24,7 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.evaluate import EvalRuns, eval_inputs, eval_split
 from megatrain_jax.placements import HOST_STATE_SHARDED
 from megatrain_jax.plan import plan_or_refuse
+from megatrain_jax.preference_eval import preference_split
 from megatrain_jax.reference_logps import preference_start
 from megatrain_jax.trainer import Trainer
 
@@ -105,7 +106,8 @@ def start_run(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) 
                             "prepare the data with the model's own tokenizer (megatrain-jax prepare ... --tokenizer "
                             f"{os.path.join(cfg.model.from_hf, 'tokenizer.json')}) and set data.tokenizer to it")
         raise
-    dataset, evals = eval_split(cfg, dataset, log)  # (data.eval / data.eval_fraction: evaluate.py)
+    # (data.eval / data.eval_fraction: evaluate.py; preference pairs held out whole: preference_eval.py)
+    dataset, evals = (preference_split if hasattr(dataset, "n_pairs") else eval_split)(cfg, dataset, log)
     # before anything is allocated (a model with adapters: the plan's LoRA rows, plan/lora.py)
     plan = plan_or_refuse(cfg, log) if t.engine == "streamed" else None
     evals = EvalRuns(cfg, evals, plan, log) if evals is not None else None
@@ -119,11 +121,12 @@ def start_run(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) 
                                 f"{existing[-1].step})", "pass --resume to continue that run, or choose another "
                                 "train.out_dir")
             trainer = Trainer.from_config(cfg, plan) if plan is not None else reference_trainer(cfg)
-            preference_start(cfg, trainer, dataset, plan, False, log)  # a preference objective (dpo/ipo: reference pass)
+            # a preference objective (dpo/ipo: the reference pass)
+            preference_start(cfg, trainer, dataset, plan, False, log, evals.set if evals else None)
             return RunStart(trainer, plan, dataset, root, inputs=inputs, lock=lock, eval=evals)
         trainer, path, state = Trainer.resume(cfg, root, plan, log)  # every process reads the checkpoint
         _resume_checks(cfg, dataset, state, log)
-        preference_start(cfg, trainer, dataset, plan, True, log)
+        preference_start(cfg, trainer, dataset, plan, True, log, evals.set if evals else None)
         log(f"resumed from {path}: step {int(state['step'])}, optimizer count {trainer.step_count}")
         return RunStart(trainer, plan, dataset, root, int(state["step"]), state, inputs, lock=lock, eval=evals)
     except BaseException:

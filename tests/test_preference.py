@@ -4,6 +4,9 @@
   (tests/preference_reference.py, one run in .venv-torch), through the resident head and the streamed head.
 - ``prepare --preference`` of TRL-format records; a DPO run whose reward accuracy rises; its cached reference
   log-probabilities equal a fresh forward pass; a stale cache is refused in one line; kill and --resume is exact.
+- Held-out evaluation (``preference_eval.py``): whole pairs split off; the eval rewards equal TRL's from the
+  in-memory reference trainer's log-probabilities; a held-out file's own reference entry; bad inputs one line,
+  exit 2; resume exact.
 """
 from __future__ import annotations
 
@@ -197,3 +200,131 @@ def test_kill_and_resume_is_exact(pairs, straight, tmp_path):
     train(_cfg(pairs, out, "train.steps=6"), resume=True, log=lambda _m: None)
     keys = ("loss", "grad_norm", "rewards/accuracies", "rewards/margins", "logps/chosen")
     assert [[r[k] for k in keys] for r in _metrics(out)] == [[r[k] for k in keys] for r in _metrics(straight)]
+
+
+# ------------------------------------------------------------------------------------ held-out evaluation
+
+EVAL = ["data.eval_fraction=0.25", "train.eval_every=3", "train.eval_tokens=100000"]
+
+
+def _eval_records(out):
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("eval") and k != "eval_time_s"}
+            for r in _metrics(out) if "eval_loss" in r}
+
+
+@pytest.fixture(scope="module")
+def evaluated(pairs, tmp_path_factory):
+    from megatrain_jax.train import train
+
+    out = str(tmp_path_factory.mktemp("evaluated") / "run")
+    train(_cfg(pairs, out, "train.steps=6", *EVAL), log=lambda _m: None)
+    return out
+
+
+def test_split_keeps_pairs_whole(pairs):
+    """Training draws only from the training pairs (each once per epoch), the eval set only from the others."""
+    from megatrain_jax.data import load_dataset
+    from megatrain_jax.preference_eval import preference_split as eval_split
+
+    cfg = _cfg(pairs, "unused", *EVAL)
+    ds = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=8)
+    train_ds, ev = eval_split(cfg, ds, log=lambda _m: None)
+    held = set(ev.pairs.tolist())
+    assert len(held) == 12 and train_ds.n_pairs == 36
+    seen = np.concatenate([train_ds.batch(s, 8, 48).pairs for s in range(27)])  # three epochs
+    assert not held & set(seen.tolist()) and sorted(seen[:36].tolist()) == sorted(set(range(48)) - held)
+    for batch, rows in ev.batches():  # each eval row pair is a chosen row and its own rejected row
+        assert rows == 8 and (batch.tokens[0::2, :3] == batch.tokens[1::2, :3]).all()
+    again = eval_split(cfg, load_dataset(cfg.data, cfg.model.vocab_size, batch_size=8), log=lambda _m: None)[1]
+    assert np.array_equal(again.pairs, ev.pairs)  # a pure function of (pairs, fraction, data.seed)
+
+
+def test_eval_rewards_equal_a_direct_computation(pairs, evaluated):
+    """The final evaluation's figures equal TRL's, computed from the in-memory reference trainer's log-probabilities
+    of the held-out pairs under the final weights and the initial ones."""
+    import optax
+
+    from megatrain_jax.data import load_dataset
+    from megatrain_jax.preference_eval import preference_split as eval_split
+    from megatrain_jax.models import init_model
+    from megatrain_jax.reference import ReferenceTrainer
+    from megatrain_jax.trainer import Trainer
+
+    ev = _eval_records(evaluated)
+    assert sorted(ev) == [3, 6]
+    cfg = _cfg(pairs, evaluated, "train.steps=6", *EVAL)
+    ds = load_dataset(cfg.data, cfg.model.vocab_size, batch_size=8)
+    held = eval_split(cfg, ds, log=lambda _m: None)[1].pairs
+    b = ds.rows(held, cfg.data.seq_len)
+    tr, _, _ = Trainer.resume(cfg, os.path.join(evaluated, "checkpoints"), None, lambda _m: None)
+    with tr:
+        final = tr.update_model(init_model(cfg.model, cfg.train.seed))
+    pol = -ReferenceTrainer(final, optax.sgd(0.0)).forward_nll(b).nll
+    ref = -ReferenceTrainer(init_model(cfg.model, cfg.train.seed), optax.sgd(0.0)).forward_nll(b).nll
+    beta = cfg.train.beta
+    rc, rr = beta * (pol[0::2] - ref[0::2]), beta * (pol[1::2] - ref[1::2])
+    z = (pol[0::2] - pol[1::2]) - (ref[0::2] - ref[1::2])
+    got = ev[6]
+    assert got["eval_pairs"] == len(held) == 12
+    assert got["eval/rewards/accuracies"] == float((rc > rr).mean())
+    for key, want in (("eval/rewards/margins", (rc - rr).mean()), ("eval/rewards/chosen", rc.mean()),
+                      ("eval/rewards/rejected", rr.mean()), ("eval/logps/chosen", pol[0::2].mean()),
+                      ("eval_loss", np.mean(np.logaddexp(0.0, -beta * z)))):
+        assert abs(got[key] - want) <= 1e-4 * max(abs(want), 1e-2), (key, got[key], want)
+    assert got["eval/rewards/margins"] > 0 and got["eval_loss"] < np.log(2)
+
+
+def test_eval_resume_is_exact(pairs, evaluated, tmp_path):
+    """Resumed from step 3's checkpoint, step 6's evaluation is the same to the bit (the reference from the cache)."""
+    import shutil
+
+    from megatrain_jax.train import train
+
+    out = str(tmp_path / "resumed")
+    shutil.copytree(evaluated, out)
+    shutil.rmtree(os.path.join(out, "checkpoints", "step_00000006"))
+    train(_cfg(pairs, out, "train.steps=6", *EVAL), resume=True, log=lambda _m: None)
+    assert _eval_records(out) == _eval_records(evaluated)
+
+
+@pytest.mark.parametrize("case", ["jsonl", "not_pairs", "too_few_left"])
+def test_bad_preference_eval_inputs(pairs, tmp_path, capsys, case):
+    from cli_runner import check_user_error, run_in_process
+
+    held = tmp_path / "held.jsonl"
+    make_pairs(str(held), 4)
+    text = tmp_path / "held.txt"
+    text.write_bytes(b"plain text, no pairs. " * 20)
+    overrides, field = {"jsonl": ([f"data.eval={held}"], "data.eval"),
+                        "not_pairs": ([f"data.eval={text}"], "data.eval"),
+                        "too_few_left": (["data.eval_fraction=0.95"], "data.eval_fraction")}[case]
+    args = ["train", os.path.join(REPO, "configs", "dpo-tiny.yaml"),
+            *sets(*SMALL, f"data.path={pairs}", f"train.out_dir={tmp_path / 'run'}", *overrides)]
+    check_user_error(run_in_process(args, capsys, watch=str(tmp_path)), field, str(tmp_path))
+
+
+def test_held_out_file_has_its_own_reference_entry(pairs, tmp_path):
+    """``data.eval`` a held-out preference set: its reference log-probabilities are made by the same pass of the
+    initial weights, cached next to it, equal to the initial model's."""
+    from dataclasses import replace
+
+    from megatrain_jax.data import load_dataset
+    from megatrain_jax.data.preference import prepare_preference
+    from megatrain_jax.models import init_model
+    from megatrain_jax.train import train
+
+    held = str(tmp_path / "held")
+    prepare_preference([make_pairs(str(tmp_path / "held.jsonl"), 6, seed=1)], held, chat_template="chatml", quiet=True)
+    out = str(tmp_path / "run")
+    cfg = _cfg(pairs, out, "train.steps=2", f"data.eval={held}", "train.final_checkpoint=false")
+    train(cfg, log=lambda _m: None)
+    ev = _eval_records(out)
+    assert list(ev) == [2] and ev[2]["eval_pairs"] == 4  # one training step's tokens: 4 pairs of the 6
+    cached = np.load(held + ".reference.npy")
+    ds = load_dataset(replace(cfg.data, path=held, eval=None), cfg.model.vocab_size)
+    b = ds.rows(np.arange(6), cfg.data.seq_len)
+    logits = np.asarray(init_model(cfg.model, cfg.train.seed)(b.tokens), np.float64)
+    m = logits.max(-1, keepdims=True)
+    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    seq = (np.take_along_axis(logp, b.labels[..., None], -1)[..., 0] * b.loss_mask).sum(1)
+    np.testing.assert_allclose(cached.reshape(-1), seq, rtol=1e-5)

@@ -38,11 +38,6 @@ def check_eval_fields(cfg: Any) -> None:
                                       or t.eval_tokens <= 0):
         raise UserError("train.eval_tokens", f"must be a positive integer, got {t.eval_tokens!r}",
                         "set train.eval_tokens=N tokens per evaluation, or null for one training step's tokens")
-    objective = getattr(t, "objective", "sft")
-    if objective != "sft" and has_eval(cfg):
-        raise UserError("data.eval" if d.eval else "data.eval_fraction", f"held-out evaluation of a preference "
-                        f"objective (train.objective={objective}) is not offered yet",
-                        "leave data.eval and data.eval_fraction null for this objective")
     if t.eval_every and not (d.eval or d.eval_fraction):
         raise UserError("train.eval_every", f"is {t.eval_every} but there is nothing to evaluate on",
                         "set data.eval (a held-out file) or data.eval_fraction (a share of the data)")

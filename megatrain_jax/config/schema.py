@@ -228,9 +228,11 @@ class DataConfig:
     seed: int = 0
     doc_masking: bool = False  # attention does not cross document boundaries in packed sequences
     eval: str | None = None  # a held-out file to evaluate on (any format prepare takes: .txt, .jsonl, a prepared
-    #                          prefix); null: none (evaluate.py)
+    #                          prefix; preference objectives: a prefix of `prepare --preference`); null: none
+    #                          (evaluate.py, preference_eval.py)
     eval_fraction: float | None = None  # hold out this share (0 < f < 1) of the training samples for evaluation, a
-    #                                     seeded split with no sample in both; null: none
+    #                                     seeded split with no sample in both (preference pairs: whole pairs); null:
+    #                                     none
 
 
 @dataclass
