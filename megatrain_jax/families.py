@@ -108,6 +108,12 @@ class Family:
     def validate(self, cfg: Any) -> None:
         """Raise ``UserError`` for what the family cannot run (after the generic checks)."""
 
+    def frozen_leaves(self, cfg: Any) -> tuple[str, ...]:
+        """Leaf paths inside a group (``mlp/gate/e_score_correction_bias``: that leaf in every block that has it)
+        that no optimizer moves: no weight decay, no moment update, on every update path and the reference
+        trainer. They keep the values they were loaded with (a checkpoint's, or a family's own rule's)."""
+        return ()
+
     def aux_loss(self, cfg: Any) -> Callable | None:
         """fn(total block stats) -> scalar added to the loss, or None: blocks with a true
         ``emits_stats`` return (hidden, stats), summed over layers and tokens (templates.AuxLoss;

@@ -25,6 +25,27 @@ def _cast(tree: Any, dtype) -> Any:
     return jax.tree_util.tree_map(lambda x: x.astype(dtype), tree)
 
 
+def _key(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def frozen_paths(model: Decoder) -> frozenset[str]:
+    """The model's leaves that no optimizer moves (``Family.frozen_leaves``), as "/"-joined paths of its
+    parameter tree."""
+    from megatrain_jax.families import get_family
+
+    cfg = getattr(model, "cfg", None)
+    names = tuple(get_family(cfg.family).frozen_leaves(cfg)) if cfg is not None else ()
+    if not names:
+        return frozenset()
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))
+    return frozenset(k for k in (_key(p) for p, _ in leaves) if any(k == n or k.endswith("/" + n) for n in names))
+
+
+def _where_frozen(frozen: frozenset[str], fn: Callable, tree: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if _key(path) in frozen else x, tree)
+
+
 class ReferenceTrainer:
     """Answers the training loop as ``trainer.Trainer`` does (``step``, ``step_count``, ``lr_at``,
     ``saver``, ``memory_device``, ``close``), so ``train()`` drives either without branching on it."""
@@ -65,10 +86,18 @@ class ReferenceTrainer:
                 loss = jnp.sum(ce * mask) / denom
             return loss if aux is None else loss + aux
 
+        frozen = frozen_paths(model)
+
         def step(params, opt_state, tokens, labels, mask, positions, segment_ids):
             loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels, mask, positions, segment_ids)
+            if frozen:  # no moment update for a frozen leaf: the optimizer sees a zero gradient
+                grads = _where_frozen(frozen, jnp.zeros_like, grads)
             updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+            new = optax.apply_updates(params, updates)
+            if frozen:  # and no weight decay: the value as it was, bit for bit
+                new = jax.tree_util.tree_map_with_path(
+                    lambda path, n, o: o if _key(path) in frozen else n, new, params)
+            return new, opt_state, loss, optax.global_norm(grads)
 
         self._step = jax.jit(step, donate_argnums=(0, 1))
 

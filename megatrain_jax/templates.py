@@ -272,6 +272,7 @@ class StreamedModel:
     logit_softcap: float | None = None  # logits = cap * tanh(logits / cap), inside the chunked loss (Gemma 2)
     embed_takes_positions: bool = False  # embed_fn(weights, (tokens, positions)): learned position embeddings
     pad_id: int | None = None  # a token id embed_fn gives no gradient (padding_idx): stream_io's remapped ids keep it
+    frozen: tuple[str, ...] = ()  # leaf paths (inside a group) no optimizer moves: Family.frozen_leaves
 
     def host_trees(self) -> dict[str, Any]:
         """The group name -> host pytree mapping that the host store is built from."""

@@ -164,7 +164,9 @@ class DeviceUpdates(Updates):
         if self.before_update is not None:
             self.before_update(name, count)
         t0 = time.perf_counter()
+        kept = self.kept(name)
         self.opt.update(g.master, grad.read(0, g.size), g.opt_state, count, scale, g.stream_bits, g.layout.unflatten)
+        self.put_back(name, kept)
         self.xfer.host_written(name, g.stream_view())
         if self.tracer is not None:
             self.tracer.interval("optimizer", name, t0, time.perf_counter())
@@ -227,14 +229,17 @@ class DeviceUpdates(Updates):
     def dispatch(self, u: DeviceUpdate) -> jax.Array:
         """Dispatch the update (the new master is the weights the block uses) and queue its write-back."""
         g = self.store[u.name]
+        kept = self._kept_on_device(u)  # (before the step: it donates the param and state)
         if self.shards is None:
             p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk,
                                                 unflatten=g.layout.unflatten)  # the group's tree (optax: shapes)
-            w = p_new
-        else:  # each GPU updates its share; the block computes with the whole, gathered over NVLink
+        else:  # each GPU updates its share
             p_new, state = self.opt.device_step(u.param, u.grad, u.state, u.scalars, self.o.device_update_chunk,
                                                 mesh=self.k.mesh)
-            w = self.shards.gather(p_new, g.size)
+        if kept is not None:  # the frozen spans as they were, before the block computes with the new weights
+            p_new, state = _put_back(p_new, state, kept)
+        # a split update's block computes with the whole, gathered over NVLink
+        w = p_new if self.shards is None else self.shards.gather(p_new, g.size)
         self._trace("compute", f"update {u.name}", p_new)  # runs on the compute stream
         targets = [(u.name, p_new, g.master)] + [(f"{u.name}/{k}", state[k], u.host_state[k]) for k in u.host_state]
         self.pending[u.name] = fut = self._writer.submit(self._write_back, u.name, u.count, targets,
@@ -245,6 +250,17 @@ class DeviceUpdates(Updates):
             self._writing.popleft().result()
             self.wait_s += time.perf_counter() - t0
         return w
+
+    def _kept_on_device(self, u: DeviceUpdate) -> tuple | None:
+        """The frozen spans of the group's master (and elementwise state) on the device, before its update."""
+        spans = self.frozen.get(u.name)
+        if not spans:
+            return None
+        n = u.param.shape[0]
+        keys = [k for k, a in u.state.items() if a.shape[0] == n] if getattr(self.opt, "elementwise_state", False) \
+            else []
+        return (tuple(spans), [u.param[lo:hi] for lo, hi in spans],
+                {k: [u.state[k][lo:hi] for lo, hi in spans] for k in keys})
 
     def queued(self) -> list[str]:
         """Groups whose update is queued and not yet applied."""
@@ -297,3 +313,28 @@ class DeviceUpdates(Updates):
         self._close_hold()
         self._writer.shutdown()
         self._host.shutdown()
+
+
+def _put_back(p: jax.Array, state: dict, kept: tuple) -> tuple[jax.Array, dict]:
+    """``p`` and ``state`` with the spans ``kept`` holds (``_kept_on_device``) written back, each array keeping its
+    sharding (a split update's share on each GPU)."""
+    spans, param_kept, state_kept = kept
+    new_p, new_state = _PUT_BACK(p, {k: state[k] for k in state_kept}, param_kept, state_kept, spans)
+    if new_p.sharding != p.sharding:
+        new_p = jax.device_put(new_p, p.sharding)
+    out = dict(state)
+    for k, a in new_state.items():
+        out[k] = a if a.sharding == state[k].sharding else jax.device_put(a, state[k].sharding)
+    return new_p, out
+
+
+def _put_back_fn(p, state, param_kept, state_kept, spans):
+    def put(a, vals):
+        for (lo, hi), v in zip(spans, vals):
+            a = a.at[lo:hi].set(v)
+        return a
+
+    return put(p, param_kept), {k: put(a, state_kept[k]) for k, a in state.items()}
+
+
+_PUT_BACK = jax.jit(_put_back_fn, static_argnums=(4,), donate_argnums=(0, 1))

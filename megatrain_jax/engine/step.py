@@ -133,6 +133,8 @@ class StreamedTrainer:
         self.kernels = self._make_kernels()
         groups = Groups(self.num_layers)
         self.updates = self._make_updates(groups, tracer)
+        if parts.frozen and hasattr(self.updates, "freeze"):  # (adapters: the base is never updated anyway)
+            self.updates.freeze(parts.frozen)
         if options.host_state == HOST_STATE_SHARDED and self.store.owned is None:
             self.store.own(lambda n: process_bounds(n, devices, BLOCK), BLOCK)  # (a store filled whole: given back)
         for g in self.store:

@@ -273,6 +273,7 @@ class HostUpdates(Updates):
         g = self.store[name]
         t0 = None
         whole = len(out.chunks) == 1
+        kept = self.kept(name)
         for j, (lo, hi) in enumerate(out.chunks):
             host_grad = out.chunk(j, self)  # waits until it has landed
             if j == 0:
@@ -286,6 +287,7 @@ class HostUpdates(Updates):
                 self.opt.update(g.master[lo:hi], host_grad, self.opt.state_slice(g.opt_state, lo, hi), count, scale,
                                 bits)
             out.release(j, self)
+        self.put_back(name, kept)
         self.xfer.host_written(name, g.stream_view())
         if self.tracer is not None and t0 is not None:
             self.tracer.interval("optimizer", name, t0, time.perf_counter())

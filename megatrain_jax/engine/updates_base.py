@@ -13,6 +13,7 @@ import numpy as np
 from megatrain_jax.engine.holds import HostArray, HoldEnv, PageableHold, make_hold
 from megatrain_jax.engine.kernels import Kernels
 from megatrain_jax.hoststore import HostStore
+from megatrain_jax.optim.fused_adamw import f32_to_bf16_bits
 from megatrain_jax.optim.host import HostOptimizer
 from megatrain_jax.placements import RESWEEP, UPDATE_DEVICE
 from megatrain_jax.plan.options import EngineOptions
@@ -63,6 +64,45 @@ class Updates:
                                                          register=self.on_device, trace=self._trace)) \
             if self.deferred else None
         self.pageable = self.held_in if isinstance(self.held_in, PageableHold) else None  # (its buffers: tests)
+        self.frozen: dict[str, list[tuple[int, int]]] = {}  # per group: the spans no update may change (``freeze``)
+
+    def freeze(self, paths: tuple[str, ...]) -> None:
+        """Leaves the optimizer leaves untouched (``Family.frozen_leaves``): each group's leaves whose path is one of
+        ``paths`` or ends with ``/`` + one. Their values (and their elementwise optimizer state, where the optimizer
+        keeps one value per parameter: ``elementwise_state``) are put back after every update, so weight decay never
+        scales them and their moments stay as they were."""
+        self.frozen = {}
+        for g in self.store:
+            spans = [(leaf.offset, leaf.offset + leaf.size) for leaf in g.layout.leaves
+                     if any(leaf.path == p or leaf.path.endswith("/" + p) for p in paths) and leaf.size]
+            if spans:
+                self.frozen[g.name] = spans
+
+    def kept(self, name: str) -> list[tuple[np.ndarray, int, np.ndarray]]:
+        """Before group ``name``'s host update: copies of its frozen spans (master and elementwise state)."""
+        spans = self.frozen.get(name)
+        if not spans:
+            return []
+        g = self.store[name]
+        if self.store.owned:  # (host state split between processes: only this one's share is updated here)
+            o0, o1 = self.store.owned[name]
+            spans = [(max(lo, o0), min(hi, o1)) for lo, hi in spans if max(lo, o0) < min(hi, o1)]
+        arrays = [g.master]
+        if getattr(self.opt, "elementwise_state", False):
+            arrays += [a for a in self.opt.state_to_arrays(g.opt_state).values() if a.shape[0] == g.size]
+        return [(a, lo, a[lo:hi].copy()) for a in arrays for lo, hi in spans]
+
+    def put_back(self, name: str, kept: list[tuple[np.ndarray, int, np.ndarray]]) -> None:
+        """After group ``name``'s host update: its frozen spans as ``kept`` had them (the bf16 copy too)."""
+        if not kept:
+            return
+        for a, lo, v in kept:
+            a[lo:lo + v.shape[0]] = v
+        g = self.store[name]
+        if g.stream_bits is not None:
+            for a, lo, v in kept:
+                if a is g.master:
+                    g.stream_bits[lo:lo + v.shape[0]] = f32_to_bf16_bits(v)
 
     def register(self, g: Any) -> None:
         """Group ``g``'s host buffers that cross PCIe besides its streaming copy (none here)."""

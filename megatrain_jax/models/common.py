@@ -454,7 +454,8 @@ def streamed_parts(model: Decoder) -> "StreamedModel":
                          head_fn=head_fn,
                          aux_fn=aux_fn, embed_weights=nnx.to_pure_dict(embed_state),
                          head_weights=nnx.to_pure_dict(head_state), tied=cfg.tie_embeddings,
-                         logit_softcap=cfg.final_softcap, pad_id=model.embed.pad_id)
+                         logit_softcap=cfg.final_softcap, pad_id=model.embed.pad_id,
+                         frozen=tuple(get_family(cfg.family).frozen_leaves(cfg)))
 
 
 # equal models get the same part functions, so that their trainers share compiled kernels (engine/kernels.py:

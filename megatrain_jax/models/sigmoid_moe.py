@@ -9,9 +9,10 @@ into ``n_group`` groups, each group scored by the sum of its two best biased sco
 ``topk_group`` groups kept, and the top ``k`` biased scores inside them chosen. The weights are the
 *unbiased* sigmoid scores of the chosen experts, divided by their sum (+1e-20) when
 ``norm_topk_prob``, times ``routed_scaling_factor``. The bias only picks experts: it gets no gradient
-(``stop_gradient``) and is stored and exported as the checkpoint has it. DeepSeek's
-auxiliary-loss-free balancing (updating the bias from the experts' loads after each step,
-``model.router_bias_update_rate``) is refused: the host update has no place for it yet.
+(``stop_gradient``), it is a frozen leaf (``frozen_leaves``: no update path decays it or gives it a
+moment), and it is stored and exported as the checkpoint has it. DeepSeek's auxiliary-loss-free
+balancing (updating the bias from the experts' loads after each step,
+``model.router_bias_update_rate``) is refused: the engine does not collect each layer's loads.
 
 **The layer**: the routed experts (``grouped_experts.routed_experts``, stacked ``mlp/experts/*``,
 one checkpoint tensor per expert) plus ``n_shared_experts`` shared experts, one SwiGLU MLP of width
@@ -259,6 +260,10 @@ class SigmoidMoEFamily(MoEFamily):
         idle = (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden_size * f
         return self.non_embedding_params(cfg) - sparse * idle
 
+    def frozen_leaves(self, cfg: ModelConfig) -> tuple[str, ...]:
+        """The correction bias: never trained by gradient, and not decayed either."""
+        return ("mlp/gate/e_score_correction_bias",)
+
     def aux_loss(self, cfg: ModelConfig):
         return None
 
@@ -278,7 +283,7 @@ class SigmoidMoEFamily(MoEFamily):
         if cfg.router_bias_update_rate:
             raise UserError("model.router_bias_update_rate", "updating the router's correction bias from the "
                             "experts' loads (auxiliary-loss-free balancing) is not implemented: the bias stays as "
-                            "the checkpoint has it", "set model.router_bias_update_rate: 0")
+                            "the checkpoint has it (frozen: no weight decay moves it)", "set model.router_bias_update_rate: 0")
         dense = cfg.mlp_only_layers
         if dense is not None and sorted(dense) != list(range(len(dense))):
             raise UserError("model.mlp_only_layers", f"the {cfg.family} family's dense layers are the first ones "

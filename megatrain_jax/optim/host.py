@@ -154,7 +154,8 @@ class FusedAdamW:
     State: ``{'mu', 'nu'}``, float32 page-aligned arrays (``state_to_arrays`` returns them as views).
     The learning rate of step ``count`` is ``schedule(count - 1)``, as in optax (its schedule sees the
     count before the increment: 0 at the first update). Weight decay applies to every element of the
-    group (optax's ``mask`` is not supported: use ``OptaxHostOptimizer`` for masks)."""
+    group (optax's ``mask`` is not supported: use ``OptaxHostOptimizer`` for masks); a family's frozen leaves
+    are put back by the engine after each update (``engine/updates_base.py``: ``Updates.freeze``)."""
 
     def __init__(self, learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-8, eps_root: float = 0.0, weight_decay: float = 1e-4,
@@ -192,6 +193,7 @@ class FusedAdamW:
     runs_on_device = True  # ``train.update_on=device``: ``device_step`` runs this update on the accelerator
 
     shards_on_device = True  # elementwise: with several GPUs each updates its share of a group (engine/shards.py)
+    elementwise_state = True  # one state value per parameter, at its offset: a frozen leaf's state is put back too
 
     def device_step(self, param, grad, state: dict, scalars: tuple, chunk: int | None = None,
                     unflatten: Unflatten | None = None, mesh: Any = None):
@@ -253,6 +255,11 @@ class CompactAdamW(FusedAdamW):
         if moments == "int8":
             compact_adamw.check_gather_env()
         self.chunk_align = compact_adamw.BLOCK if moments == "int8" else 1
+
+    @property
+    def elementwise_state(self) -> bool:
+        """bf16 moments sit at each parameter's offset; int8 codes share a block's scale with their neighbours."""
+        return self.moments == "bfloat16"
 
     def bytes_per_param(self) -> float:
         return 4.0 if self.moments == "bfloat16" else 2.0 + 8.0 / self._ca.BLOCK
