@@ -440,9 +440,9 @@ class ForwardPass:
 
 
 def forward_pass(trainer: Any):
-    """The forward-only pass of a run's trainer: the streamed engine's ``ForwardPass``, or the reference
-    trainer's own (``ReferenceTrainer.forward_nll``)."""
-    engine = getattr(trainer, "engine", None)
+    """The forward-only pass of a run's trainer (``trainer_protocol.TrainerProtocol``): the streamed engine's
+    ``ForwardPass``, or the reference trainer's own (``ReferenceTrainer.forward_nll``)."""
+    engine = trainer.engine
     if engine is None:
         return trainer.forward_nll  # the reference trainer: a plain in-memory forward
     return ForwardPass(engine).run

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from megatrain_jax.engine import Batch, StepResult, chunked_cross_entropy
+from megatrain_jax.errors import UserError
 from megatrain_jax.models.common import Decoder
 
 
@@ -47,11 +48,13 @@ def _where_frozen(frozen: frozenset[str], fn: Callable, tree: Any) -> Any:
 
 
 class ReferenceTrainer:
-    """Answers the training loop as ``trainer.Trainer`` does (``step``, ``step_count``, ``lr_at``,
-    ``saver``, ``memory_device``, ``close``), so ``train()`` drives either without branching on it."""
+    """Answers ``trainer_protocol.TrainerProtocol`` as ``trainer.Trainer`` does, so ``train()`` drives
+    either without branching on it; it writes no checkpoints, has no plan and exports nothing."""
 
     engine = None  # no streamed engine: no per-layer timeline, no fault hooks
     store = None  # no host store: nothing to export
+    sharded_checkpoints = False
+    step_count = 0  # optimizer updates applied (set per instance)
 
     def __init__(self, model: Decoder, tx: optax.GradientTransformation, compute_dtype: str = "float32",
                  remat: bool = False, device: jax.Device | None = None, loss_chunk: int | None = None,
@@ -64,10 +67,10 @@ class ReferenceTrainer:
         self._lr_at = lr_at
         self.graphdef, state = nnx.split(model)
         self.device = device or jax.devices()[0]
-        self.params = jax.device_put(nnx.to_pure_dict(state), self.device)
+        self.weights = jax.device_put(nnx.to_pure_dict(state), self.device)
         self.tx = tx
         # committed to the device as the step's outputs are: the first step compiles the step the later ones use
-        self.opt_state = jax.device_put(tx.init(self.params), self.device)
+        self.opt_state = jax.device_put(tx.init(self.weights), self.device)
         dtype = jnp.dtype(compute_dtype)
         graphdef = self.graphdef
 
@@ -114,8 +117,8 @@ class ReferenceTrainer:
         b, s = batch.tokens.shape
         mask = batch.loss_mask if batch.loss_mask is not None else np.ones((b, s), np.float32)
         pos = batch.positions if batch.positions is not None else np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
-        self.params, self.opt_state, loss, norm = self._step(
-            self.params, self.opt_state, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.labels, jnp.int32),
+        self.weights, self.opt_state, loss, norm = self._step(
+            self.weights, self.opt_state, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.labels, jnp.int32),
             jnp.asarray(mask, jnp.float32), jnp.asarray(pos, jnp.int32),
             None if batch.segment_ids is None else jnp.asarray(batch.segment_ids, jnp.int32))
         self.step_count += 1
@@ -129,13 +132,16 @@ class ReferenceTrainer:
         mask = batch.loss_mask if batch.loss_mask is not None else np.ones((b, s), np.float32)
         pos = batch.positions if batch.positions is not None else np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
         nll, toks = self._forward_nll(
-            self.params, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.labels, jnp.int32),
+            self.weights, jnp.asarray(batch.tokens, jnp.int32), jnp.asarray(batch.labels, jnp.int32),
             jnp.asarray(mask, jnp.float32), jnp.asarray(pos, jnp.int32),
             None if batch.segment_ids is None else jnp.asarray(batch.segment_ids, jnp.int32))
         return ForwardResult(np.asarray(nll, np.float64), np.asarray(toks, np.float64))
 
-    def params_tree(self) -> Any:
-        return jax.tree_util.tree_map(np.asarray, self.params)
+    def params(self) -> Any:
+        """The current weights (numpy copies), in the model's own tree."""
+        return jax.tree_util.tree_map(np.asarray, self.weights)
+
+    params_tree = params
 
     @classmethod
     def from_config(cls, cfg, model: Decoder | None = None) -> "ReferenceTrainer":
@@ -160,6 +166,19 @@ class ReferenceTrainer:
     def saver(self, directory: str, **_: Any) -> None:
         """The reference engine writes no checkpoints."""
         return None
+
+    def save(self, directory: str, **_: Any) -> str:
+        raise UserError("train.engine", "the reference engine writes no checkpoints", "use train.engine=streamed")
+
+    def restore(self, directory: str, log: Any = None) -> dict:
+        raise UserError("train.engine", "the reference engine writes no checkpoints", "use train.engine=streamed")
+
+    def plan(self, *a: Any, **k: Any) -> None:
+        """No memory plan: the whole model lives in device memory."""
+        return None
+
+    def export(self, cfg: Any, out: str, **_: Any) -> None:
+        raise UserError("train.export", "the reference engine exports nothing", "use train.engine=streamed")
 
     def close(self) -> None:
         pass

@@ -27,6 +27,7 @@ from megatrain_jax.plan import plan_or_refuse
 from megatrain_jax.preference_eval import preference_split
 from megatrain_jax.reference_logps import preference_start
 from megatrain_jax.trainer import Trainer
+from megatrain_jax.trainer_protocol import TrainerProtocol
 
 Log = Callable[[str], None]
 
@@ -42,7 +43,7 @@ def reference_trainer(cfg: Config, model=None):
 class RunStart:
     """What a run starts from, once every check has passed."""
 
-    trainer: Any  # Trainer, or the reference trainer (same interface)
+    trainer: TrainerProtocol  # Trainer, or the reference trainer
     plan: Any  # the memory plan (None for the reference engine)
     dataset: Any
     root: str  # the checkpoint directory

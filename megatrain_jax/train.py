@@ -43,7 +43,6 @@ import yaml
 from megatrain_jax import checkpoint as ck
 from megatrain_jax.config import Config
 from megatrain_jax.distributed import is_main
-from megatrain_jax.placements import HOST_STATE_SHARDED
 from megatrain_jax.engine import Batch, StreamedTrainer
 from megatrain_jax.errors import UserError
 from megatrain_jax.evaluate import eta_with_evals
@@ -256,9 +255,8 @@ class _Loop:
         self.last_good = int(loop.get("last_good_step", start.start_step))
         self.rng = ck.rng_state(cfg)
         # process 0 writes the checkpoints; with a sharded host state every process writes its own shares
-        sharded = getattr(getattr(start.plan, "options", None), "host_state", None) == HOST_STATE_SHARDED  # (LoRA: none)
         self.saver = self.trainer.saver(start.root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
-            if main or sharded else None  # None too where the trainer writes no checkpoints (the reference engine)
+            if main or self.trainer.sharded_checkpoints else None  # None too where the trainer writes none (reference)
         if self.saver is not None and hooks.kill_in_save is not None:
             self.saver.kill_in_save = hooks.kill_in_save
         if self.saver is not None and hooks.sigint_in_save is not None:
@@ -268,6 +266,7 @@ class _Loop:
         self.stopped_by: str | None = None
         self.final_path: str | None = None
         self.abandoned_step: int | None = None  # a save given up by an abort (a second signal)
+        self._reported = 0  # saves reported so far (saver.history)
 
     def run(self) -> None:
         """Steps ``start_step + 1 .. train.steps``; stops early (with a checkpoint) on a signal or on
@@ -326,7 +325,7 @@ class _Loop:
         """Step ``s`` (1-based): the batch of index ``s - 1`` (a pure function of the step)."""
         t, d = self.cfg.train, self.cfg.data
         batch = to_engine_batch(self.start.dataset.batch(s - 1, t.batch_size, d.seq_len), d.doc_masking)
-        engine = getattr(self.trainer, "engine", None)
+        engine = self.trainer.engine
         traced = _Timeline(engine, t.out_dir, s, self.log) if (self.main and s == t.trace_step) \
             else contextlib.nullcontext()
         poisoned = engine.nan_forward() if s in self.hooks.nan_steps else contextlib.nullcontext()
@@ -399,8 +398,8 @@ class _Loop:
 
     def _report_saved(self) -> None:
         """One line for each save committed since the last report (``CheckpointSaver.history``)."""
-        history = getattr(self.saver, "history", [])
-        for st in history[getattr(self, "_reported", 0):]:
+        history = self.saver.history if self.saver is not None else []
+        for st in history[self._reported:]:
             self.log(f"checkpoint: step {st.step} saved to {st.path} ({st.nbytes / 1e9:.3f} GB in {st.write_s:.2f}s; "
                      f"training loop blocked {st.call_s:.3f}s, updates held {st.held_s:.3f}s)")
         self._reported = len(history)
@@ -434,9 +433,8 @@ class _Loop:
                 if not aborted:
                     raise
             finally:
-                settle = getattr(self.saver, "settle", None)  # CheckpointSaver's; LoRA's saver writes in-line
-                if aborted and settle is not None:
-                    settle()
+                if aborted and self.saver is not None:
+                    self.saver.settle()  # (a saver that writes in-line has nothing to settle)
                 try:
                     self.metrics.close()
                 except OSError as e:  # (a full disk): never in place of the error being reported
@@ -500,7 +498,7 @@ def _train_locked(cfg: Config, start: RunStart, resume: bool, log: Log, hooks: T
     except KeyboardInterrupt as e:  # a second signal (or Ctrl-C without our handler): one line, no traceback
         raise KeyboardInterrupt(loop.abort_line(str(e) or "interrupted")) from None
     if t.export and loop.stopped_by is None and main:  # the weights (LoRA: the adapter, in the PEFT format)
-        start.trainer.export_run(cfg, t.export, sources=start.inputs, own_run=t.out_dir, log=log)
+        start.trainer.export(cfg, t.export, sources=start.inputs, own_run=t.out_dir, log=log)
     summary = _summary(cfg, loop, resume, time.perf_counter() - t0)
     if main:
         with open(os.path.join(t.out_dir, "summary.json"), "w") as f:

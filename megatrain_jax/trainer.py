@@ -31,11 +31,12 @@ from megatrain_jax.config import Config, OptimConfig
 from megatrain_jax.distributed import run_devices
 from megatrain_jax.engine import Batch, StepResult, StreamedTrainer
 from megatrain_jax.engine.step import as_batch  # noqa: F401 (its public home was here)
-from megatrain_jax.engine.variants import library_trainer, new_run, resumed_run
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim import HostOptimizer, OptaxHostOptimizer, build_host_optimizer
+from megatrain_jax.plan.lora import LORA, variant
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import StreamedModel
+from megatrain_jax.trainer_protocol import Saver, TrainerProtocol
 
 
 def host_optimizer(optimizer: Any, steps: int | None = None) -> HostOptimizer:
@@ -81,34 +82,16 @@ class PlanView:
         return self.plan.verdict()
 
 
-class Trainer:
-    """Streamed training of a Flax model (see the module docstring).
-
-    ``model``: a ``StreamedModel`` (from ``stream.stream`` or ``models.streamed_parts``), or an NNX
-    model / Linen module (``params=`` its params) with ``stream_kwargs`` passed on to ``stream``.
-    ``optimizer``: ``OptimConfig``, ``optax.GradientTransformation`` or ``HostOptimizer``.
-    ``options``: the engine's ``EngineOptions`` (what the memory plan decides; default: its
-    defaults); ``micro_batches``, ``clip_norm`` ("auto": the ``OptimConfig``'s, else none),
-    ``compute_dtype``, ``loss_chunk``, ``seed`` (dropout keys: ``templates.block_rng(seed, step,
-    layer, micro_batch)``) and ``skip_nonfinite`` set its fields. ``steps``: the run's length, for
-    schedules that decay over it. ``store``: an already-filled ``HostStore`` for the model.
-    ``lora``: a ``LoraConfig`` (or dict): train LoRA adapters on the model's targeted ``nnx.Linear``
-    modules over a frozen base instead (the engine's LoRA variant: ``engine/variants.py`` gives a
-    ``engine/lora_stream.LoraStreamTrainer``).
-
-    From a ``Config`` (what ``megatrain-jax train`` does): ``from_config`` or ``resume``.
-    """
-
-    def __new__(cls, *args: Any, lora: Any = None, **kwargs: Any):
-        return library_trainer(cls, lora, args, kwargs)  # adapters: the LoRA variant's trainer object
+class StreamedRun:
+    """Full training through the streamed engine: every weight trained (``Trainer``'s run without
+    adapters; see ``Trainer`` for the arguments)."""
 
     def __init__(self, model: Any, optimizer: Any = None, *, options: EngineOptions | None = None,
                  store: Any = None, params: Any = None, steps: int | None = None, micro_batches: int | None = None,
                  clip_norm: float | None | str = "auto", compute_dtype: str | None = None,
                  loss_chunk: int | None = None, seed: int | None = None, skip_nonfinite: bool | None = None,
-                 device: jax.Device | None = None, devices: list[jax.Device] | None = None, lora: Any = None,
+                 device: jax.Device | None = None, devices: list[jax.Device] | None = None,
                  **stream_kwargs: Any):
-        del lora  # None here (with adapters, __new__ returns the LoRA variant's trainer instead)
         if isinstance(model, StreamedModel):
             if params is not None or stream_kwargs:
                 raise UserError("params", "a StreamedModel is already split", "pass params/stream options to stream()")
@@ -142,19 +125,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------- from a config
 
     @classmethod
-    def from_config(cls, cfg: Config, plan=None, *, model: Any = None) -> "Trainer":
-        """A new run of ``cfg``: the host store initialised part by part from ``train.seed`` (the
-        whole model is never materialised), or filled from a Hugging Face checkpoint
-        (``model.from_hf``), or from ``model`` (a ``models.llama`` Decoder) when given; the engine
-        options are the memory plan's (``plan.options``; planned, and refused if it does not fit,
-        when not given), on the run's devices (``train.devices``), exactly as ``megatrain-jax
-        train`` runs it. A model with adapters (``model.lora``) gets the engine's LoRA variant
-        (``engine/variants.py``)."""
-        return new_run(cfg, plan, lambda cfg, plan: cls.full_run(cfg, plan, model=model))
-
-    @classmethod
-    def full_run(cls, cfg: Config, plan=None, *, model: Any = None) -> "Trainer":
-        """``from_config`` for full training (every weight trained; ``engine/variants.py`` sends it here)."""
+    def from_config(cls, cfg: Config, plan=None, *, model: Any = None) -> "StreamedRun":
+        """``Trainer.from_config`` for full training (every weight trained)."""
         from megatrain_jax.models.llama import init_host_store
 
         plan = _plan(cfg, plan)
@@ -175,16 +147,8 @@ class Trainer:
         return cls._of_config(parts, store, build_host_optimizer(cfg.optim, cfg.train.steps), cfg, plan)
 
     @classmethod
-    def resume(cls, cfg: Config, root: str, plan=None, log=print) -> tuple["Trainer", str, dict]:
-        """``cfg``'s run continued from the newest usable checkpoint in ``root``: the host store is
-        allocated empty and restored group by group (never initialised first), the step count (hence
-        the LR schedule) restored. Returns the trainer, the checkpoint's path and its state.json. A model
-        with adapters resumes the engine's LoRA variant (``engine/variants.py``)."""
-        return resumed_run(cfg, root, plan, log, cls.full_resume)
-
-    @classmethod
-    def full_resume(cls, cfg: Config, root: str, plan=None, log=print) -> tuple["Trainer", str, dict]:
-        """``resume`` for full training (``engine/variants.py`` sends it here)."""
+    def resume(cls, cfg: Config, root: str, plan=None, log=print) -> tuple["StreamedRun", str, dict]:
+        """``Trainer.resume`` for full training."""
         from megatrain_jax.hoststore import HostStore
         from megatrain_jax.models.llama import abstract_model, streamed_parts
         from megatrain_jax.templates import Layout
@@ -202,7 +166,7 @@ class Trainer:
         return self, path, state
 
     @classmethod
-    def _of_config(cls, parts: StreamedModel, store: Any, host_opt: HostOptimizer, cfg: Config, plan) -> "Trainer":
+    def _of_config(cls, parts: StreamedModel, store: Any, host_opt: HostOptimizer, cfg: Config, plan) -> "StreamedRun":
         """The trainer of ``cfg`` over made parts, a filled store and its host optimizer."""
         self = cls(parts, host_opt, options=plan.options, store=store, steps=cfg.train.steps,
                    devices=run_devices(plan.options.devices))
@@ -231,6 +195,13 @@ class Trainer:
     def memory_device(self) -> jax.Device | None:
         """The device whose memory ``memory.memory_snapshot`` reports (None: compute on the host's CPU)."""
         return self.engine.device if self.engine.xfer.on_gpu else None
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Every process writes its own shares of a checkpoint (``train.host_state=sharded``)."""
+        from megatrain_jax.placements import HOST_STATE_SHARDED
+
+        return self.engine.options.host_state == HOST_STATE_SHARDED
 
     def step(self, batch: Any) -> StepResult:
         """One optimizer step; ``StepResult(loss, grad_norm, tokens, skipped)``."""
@@ -330,9 +301,9 @@ class Trainer:
         cfg = Config(model=m, optim=opt, data=DataConfig(seq_len=seq_len), train=t)
         return PlanView(make_plan(cfg, attention=attention), cfg)
 
-    def export_run(self, cfg: Config, out: str, *, sources=(), own_run: str | None = None, log=print) -> None:
+    def export(self, cfg: Config, out: str, *, sources=(), own_run: str | None = None, log=print) -> None:
         """``train.export`` at the end of a config run: the weights as a Hugging Face directory (``hf.export_hf``;
-        the LoRA variant's ``export_run`` writes its adapter)."""
+        a run of adapters writes its adapter)."""
         from megatrain_jax.hf import export_hf
 
         export_hf(self.store, cfg.model, out, cfg.train.export_dtype, overwrite=True, sources=sources,
@@ -340,6 +311,172 @@ class Trainer:
 
     def close(self) -> None:
         self.engine.close()
+
+    def __enter__(self) -> "StreamedRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Trainer:
+    """Streamed training of a Flax model (see the module docstring); answers ``TrainerProtocol``.
+
+    ``model``: a ``StreamedModel`` (from ``stream.stream`` or ``models.streamed_parts``), or an NNX
+    model / Linen module (``params=`` its params) with ``stream_kwargs`` passed on to ``stream``.
+    ``optimizer``: ``OptimConfig``, ``optax.GradientTransformation`` or ``HostOptimizer``.
+    ``options``: the engine's ``EngineOptions`` (what the memory plan decides; default: its
+    defaults); ``micro_batches``, ``clip_norm`` ("auto": the ``OptimConfig``'s, else none),
+    ``compute_dtype``, ``loss_chunk``, ``seed`` (dropout keys: ``templates.block_rng(seed, step,
+    layer, micro_batch)``) and ``skip_nonfinite`` set its fields. ``steps``: the run's length, for
+    schedules that decay over it. ``store``: an already-filled ``HostStore`` for the model.
+    ``lora``: a ``LoraConfig`` (or dict): the trained subset is the LoRA adapters on the model's
+    targeted ``nnx.Linear`` modules, over a frozen (possibly int8) base (``engine/lora_stream.py``).
+
+    From a ``Config`` (what ``megatrain-jax train`` does): ``from_config`` or ``resume``. The work is
+    done by ``run``: a ``StreamedRun`` (every weight trained) or a run of adapters
+    (``engine/lora_stream.LoraStreamTrainer`` over a user's model, ``engine/lora_run.LoraTrainer`` for a
+    config's ``model.lora``); this class is the one public face of all of them.
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, *, lora: Any = None, **kwargs: Any):
+        if variant(lora) == LORA:
+            from megatrain_jax.engine.lora_stream import LoraStreamTrainer
+
+            self.run: TrainerProtocol = LoraStreamTrainer(model, optimizer, lora=lora, **kwargs)
+        else:
+            self.run = StreamedRun(model, optimizer, **kwargs)
+
+    @classmethod
+    def of_run(cls, run: TrainerProtocol) -> "Trainer":
+        """The trainer whose work ``run`` does (``from_config``, ``resume``)."""
+        self = cls.__new__(cls)
+        self.run = run
+        return self
+
+    @classmethod
+    def from_config(cls, cfg: Config, plan=None, *, model: Any = None) -> "Trainer":
+        """A new run of ``cfg``: the host store initialised part by part from ``train.seed`` (the
+        whole model is never materialised), or filled from a Hugging Face checkpoint
+        (``model.from_hf``), or from ``model`` (a ``models.llama`` Decoder) when given; the engine
+        options are the memory plan's (``plan.options``; planned, and refused if it does not fit,
+        when not given), on the run's devices (``train.devices``), exactly as ``megatrain-jax
+        train`` runs it. With ``model.lora`` the adapters are trained over a frozen base
+        (``engine/lora_run.LoraTrainer``)."""
+        if variant(cfg.model.lora) == LORA:
+            from megatrain_jax.engine.lora_run import LoraTrainer
+
+            return cls.of_run(LoraTrainer.from_config(cfg, plan))
+        return cls.of_run(StreamedRun.from_config(cfg, plan, model=model))
+
+    @classmethod
+    def resume(cls, cfg: Config, root: str, plan=None, log=print) -> tuple["Trainer", str, dict]:
+        """``cfg``'s run continued from the newest usable checkpoint in ``root``: the host store is
+        allocated empty and restored group by group (never initialised first), the step count (hence
+        the LR schedule) restored. Returns the trainer, the checkpoint's path and its state.json."""
+        if variant(cfg.model.lora) == LORA:
+            from megatrain_jax.engine.lora_run import LoraTrainer
+
+            run, path, state = LoraTrainer.resume(cfg, root, plan, log)
+        else:
+            run, path, state = StreamedRun.resume(cfg, root, plan, log)
+        return cls.of_run(run), path, state
+
+    # ------------------------------------------------------------------------ what the run holds
+
+    @property
+    def engine(self) -> Any:
+        """The streamed engine (``engine/step.StreamedTrainer``, or ``engine/lora.LoraEngine``)."""
+        return self.run.engine
+
+    @property
+    def store(self) -> Any:
+        """The host store: the trained weights and optimizer state per group (adapters: the frozen base)."""
+        return self.run.store
+
+    @property
+    def parts(self) -> Any:
+        return self.run.parts
+
+    @property
+    def opt(self) -> Any:
+        return self.run.opt
+
+    @property
+    def optimizer_spec(self) -> Any:
+        return self.run.optimizer_spec
+
+    @property
+    def options(self) -> EngineOptions:
+        return self.run.options
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The engine settings a checkpoint records."""
+        return self.run.settings
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer updates applied so far."""
+        return self.run.step_count
+
+    @property
+    def memory_device(self) -> jax.Device | None:
+        return self.run.memory_device
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        return self.run.sharded_checkpoints
+
+    # ------------------------------------------------------------------------ the protocol
+
+    def step(self, batch: Any) -> StepResult:
+        """One optimizer step; ``StepResult(loss, grad_norm, tokens, skipped)``."""
+        return self.run.step(batch)
+
+    def lr_at(self, count: int) -> float | None:
+        """The learning rate of update ``count`` (1-based), or None where the optimizer hides it."""
+        return self.run.lr_at(count)
+
+    def params(self) -> Any:
+        """The current weights (copies), in the model's own tree structure."""
+        return self.run.params()
+
+    def update_model(self, model: Any) -> Any:
+        """Write the current weights into an NNX model (in place; returned); Linen: returns params."""
+        return self.run.update_model(model)
+
+    def adapters(self) -> Any:
+        """A run of adapters: per block, the adapter leaves (fp32 numpy copies)."""
+        return self.run.adapters()
+
+    def merged_params(self) -> Any:
+        """A run of adapters on a Linen module: its params with the adapters folded in."""
+        return self.run.merged_params()
+
+    def saver(self, directory: str, *, keep_last: int = 2, keep_every: int = 0, log=lambda _: None) -> Saver | None:
+        """Background checkpoints into ``directory`` while training continues (``StreamedRun.saver``)."""
+        return self.run.saver(directory, keep_last=keep_last, keep_every=keep_every, log=log)
+
+    def save(self, directory: str, *, keep_last: int = 2, meta: dict | None = None, log=lambda _: None) -> str:
+        """A checkpoint into ``directory/step_<count>`` (atomic, checksummed; the ``keep_last`` newest kept)."""
+        return self.run.save(directory, keep_last=keep_last, meta=meta, log=log)
+
+    def restore(self, directory: str, log=lambda _: None) -> dict:
+        """Load the newest usable checkpoint in ``directory``; returns its state.json."""
+        return self.run.restore(directory, log=log)
+
+    def plan(self, *args: Any, **kwargs: Any) -> Any:
+        """The CLI's memory plan for this model (``StreamedRun.plan``)."""
+        return self.run.plan(*args, **kwargs)
+
+    def export(self, cfg: Config, out: str, *, sources=(), own_run: str | None = None, log=print) -> None:
+        """``train.export`` at the end of a config run: the weights as a Hugging Face directory, or a run's
+        adapter in the PEFT format."""
+        self.run.export(cfg, out, sources=sources, own_run=own_run, log=log)
+
+    def close(self) -> None:
+        self.run.close()
 
     def __enter__(self) -> "Trainer":
         return self

@@ -79,7 +79,7 @@ def test_trainer_lora_equals_in_memory(dropout, micro, base_dtype="float32"):
     tr = Trainer(model, tx, lora=lora, clip_norm=clip, compute_dtype="float32", micro_batches=micro, loss_chunk=16,
                  seed=0, **_kwargs(model))
     assert tr.parts.blocks.takes_rng == (dropout > 0)
-    assert isinstance(tr, LoraStreamTrainer)
+    assert isinstance(tr, Trainer) and isinstance(tr.run, LoraStreamTrainer)
     got = [tr.step(b) for b in batches]
     losses, norms, ad = _reference(model, lora, 0, tx, clip, batches)
     for r, loss, norm in zip(got, losses, norms):
@@ -190,7 +190,7 @@ def test_trainer_lora_on_a_linen_module_equals_merged_kernels_in_memory():
     tx, clip = optax.adamw(3e-3, b1=0.9, b2=0.95, weight_decay=0.01), 0.02
     tr = Trainer(module, tx, params=params, lora=lora, clip_norm=clip, compute_dtype="float32", micro_batches=2,
                  loss_chunk=16, seed=0)
-    assert isinstance(tr, LoraStreamTrainer)
+    assert isinstance(tr, Trainer) and isinstance(tr.run, LoraStreamTrainer)
     ad = {f"encoderdecoderblock_{i}": a for i, a in enumerate(tr.adapters())}
     assert sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(ad["encoderdecoderblock_0"])) \
         == sorted(f"['{m}']['{t}']['{leaf}']" for m, t in [("MlpBlock_0", "Dense_0")] +

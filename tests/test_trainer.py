@@ -165,3 +165,23 @@ def test_the_cli_runs_through_trainer_and_equals_it(tmp_path, monkeypatch):
     ref = train_mod.train(cfg("train.engine=reference", f"train.out_dir={tmp_path / 'ref'}"), log=lambda _: None)
     assert made == [] and ref["steps"] == 5 and ref["checkpoint"] is None
     np.testing.assert_allclose(ref["first_loss"], straight[0], rtol=1e-4)
+
+
+def test_every_trainer_answers_the_protocol():
+    """``Trainer``, its runs (full training, adapters over a user's model or a config's) and the in-memory
+    reference answer ``TrainerProtocol``, which ``train.py`` drives without asking which one it holds."""
+    from megatrain_jax import checkpoint as ck
+    from megatrain_jax.engine.lora_run import LoraSaver, LoraTrainer
+    from megatrain_jax.engine.lora_stream import LoraStreamTrainer
+    from megatrain_jax.reference import ReferenceTrainer
+    from megatrain_jax.trainer import StreamedRun
+    from megatrain_jax.trainer_protocol import Saver, TrainerProtocol
+
+    def members(proto):
+        return [n for n in vars(proto) if not n.startswith("_")]
+
+    assert {"step", "params", "save", "restore", "plan", "export"} <= set(members(TrainerProtocol))
+    for cls in (Trainer, StreamedRun, LoraStreamTrainer, LoraTrainer, ReferenceTrainer):
+        assert [n for n in members(TrainerProtocol) if not hasattr(cls, n)] == [], cls.__name__
+    assert [n for n in members(Saver) if not hasattr(LoraSaver, n)] == []
+    assert [n for n in members(Saver) if not hasattr(ck.CheckpointSaver, n)] == []

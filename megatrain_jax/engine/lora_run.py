@@ -81,7 +81,7 @@ class LoraTrainer:
             from megatrain_jax.hf import resolve_hf_model_config
 
             resolve_hf_model_config(cfg.model)
-        self.cfg, self.plan = cfg, plan
+        self.cfg, self.memory_plan = cfg, plan
         t = cfg.train
         self.model = LoraModel(cfg.model)
         store = build_frozen_store(cfg, self.model, log)
@@ -152,8 +152,26 @@ class LoraTrainer:
     def memory_device(self):
         return self.engine.device if self.engine.device.platform == "gpu" else None
 
+    sharded_checkpoints = False  # one process writes the adapters
+
+    def params(self) -> list[Any]:
+        """The trained weights: per block, the adapter leaves (fp32 numpy copies)."""
+        return self.engine.adapters_host()
+
     def saver(self, directory: str, *, keep_last: int = 2, keep_every: int = 0, log=lambda _: None) -> "LoraSaver":
         return LoraSaver(self, directory, keep_last=keep_last, keep_every=keep_every, log=log)
+
+    def save(self, directory: str, *, keep_last: int = 2, meta: dict | None = None, log=lambda _: None) -> str:
+        """A checkpoint of the adapters, their optimizer state and the count into ``directory/step_<count>``."""
+        return self.saver(directory, keep_last=keep_last, log=log).save(self.engine.count, meta or {}, wait=True)
+
+    def restore(self, directory: str, log=lambda _: None) -> dict:
+        """A config run is continued from its checkpoints by ``resume``."""
+        raise UserError("restore", "a config run of adapters is continued by resume", "megatrain-jax train --resume")
+
+    def plan(self, *a: Any, **k: Any) -> Any:
+        """The memory plan this run was built with."""
+        return self.memory_plan
 
     def write_adapters(self, ckpt_dir: str) -> None:
         write_peft_adapters(ckpt_dir, self.engine.adapters_host(), self.cfg.model)
@@ -164,7 +182,7 @@ class LoraTrainer:
         log(f"adapter: saved in the PEFT format to {path}")
         return path
 
-    def export_run(self, cfg: Config, out: str, *, sources=(), own_run: str | None = None, log=print) -> None:
+    def export(self, cfg: Config, out: str, *, sources=(), own_run: str | None = None, log=print) -> None:
         """``train.export`` at the end of a LoRA run: the adapter in the PEFT format (``save_adapter``; the
         base with it merged in: ``megatrain-jax export RUN OUT --merge-lora``, ``hf/merge.py``)."""
         del cfg, sources, own_run  # (the run's own config; the adapter directory is small and always new)
@@ -202,6 +220,7 @@ class LoraSaver:
         self.trainer, self.root, self.keep_last, self.keep_every, self.log = trainer, root, keep_last, keep_every, log
         self.history: list[ck.SaveStats] = []
         self.kill_in_save: int | None = None
+        self.sigint_in_save: int | None = None  # (fault injection: a save here is never in flight)
         self._unreported: ck.SaveStats | None = None
 
     def save(self, step: int, meta: dict, *, wait: bool = False) -> str:
@@ -245,3 +264,8 @@ class LoraSaver:
 
     def abandon(self) -> None:
         pass
+
+    def settle(self, timeout: float = 300.0) -> bool:
+        """Nothing to settle: every save is written before ``save`` returns."""
+        del timeout
+        return True

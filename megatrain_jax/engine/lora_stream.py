@@ -124,9 +124,8 @@ def _lora_config(lora: Any) -> LoraConfig:
 
 
 class LoraStreamTrainer:
-    """What ``Trainer(model, optimizer, lora=...)`` returns (see the module docstring): the ``Trainer``
-    interface (``step``, ``step_count``, ``lr_at``, ``params``, ``update_model``, ``close``) over a
-    ``LoraEngine``; not a ``Trainer`` subclass (trainer.py imports this module, not the reverse)."""
+    """The run of ``Trainer(model, optimizer, lora=...)`` (see the module docstring): the trainer
+    protocol (``trainer_protocol.TrainerProtocol``) over a ``LoraEngine``; ``Trainer`` is its public face."""
 
     def __init__(self, model: Any, optimizer: Any = None, *, lora: Any, options: EngineOptions | None = None,
                  store: Any = None, params: Any = None, steps: int | None = None, micro_batches: int | None = None,
@@ -250,6 +249,14 @@ class LoraStreamTrainer:
     @property
     def memory_device(self):
         return self.engine.device if self.engine.device.platform == "gpu" else None
+
+    sharded_checkpoints = False  # one process writes the adapters
+
+    def export(self, cfg: Any, out: str, *, sources=(), own_run: str | None = None, log=print) -> None:
+        """The adapters as a PEFT directory needs a registry model's config: a config run exports them."""
+        del cfg, out, sources, own_run, log
+        raise UserError("export", "Trainer(..., lora=) keeps the adapters in your model's tree",
+                        "use tr.adapters(), tr.update_model(model) or tr.merged_params()")
 
     def adapters(self) -> list[Any]:
         """Per block, the adapter leaves (fp32 numpy copies) nested as the block's weights."""

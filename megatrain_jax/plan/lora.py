@@ -14,7 +14,7 @@ a recompute and a backward without weight gradients (about 4 x 2·N·T FLOPs whe
 4 x 2·N·T with 2·N·T of them weight gradients); the larger of the two bounds the step.
 
 These are the plan's LoRA rows: ``variant`` is the one place the choice "LoRA or full training" is made
-(the plan's entries ``plan_of`` / ``plan_or_refuse`` and the engine's ``engine/variants.py`` dispatch on
+(the plan's entries ``plan_of`` / ``plan_or_refuse`` and ``trainer.Trainer`` dispatch on
 it); ``lora_plan`` / ``lora_plan_or_refuse`` give these rows for a model with adapters, None otherwise.
 """
 from __future__ import annotations
