@@ -184,7 +184,7 @@ def prepare(cfg: Any, trainer: Any, dataset: Any, plan: Any, resume: bool, log: 
     from megatrain_jax.objectives import from_config
 
     obj = from_config(cfg.train)
-    engine = getattr(trainer, "engine", trainer)
+    engine = trainer.engine  # (trainer_protocol.TrainerProtocol)
     engine.kernels.objective = obj
     per = cfg.train.batch_size // (engine.options.micro_batches * engine.num_devices)
     if per % 2:  # (micro_batches=auto may have split a pair: refused before anything is written)
