@@ -51,6 +51,7 @@ class LoraModel:
     StreamLoraModel`` answers the same for a user's model streamed by ``stream()``."""
 
     embed_takes_positions = False
+    frozen: tuple[str, ...] = ()  # no leaf singled out: the whole base is frozen, only adapters train
 
     def __init__(self, cfg: ModelConfig):
         from megatrain_jax.models.common import abstract_model, streamed_parts

@@ -67,6 +67,8 @@ def _is_trainer_lora_checkpoint(path: str) -> bool:
 class StreamLoraModel:
     """``engine.lora.LoraModel``'s interface over ``stream()``'s parts of a model with adapters attached."""
 
+    frozen: tuple[str, ...] = ()  # no leaf singled out: the whole base is frozen, only adapters train
+
     def __init__(self, parts: Any):
         stack = parts.blocks
         if stack.aux_loss is not None:
