@@ -52,14 +52,7 @@ class PreferenceSplit:
 
     def pair_indices(self, step: int, batch_size: int) -> np.ndarray:
         self.check(batch_size)
-        n, per = self.n_pairs, batch_size // 2
-        g = np.int64(step) * per + np.arange(per, dtype=np.int64)
-        epochs, idx = g // n, g % n
-        out = np.empty(per, np.int64)
-        for e in np.unique(epochs):
-            sel = epochs == e
-            out[sel] = self.split_pairs[self.base.packed._perm(int(e), n)[idx[sel]]]
-        return out
+        return self.split_pairs[self.base.epoch_order(step, batch_size, self.n_pairs)]
 
     def batch(self, step: int, batch_size: int, seq_len: int):
         return self.base.rows(self.pair_indices(step, batch_size), seq_len)

@@ -229,10 +229,15 @@ class PreferenceDataset:
                             f"train.batch_size / 2 = {batch_size // 2}", "lower train.batch_size or use more pairs")
 
     def pair_indices(self, step: int, batch_size: int) -> np.ndarray:
-        """The pairs of ``batch(step)``: global pair ``g = step * B/2 + j`` is entry ``g % n`` of epoch ``g // n``'s
-        permutation, so each epoch visits every pair once."""
+        """The pairs of ``batch(step)`` (``epoch_order`` over all of them)."""
         self.check(batch_size)
-        n, per = self.n_pairs, batch_size // 2
+        return self.epoch_order(step, batch_size, self.n_pairs)
+
+    def epoch_order(self, step: int, batch_size: int, n: int) -> np.ndarray:
+        """Positions among ``n`` pairs that ``batch(step)`` takes: global pair ``g = step * B/2 + j`` is entry
+        ``g % n`` of epoch ``g // n``'s permutation, so each epoch visits every pair once. Shared with the
+        held-out split (preference_eval.py), which maps the positions onto its training pairs."""
+        per = batch_size // 2
         g = np.int64(step) * per + np.arange(per, dtype=np.int64)
         epochs, idx = g // n, g % n
         out = np.empty(per, np.int64)

@@ -46,7 +46,7 @@ from megatrain_jax.families import register
 from megatrain_jax.models.common import Attention, Aux, RMSNorm, linear
 from megatrain_jax.models.grouped_experts import routed_experts
 from megatrain_jax.models.llama import no_gemma_fields
-from megatrain_jax.models.moe import MoEFamily, aux_coef, router_stats
+from megatrain_jax.models.moe import MoEBlock, MoEFamily, aux_coef, router_stats
 
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 ARCH = "GptOssForCausalLM"
@@ -116,7 +116,7 @@ class GptOssMoE(nnx.Module):
         return out
 
 
-class GptOssBlock(nnx.Module):
+class GptOssBlock(MoEBlock):
     """x + attn(norm(x)), then + moe(norm(x)); with ``router_aux_loss_coef`` > 0 it returns
     ``(hidden, router_stats)`` (``emits_stats``)."""
 
@@ -126,14 +126,6 @@ class GptOssBlock(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.emits_stats = bool(cfg.router_aux_loss_coef)
         self.mlp = GptOssMoE(cfg, rngs, stats=self.emits_stats)
-
-    def __call__(self, x, aux: Aux):
-        x = x + self.self_attn(self.input_layernorm(x), aux)
-        y = self.mlp(self.post_attention_layernorm(x))
-        if self.emits_stats:
-            y, stats = y
-            return x + y, stats
-        return x + y
 
 
 # ------------------------------------------------------------------------------- sizes

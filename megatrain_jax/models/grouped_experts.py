@@ -190,7 +190,7 @@ def _forward(x, weights, wg, wu, wd, biases, lay: DispatchLayout, mm: GroupedMat
     h = act(g, u).astype(x.dtype)
     ys = mm.gmm(h, wd, lay)  # (R, H)
     if biases is not None:
-        ys = ys + jnp.take(biases[2], expert_of_row(lay), axis=0).astype(ys.dtype)
+        ys = ys + jnp.take(biases[2], rows_e, axis=0).astype(ys.dtype)
     y_pairs = jnp.take(ys, lay.row_of_pair, axis=0).reshape(t, k, -1)
     y = jnp.einsum("tkh,tk->th", y_pairs, weights, preferred_element_type=jnp.float32).astype(x.dtype)
     return y, (xs, g, u, y_pairs)
