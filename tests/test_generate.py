@@ -207,3 +207,21 @@ def test_chat_prompts_text_and_stop_strings(ref, tmp_path, capsys):
     cut = json.loads((tmp_path / "b.jsonl").read_text())
     first = rec["completion"].find(stop)
     assert cut["finish_reason"] == "stop" and cut["completion"] == rec["completion"][:first]
+
+
+def test_out_never_replaces_a_file_it_did_not_write(ref, tmp_path, capsys):
+    """--out refuses an existing file, and --overwrite replaces only an earlier output of generate."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [5, 6, 7]}) + "\n")
+    base = ["generate", str(ref / "gemma2" / "hf"), "--prompts", str(prompts), "--max-new-tokens", "2"]
+    mine = tmp_path / "notes.jsonl"
+    mine.write_text('{"mine": 1}\n')
+    check_user_error(run_in_process(base + ["--out", str(mine)], capsys), "--out")
+    check_user_error(run_in_process(base + ["--out", str(mine), "--overwrite"], capsys), "--out")
+    assert mine.read_text() == '{"mine": 1}\n'
+    out = tmp_path / "g.jsonl"
+    assert run_in_process(base + ["--out", str(out)], capsys).rc == 0
+    first = out.read_text()
+    check_user_error(run_in_process(base + ["--out", str(out)], capsys), "--out")
+    assert out.read_text() == first
+    assert run_in_process(base + ["--out", str(out), "--overwrite"], capsys).rc == 0

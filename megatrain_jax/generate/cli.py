@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--out", default=None, metavar="FILE.jsonl", help="write the completions as JSONL here")
+    p.add_argument("--overwrite", action="store_true", help="--out may replace an earlier output of generate (never "
+                   "another file)")
     p.add_argument("--batch-size", default="auto", help="prompts decoded together (auto: all that fit)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="compute dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
@@ -183,6 +185,29 @@ def check_lengths(ids: list[list[int]], src: Any, a: argparse.Namespace) -> None
                             f"model's context of {ctx} tokens", f"pass --max-new-tokens {ctx - longest} or less")
 
 
+def written_by_generate(path: str) -> bool:
+    """Whether ``path`` holds completions as generate writes them: JSON objects with a prompt and a completion."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return all(isinstance(r, dict) and "completion" in r and "completion_ids" in r for r in recs)
+
+
+def check_replaceable(out: str, overwrite: bool) -> None:
+    """``--out`` never replaces a file by surprise: an existing one only with ``--overwrite``, and only an earlier
+    output of generate (the project's writer rule, README "Nothing is lost")."""
+    if not os.path.exists(out):
+        return
+    if not overwrite:
+        raise UserError("--out", f"{out} exists", "give a new file name, or --overwrite to replace an earlier "
+                        "output of generate")
+    if not written_by_generate(out):
+        raise UserError("--out", f"{out} was not written by generate (--overwrite replaces only generate's outputs)",
+                        "give a new file name")
+
+
 def generate_main(argv: list[str]) -> int:
     a = parser().parse_args(list(argv))
     _check_args(a)
@@ -193,6 +218,7 @@ def generate_main(argv: list[str]) -> int:
         check_place(a.out, inputs=[a.source, a.prompts], field="--out", files=[a.out])
         if os.path.isdir(a.out):
             raise UserError("--out", f"{a.out} is a directory", "give a file name, e.g. completions.jsonl")
+        check_replaceable(a.out, a.overwrite)
     from megatrain_jax.plan.machine import detect_machine, jax_backend_ready
 
     if os.environ.get("JAX_PLATFORMS", "") != "cpu" and not jax_backend_ready():
