@@ -1,7 +1,7 @@
 """One MoE SwiGLU layer, forward + backward (router, top-k, experts, weighted combine), this engine's
 expert computation at the five shapes of the MoE issue, 16,384 tokens, bf16.
 
-    python experiments/bench_moe.py layer [--tokens 16384] [--impl auto] [--out FILE]
+    python experiments/bench_moe.py layer [--tokens 16384] [--variants fused,apart,sorted] [--out FILE]
     python experiments/bench_moe.py kernels [--tokens 16384]   # each grouped matmul alone, tile sweep
     python experiments/bench_moe.py tune [--shapes a,b]        # the sweep, then the layer at the best tiles
     python experiments/bench_moe.py cpu                        # a small shape, fp32 (runs anywhere)
@@ -78,26 +78,40 @@ def best_tiles(kernel_rows, name):
     return best(("fwd", "dx")), best(("dw",))
 
 
-def bench_layer(tokens, impl, reps, shapes, kernel_rows=None):
+VARIANTS = {  # name: (moe impl, the Hopper kernels' gate/up fusion; None where the kernels do not run)
+    "fused": ("auto", True),
+    "apart": ("auto", False),
+    "sorted": ("sorted", None),
+}
+
+
+def bench_layer(tokens, variants, reps, shapes, kernel_rows=None):
+    """The layer per shape and variant (``VARIANTS``): the Hopper kernels with gate and up fused into one
+    matmul or apart, and the portable grouped form (``sorted``)."""
     from megatrain_jax.models import grouped_kernels as gk
 
     rows = []
     for name in shapes:
         h, e, k, f = SHAPES[name]
-        row = {"shape": name, "tokens": tokens, "H": h, "E": e, "k": k, "F": f, "impl": impl}
+        fwd = wgrad = None
         if kernel_rows:
             fwd, wgrad = best_tiles(kernel_rows, name)
-            gk.OVERRIDE = gk.MosaicGroupedMatmul(fwd=fwd, wgrad=wgrad)
-            row["tiles"] = {"fwd": fwd and fwd.__dict__, "wgrad": wgrad and wgrad.__dict__}
-        try:
-            x, wr, ws = layer_inputs(tokens, h, e, k, f, jnp.bfloat16)
-            sec = timed(layer_step(k, impl), (x, wr, ws), reps)
-            active = 3 * 2 * tokens * k * h * f
-            row.update(ours_ms=round(sec * 1e3, 2), active_tflops=round(3 * active / sec / 1e12, 1))
-        except Exception as err:  # noqa: BLE001  (out of memory at one shape: say so, go on)
-            row["error"] = str(err).splitlines()[0][:300]
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for variant in variants:
+            impl, fused = VARIANTS[variant]
+            row = {"shape": name, "variant": variant, "tokens": tokens, "H": h, "E": e, "k": k, "F": f, "impl": impl}
+            gk.OVERRIDE = None if fused is None else gk.MosaicGroupedMatmul(fwd=fwd, wgrad=wgrad, fuse_gate_up=fused)
+            if kernel_rows:
+                row["tiles"] = {"fwd": fwd and fwd.__dict__, "wgrad": wgrad and wgrad.__dict__}
+            try:
+                x, wr, ws = layer_inputs(tokens, h, e, k, f, jnp.bfloat16)
+                sec = timed(layer_step(k, impl), (x, wr, ws), reps)
+                active = 3 * 2 * tokens * k * h * f
+                row.update(ours_ms=round(sec * 1e3, 2), active_tflops=round(3 * active / sec / 1e12, 1))
+            except Exception as err:  # noqa: BLE001  (out of memory at one shape: say so, go on)
+                row["error"] = str(err).splitlines()[0][:300]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    gk.OVERRIDE = None
     return rows
 
 
@@ -161,7 +175,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["layer", "kernels", "tune", "cpu"])
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--variants", default="fused", help="layer variants, comma-separated: " + ",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out", default=None)
@@ -178,10 +192,10 @@ def main() -> None:
             rows.append({"shape": "cpu-32x8", "impl": impl, "ms": round(sec * 1e3, 2)})
             print(json.dumps(rows[-1]), flush=True)
     elif a.mode == "layer":
-        rows = bench_layer(a.tokens, a.impl, a.reps, shapes)
+        rows = bench_layer(a.tokens, a.variants.split(","), a.reps, shapes)
     elif a.mode == "tune":  # each kernel's tile sweep, then the layer with the fastest tiles per shape
         kern = bench_kernels(a.tokens, a.reps, shapes)
-        rows = kern + bench_layer(a.tokens, a.impl, a.reps, shapes, kernel_rows=kern)
+        rows = kern + bench_layer(a.tokens, a.variants.split(","), a.reps, shapes, kernel_rows=kern)
     else:
         rows = bench_kernels(a.tokens, a.reps, shapes)
     if a.out:

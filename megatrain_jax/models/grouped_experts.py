@@ -137,6 +137,7 @@ class GroupedMatmul:
     shapes; a GPU backend overrides the three methods with kernels that read the weights in place."""
 
     name = "xla"
+    fuse_gate_up = True  # gate and up as one matmul of twice the width (``gate_up``)
 
     def gmm(self, a: jax.Array, w: jax.Array, lay: DispatchLayout, transpose_w: bool = False) -> jax.Array:
         """Rows of tile i times expert ``tile_expert[i]``'s weight: a (R, K), w (E, K, N) -> (R, N);
@@ -179,10 +180,24 @@ def _gather_rows(x: jax.Array, rows: jax.Array) -> jax.Array:
     return jnp.take(jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)]), rows, axis=0)
 
 
+def gate_up(wg: jax.Array, wu: jax.Array) -> jax.Array:
+    """The gate and up projections side by side, (E, H, 2F): one grouped matmul of twice the width
+    instead of two, which the kernels run faster at the narrow expert widths (F of 768-1024)."""
+    return jnp.concatenate([wg, wu], axis=-1)
+
+
+def _project_gate_up(xs, wg, wu, lay: DispatchLayout, mm: GroupedMatmul):
+    if not mm.fuse_gate_up:
+        return mm.gmm(xs, wg, lay), mm.gmm(xs, wu, lay)
+    gu = mm.gmm(xs, gate_up(wg.astype(xs.dtype), wu.astype(xs.dtype)), lay)
+    f = wg.shape[-1]
+    return gu[:, :f], gu[:, f:]
+
+
 def _forward(x, weights, wg, wu, wd, biases, lay: DispatchLayout, mm: GroupedMatmul, act: Act):
     t, k = weights.shape
     xs = _gather_rows(x, lay.token_of_row)  # (R, H)
-    g, u = mm.gmm(xs, wg, lay), mm.gmm(xs, wu, lay)
+    g, u = _project_gate_up(xs, wg, wu, lay, mm)
     if biases is not None:
         rows_e = expert_of_row(lay)
         g = g + jnp.take(biases[0], rows_e, axis=0).astype(g.dtype)
@@ -210,9 +225,16 @@ def _grouped_bwd(lay_meta, mm: GroupedMatmul, act: Act, res, dy):
     dh = mm.gmm(dys, wd, lay, transpose_w=True)
     dg, du = act_vjp(dh)
     dg, du = dg.astype(xs.dtype), du.astype(xs.dtype)
-    dwg, dwu = mm.tgmm(xs, dg, lay, e), mm.tgmm(xs, du, lay, e)
-    dxs = (mm.gmm(dg, wg, lay, transpose_w=True).astype(jnp.float32)
-           + mm.gmm(du, wu, lay, transpose_w=True).astype(jnp.float32))
+    if mm.fuse_gate_up:
+        dgu = jnp.concatenate([dg, du], axis=-1)
+        dwgu = mm.tgmm(xs, dgu, lay, e)
+        f = wg.shape[-1]
+        dwg, dwu = dwgu[..., :f], dwgu[..., f:]
+        dxs = mm.gmm(dgu, gate_up(wg.astype(xs.dtype), wu.astype(xs.dtype)), lay, transpose_w=True)
+    else:
+        dwg, dwu = mm.tgmm(xs, dg, lay, e), mm.tgmm(xs, du, lay, e)
+        dxs = (mm.gmm(dg, wg, lay, transpose_w=True).astype(jnp.float32)
+               + mm.gmm(du, wu, lay, transpose_w=True).astype(jnp.float32))
     dx = jnp.sum(jnp.take(dxs, lay.row_of_pair, axis=0).reshape(t, k, -1), axis=1).astype(xs.dtype)
     dbiases = None
     if biases is not None:

@@ -33,6 +33,7 @@ class MosaicGroupedMatmul:
 
     fwd: MatmulTiles | None = None
     wgrad: MatmulTiles | None = None
+    fuse_gate_up: bool = True
     name: str = "mosaic"
 
     def _sizes(self, lay) -> jax.Array:
