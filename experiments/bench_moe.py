@@ -108,7 +108,7 @@ def bench_layer(tokens, variants, reps, shapes, kernel_rows=None):
                 active = 3 * 2 * tokens * k * h * f
                 row.update(ours_ms=round(sec * 1e3, 2), active_tflops=round(3 * active / sec / 1e12, 1))
             except Exception as err:  # noqa: BLE001  (out of memory at one shape: say so, go on)
-                row["error"] = str(err).splitlines()[0][:300]
+                row["error"] = (str(err).splitlines() or [repr(err)])[0][:300]
             print(json.dumps(row), flush=True)
             rows.append(row)
     gk.OVERRIDE = None
@@ -120,9 +120,9 @@ def sweep_tiles(h, f):
     input gradients (fwd), the weight gradients (wgrad); block sizes that divide the shape."""
     from megatrain_jax.models.grouped_kernels import MatmulTiles as T
 
-    fwd = [T(128, 128, 64, 4, 4), T(128, 128, 64, 4, 8), T(128, 128, 64, 6, 4)]
+    fwd = [T(128, 128, 64, 4, 4), T(128, 128, 64, 4, 8), T(128, 128, 64, 6, 4), T(128, 256, 64, 3, 2)]
     if h % 128 == 0 and f % 128 == 0:
-        wg = [T(128, 128, 64, 4, 1), T(128, 128, 64, 4, 4), T(128, 128, 64, 6, 2)]
+        wg = [T(128, 128, 64, 4, 1), T(128, 128, 64, 4, 4), T(128, 128, 64, 6, 2), T(128, 256, 64, 3, 2)]
     else:
         wg = [T(64, 192, 64, 4, 1), T(64, 192, 64, 4, 2), T(192, 192, 64, 3, 1), T(64, 64, 64, 4, 1)]
     return fwd, wg
@@ -159,7 +159,7 @@ def bench_kernels(tokens, reps, shapes):
                     sec = timed(jax.jit(make(mm)), args, reps)
                     row.update(ms=round(sec * 1e3, 3), tflops=round(work / sec / 1e12, 1))
                 except Exception as err:  # noqa: BLE001
-                    row["error"] = str(err).splitlines()[0][:200]
+                    row["error"] = (str(err).splitlines() or [repr(err)])[0][:200]
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         a = jax.random.normal(jax.random.PRNGKey(3), (tokens * k, h), jnp.bfloat16)

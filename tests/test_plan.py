@@ -236,7 +236,12 @@ def test_grouped_moe_working_set_counts_the_routed_rows():
     grown = block_working_set(routed, 2 * tokens) - with_pad  # linear in tokens: the routed rows' bytes
     assert abs(grown - 1.12 * tokens * (routed.mlp_width * plan_moe.ROUTED_BYTES + 6.0 * 2048 + 2.0 * 6144
                                         + 2.0 * 2048)) < 1e-6 * grown
-    assert m.active_non_embedding_params() < plan_moe.step_matmul_params(m) < m.non_embedding_params()
+    assert m.active_non_embedding_params() < plan_moe.step_matmul_params(m, tokens) < m.non_embedding_params()
+    # the grouped rate grows with the rows each expert gets, through the measured points and flat beyond them
+    shares = [plan_moe.grouped_rate_share(r) for r in (64, 512, 1024, 1500, 2048, 4096, 65536)]
+    assert shares[0] == shares[1] == 0.48 and shares[-1] == shares[-2] == 0.88
+    assert 0.475 < shares[3] < 0.655 and shares[4] == 0.655
+    assert plan_moe.step_matmul_params(m, 2 * tokens) < plan_moe.step_matmul_params(m, tokens)
     p = _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml")
     assert p.step["binding"] and p.gpu_need < _plan("configs/olmoe-1b-7b-shape-qwen3moe.yaml",
                                                    "model.moe_impl=dense").gpu_need

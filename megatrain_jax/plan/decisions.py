@@ -14,6 +14,7 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.placements import (DEVICE_CAST, DEVICE_UPDATE, HOST_COPY, HOST_UPDATE, STREAM_COPIES, UPDATE_PLACES,
                                       ActivationPlace, GradHold, StreamCopy, UpdatePlace, asked)
 from megatrain_jax.bounds import BLOCKS_QUEUED
+import megatrain_jax.plan.moe as plan_moe
 from megatrain_jax.plan.sizes import (GB, GPU_MARGIN, GRAD_SLABS_FEWEST, GRAD_SLABS_MOST, MICRO_TOKENS,
                                       PREALLOCATE_ABOVE, RATES, XLA_FRACTION, Row, Shapes, residual_bytes_per_block,
                                       usable)
@@ -166,7 +167,8 @@ def choose_stream_copy(shapes: Shapes, seq_len: int, model, on_gpu: bool, bf16: 
     copy_bytes = 2.0 * shapes.layers * shapes.block
     if not on_gpu:
         return HOST_COPY if copy_bytes <= room else DEVICE_CAST
-    fwd_flops = shapes.tokens * (2.0 * shapes.block + 2.0 * seq_len * model.num_heads * model.dim_per_head)
+    block = plan_moe.forward_block_params(model, shapes.block, min(shapes.tokens, MICRO_TOKENS))  # (MoE: routed only)
+    fwd_flops = shapes.tokens * (2.0 * block + 2.0 * seq_len * model.num_heads * model.dim_per_head)
     ratio = (4.0 * shapes.block / h2d_rate) / (fwd_flops / matmul_rate)
     return DEVICE_CAST if (ratio <= STREAM_HIDDEN_RATIO or copy_bytes > room) else HOST_COPY
 

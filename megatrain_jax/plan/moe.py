@@ -7,17 +7,23 @@ gradient and the input gradient in fp32 (about 16 bytes per unit of H), and gate
 and their gradients (about 14 bytes per unit of F): ``ROUTED_BYTES`` per unit of (H + F), rounded
 up. ``moe_impl: dense`` keeps the dense formulation's coefficient (every expert on every token).
 
-**Compute.** The routed matmuls run ``k`` experts a token, at the grouped kernels' rate rather than a
-plain matmul's: ``GROUPED_RATE_SHARE`` of it, so the plan counts the routed parameters at 1 / share of
-their weight. Measured (experiments/bench_moe.py kernels mode, one H100, the default tiles): the
-projections, input and weight gradients at 428-484 TFLOP/s against one plain matmul of the same routed
-size at 730 (OLMoE's shape: 0.59-0.66), 539-609 against 788 (Mixtral's: 0.68-0.77).
+**Compute.** The routed matmuls run ``k`` experts a token, at the grouped layer's rate rather than the
+plain matmul rate the plan counts a dense block at: ``grouped_rate_share`` of it, so the plan counts the
+routed parameters at 1 / share of their weight. The share grows with the rows each expert gets in a
+micro-batch (wider tiles, fewer part-filled ones). Measured (experiments/bench_moe.py layer, one H100,
+16,384 tokens, the whole layer forward + backward: routing, gathers, activation and the grouped matmuls),
+as a share of the 600 TFLOP/s the plan counts for a dense block: 512 rows per expert (gpt-oss-120b)
+286 TFLOP/s, 0.48; 1,024 (Qwen3-30B-A3B) 285, 0.475; 2,048 (OLMoE) 393, 0.655; 4,096 (Mixtral-8x7B) 529,
+0.88. Between them the share is interpolated in log2(rows); beyond them it stays at the nearest.
 """
 from __future__ import annotations
 
+import numpy as np
+
 ROUTED_BYTES = 16.0  # bytes per routed row and unit of (H + F), bf16 compute (module docstring)
 GROUPED_TILE = 128  # rows per tile of the grouped layout on the GPU (models/grouped_kernels.py)
-GROUPED_RATE_SHARE = 0.65  # grouped matmul rate / plain matmul rate (module docstring: 0.59-0.77 measured)
+# (rows per expert in a micro-batch, the layer's rate as a share of a dense block's): module docstring
+GROUPED_RATE_POINTS = ((512, 0.48), (1024, 0.475), (2048, 0.655), (4096, 0.88))
 
 
 def is_moe(m) -> bool:
@@ -43,12 +49,26 @@ def padding_tokens(m) -> int:
     return -(-m.num_experts * GROUPED_TILE // m.experts_per_token)
 
 
-def step_matmul_params(m) -> int:
+def grouped_rate_share(rows_per_expert: float) -> float:
+    """The grouped layer's rate as a share of a dense block's, by the rows each expert gets (module docstring)."""
+    xs, ys = zip(*GROUPED_RATE_POINTS)
+    return float(np.interp(np.log2(max(rows_per_expert, 1.0)), np.log2(xs), ys))
+
+
+def forward_block_params(m, block: int, tokens_mb: int) -> float:
+    """A block's parameters as its forward's compute counts them: ``block`` for a dense model; on the grouped
+    path the k routed experts at the grouped rate (``step_matmul_params`` per layer)."""
+    return step_matmul_params(m, tokens_mb) / m.num_layers if routed(m) else float(block)
+
+
+def step_matmul_params(m, tokens_mb: int) -> int:
     """The non-embedding parameters whose matmuls a token's step runs, weighted by their rate: every
-    expert in the dense formulation; on the grouped path the k routed experts at the grouped rate."""
+    expert in the dense formulation; on the grouped path the k routed experts at the grouped rate for
+    ``tokens_mb`` tokens a micro-batch."""
     if not routed(m):
         return m.non_embedding_params()
     active = m.active_non_embedding_params()
     sparse = m.num_layers - len(getattr(m, "mlp_only_layers", None) or ())
     routed_params = sparse * m.experts_per_token * 3 * m.hidden_size * expert_width(m)
-    return int(active + routed_params * (1.0 / GROUPED_RATE_SHARE - 1.0))
+    share = grouped_rate_share(tokens_mb * m.experts_per_token / m.num_experts)
+    return int(active + routed_params * (1.0 / share - 1.0))

@@ -15,7 +15,7 @@ from megatrain_jax.placements import HOST_STATES, UpdatePlace
 import megatrain_jax.plan.moe as plan_moe
 from megatrain_jax.plan.machine import Machine, process_count
 from megatrain_jax.plan.memo import PlanMemo
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST,
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, MICRO_TOKENS,
                                       MULTI_PROCESS_HOST_BYTES, PINNED_REUSED, RUNTIME_HOST_BYTES,
                                       XLA_FRACTION, GiB, Row, Shapes, grown_pool, kept_on_gpu, pinned_in_use,
                                       pinned_need, pinned_pool)
@@ -71,7 +71,7 @@ class PlacementCosts:
         # host memory is per process: its own GPUs' parked activations, CUDA contexts and pool tables
         self.local_dev = max(self.n_dev // process_count(), 1)
         self.host_act_bytes = float(s.layers * s.batch * s.seq * s.hidden * s.dtype_bytes * self.local_dev)
-        self.non_emb = plan_moe.step_matmul_params(self.cfg.model)  # (a MoE: its routed experts, plan/moe.py)
+        self.non_emb = plan_moe.step_matmul_params(self.cfg.model, min(s.tokens, MICRO_TOKENS))  # (MoE: plan/moe.py)
         if self.memo is not None:
             key = self.costs_key()
             self._steps, self._placed_sums, self._gpu_side_sums = (self.memo.table(name, key) for name in

@@ -14,7 +14,7 @@ import megatrain_jax.plan.moe as plan_moe
 from megatrain_jax.plan.machine import Machine
 from megatrain_jax.placements import FETCHES, GPU_FP32, UpdatePlace
 from megatrain_jax.plan.sizes import (DISPATCH_BLOCK_S, DISPATCH_CALL_S, HOLD_RETURN_RATE, HOST_COPY_PARALLEL_RATE,
-                                      HOST_COPY_RATE, IO_GATHER_RATE, MICRO_BATCH_BYTES_PER_PARAM,
+                                      HOST_COPY_RATE, IO_GATHER_RATE, MICRO_BATCH_BYTES_PER_PARAM, MICRO_TOKENS,
                                       RATES, Shapes, early_params, kept_on_gpu)
 
 GPU_MEMORY_RATE = 3.0e12  # bytes/s of the GPU's memory (H100: 3.35 TB/s), for an elementwise pass
@@ -97,7 +97,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # runs on every GPU alike
     shares = n_dev if (device_update and optim.kernel == "fused") else 1
     tokens = train.batch_size * cfg.data.seq_len
-    non_emb = plan_moe.step_matmul_params(model) if non_emb is None else non_emb  # (MoE: plan/moe.py)
+    non_emb = plan_moe.step_matmul_params(model, min(tokens, MICRO_TOKENS)) if non_emb is None else non_emb  # (MoE)
     attn = 12.0 * model.num_layers * model.num_heads * model.dim_per_head * cfg.data.seq_len if attention else 0.0
     fwd_blocks = tokens * (2 * non_emb + attn / 6.0)
     # a resweep runs the recompute (1 forward) and backward (2 forwards) once more: ~+75%, over the blocks above
