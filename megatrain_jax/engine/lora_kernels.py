@@ -146,6 +146,7 @@ class FrozenEnds:
 
     second_loss_reads_outputs = True
     embed_grad_on_host = False
+    streams_head = False
 
     def __init__(self, io: Any):  # io: io.IOParts
         self.k = io.kernels
@@ -181,6 +182,18 @@ class FrozenEnds:
 
     def resident(self, emb: jax.Array, head: jax.Array) -> dict:
         return {}
+
+    def head_of(self, dt: Any) -> tuple:
+        """As ``io.ResidentIO.head_of``: the frozen groups dequantised (their buffers are the run's: no cache key)."""
+        m, ge, gh = self.k.model, self.k.store["embed"], self.k.store["head"]
+
+        def trees(wh, we):
+            return gh.dequantise((wh,), dt), (ge.dequantise((we,), dt) if m.tied else None)
+        return trees, m.head_fn, m.softcap, None
+
+    def seq_logps(self, head: jax.Array, emb: jax.Array, hs: list, mbs: list) -> list:
+        """As ``io.ResidentIO.seq_logps``, over the frozen ends."""
+        return [self.k.objective.lora_logps(self.k, head, emb, h, mb) for h, mb in zip(hs, mbs)]
 
     def close(self) -> None:
         """Nothing to end."""

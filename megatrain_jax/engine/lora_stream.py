@@ -94,6 +94,10 @@ class StreamLoraModel:
     def num_kinds(self) -> int:
         return len(self.templates)
 
+    def without_dropout(self) -> None:
+        """An evaluation runs the blocks as they are (``LoraModel.without_dropout``)."""
+        return None
+
     def apply(self, kind: int):
         t = self.templates[kind]
         if self.takes_rng:
