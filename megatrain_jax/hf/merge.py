@@ -101,7 +101,7 @@ def merged_model_config(state: dict, path: str) -> ModelConfig:
     if cfg.lora is None:
         raise UserError("CHECKPOINT", f"{path}: its config has no model.lora", "export it without --merge-lora")
     if cfg.from_hf:
-        from megatrain_jax.hf import resolve_hf_model_config
+        from megatrain_jax.hf.config import resolve_hf_model_config
 
         if not os.path.isdir(cfg.from_hf):
             raise UserError("CHECKPOINT", f"{path}: its base {cfg.from_hf} (model.from_hf) is not a directory",
@@ -196,12 +196,9 @@ def export_merged(checkpoint: str, out: str, dtype: str = "bfloat16", *, archite
     return out
 
 
-def lora_export_main(argv: list[str]) -> int | None:
-    """``megatrain-jax export`` where it concerns LoRA (``cli.main`` asks here first, then ``export_main``): ``--merge-lora``
-    exports; a LoRA run without it is refused in one line; None: not a LoRA export (``hf.export_main``)."""
-    from megatrain_jax.hf.commands import export_parser
-
-    args = export_parser().parse_args(list(argv))
+def lora_export(args: Any) -> int | None:
+    """``megatrain-jax export`` where it concerns LoRA (``commands.export_main`` asks here first, with its parsed
+    arguments): ``--merge-lora`` exports; a LoRA run without it is refused in one line; None: not a LoRA export."""
     if not args.merge_lora:
         if find_lora_checkpoint(args.checkpoint, lambda _: None) is not None:
             raise UserError("CHECKPOINT", f"{args.checkpoint} is a LoRA run: a frozen base and an adapter (PEFT "
