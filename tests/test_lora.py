@@ -279,6 +279,31 @@ def test_train_resume_exact_and_export(tmp_path):
     assert "model.layers.1.mlp.down_proj.weight" in merged and not any("lora" in k for k in merged)
 
 
+def test_a_config_run_is_the_one_lora_run(tmp_path):
+    """``Trainer.from_config`` with model.lora runs ``LoraRun`` (as ``Trainer(model, lora=)`` does): saved by the one
+    saver (the PEFT pair and the optimizer state) and restored in place, exactly."""
+    from megatrain_jax import checkpoint as ck
+    from megatrain_jax.lora_trainer import LoraRun
+    from megatrain_jax.trainer import Trainer
+
+    cfg = load_config(str(ROOT / "configs" / "lora-tiny.yaml"),
+                      ["optim.schedule.warmup_steps=1", "train.batch_size=4", "data.seq_len=32", "model.num_layers=2",
+                       "train.steps=3"])
+    tr = Trainer.from_config(cfg)
+    saver = tr.saver(str(tmp_path / "s"))
+    assert isinstance(tr.run, LoraRun) and isinstance(saver, ck.CheckpointSaver)
+    saver.close()
+    rng = np.random.default_rng(0)
+    tr.step(rng.integers(0, cfg.model.vocab_size, (4, 33), dtype=np.int32))
+    path = tr.save(str(tmp_path / "ck"))
+    assert os.path.isfile(os.path.join(path, "adapter", "adapter_config.json"))
+    saved = tr.adapters()
+    tr.step(rng.integers(0, cfg.model.vocab_size, (4, 33), dtype=np.int32))
+    assert tr.restore(str(tmp_path / "ck"))["count"] == 1 and tr.step_count == 1
+    jax.tree.map(np.testing.assert_array_equal, tr.adapters(), saved)
+    tr.close()
+
+
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
 def test_fast_init_base(dtype):
     """``model.init: fast`` fills the frozen base group by group: matrices with the configured std, norm scales 1."""

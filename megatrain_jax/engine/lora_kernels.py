@@ -97,7 +97,7 @@ class AdapterKernels:
         return self._aux(positions, segment_ids)
 
     def aux_total(self) -> None:
-        """No auxiliary loss (``lora_stream`` refuses a stack that adds one)."""
+        """No auxiliary loss (``lora_stream.StreamLoraModel`` refuses a stack that adds one)."""
         return None
 
 
