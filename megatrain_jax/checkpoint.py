@@ -208,7 +208,7 @@ def crc32(a: np.ndarray) -> int:
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a directory (its renames durable); best effort. Public: the LoRA adapter saver uses it."""
+    """fsync a directory (its renames durable); best effort."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

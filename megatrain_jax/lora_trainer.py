@@ -53,6 +53,7 @@ from megatrain_jax.config.schema import LoraConfig, lora_from_dict
 from megatrain_jax.engine.lora import LoraEngine
 from megatrain_jax.engine.lora_base import FrozenStore
 from megatrain_jax.engine.lora_stream import StreamLoraModel
+from megatrain_jax.engine_run import EngineRun
 from megatrain_jax.errors import UserError
 from megatrain_jax.lora_run import AdapterFiles, PeftAdapters, TreeAdapters, config_engine, load_opt_state, \
     newest_checkpoint
@@ -81,12 +82,10 @@ def _lora_config(lora: Any) -> LoraConfig:
     return lora
 
 
-class LoraRun:
+class LoraRun(EngineRun):
     """A run of adapters (see the module docstring): the trainer protocol (``trainer_protocol.TrainerProtocol``)
-    over a ``LoraEngine``; ``Trainer`` is its public face. Built from a user's model (the constructor) or from a
-    config (``from_config``, ``resume``)."""
-
-    sharded_checkpoints = False  # one process writes the adapters
+    over a ``LoraEngine`` (``EngineRun``: its step, count and device); ``Trainer`` is its public face. Built from
+    a user's model (the constructor) or from a config (``from_config``, ``resume``)."""
 
     def __init__(self, model: Any, optimizer: Any = None, *, lora: Any, options: EngineOptions | None = None,
                  store: Any = None, params: Any = None, steps: int | None = None, micro_batches: int | None = None,
@@ -215,15 +214,6 @@ class LoraRun:
         return dict(micro_batches=e.micro_batches, clip_norm=e.clip_norm, compute_dtype=str(e.dtype),
                     loss_chunk=e.loss_chunk, seed=e.seed, lora=vars(self.lora))
 
-    def step(self, batch: Any):
-        from megatrain_jax.engine.step import as_batch
-
-        b = as_batch(batch)
-        if b.tokens.shape[0] % self.engine.micro_batches:
-            raise UserError("batch", f"{b.tokens.shape[0]} sequences do not split into "
-                            f"{self.engine.micro_batches} micro-batches", "use a batch size divisible by micro_batches")
-        return self.engine.step(b)
-
     def lr_at(self, count: int) -> float | None:
         lr = self._lr
         if lr is None:
@@ -234,10 +224,6 @@ class LoraRun:
     def store(self) -> FrozenStore:
         """The frozen base (``FrozenStore``)."""
         return self.engine.store
-
-    @property
-    def memory_device(self):
-        return self.engine.device if self.engine.device.platform == "gpu" else None
 
     def export(self, cfg: Any, out: str, *, sources=(), own_run: str | None = None, log=print) -> None:
         """``train.export`` at the end of a run: a config's adapter in the PEFT format (the base with it merged
@@ -298,19 +284,6 @@ class LoraRun:
         nnx.replace_by_pure_dict(state, self.params())
         nnx.update(model, state)
         return model
-
-    @property
-    def step_count(self) -> int:
-        return self.engine.count
-
-    def close(self) -> None:
-        self.engine.close()
-
-    def __enter__(self) -> "LoraRun":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ---------------------------------------------------------------------------------- checkpoints
 

@@ -31,6 +31,7 @@ from megatrain_jax.config import Config, OptimConfig
 from megatrain_jax.distributed import run_devices
 from megatrain_jax.engine import Batch, StepResult, StreamedTrainer
 from megatrain_jax.engine.step import as_batch  # noqa: F401 (its public home was here)
+from megatrain_jax.engine_run import EngineRun
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim import HostOptimizer, OptaxHostOptimizer, build_host_optimizer
 from megatrain_jax.plan.lora import FULL, variant
@@ -82,7 +83,7 @@ class PlanView:
         return self.plan.verdict()
 
 
-class StreamedRun:
+class StreamedRun(EngineRun):
     """Full training through the streamed engine: every weight trained (``Trainer``'s run without
     adapters, ``lora`` None; see ``Trainer`` for the arguments)."""
 
@@ -175,11 +176,6 @@ class StreamedRun:
 
     # ---------------------------------------------------------------------------------- training
 
-    @property
-    def step_count(self) -> int:
-        """Optimizer updates applied so far."""
-        return self.engine.count
-
     def lr_at(self, count: int) -> float | None:
         """The learning rate of update ``count`` (1-based), or None when the optimizer does not
         expose its schedule (an optax transformation)."""
@@ -190,25 +186,6 @@ class StreamedRun:
     def store(self) -> Any:
         """The ``HostStore``: fp32 weights and optimizer state per group (live, not copies)."""
         return self.engine.store
-
-    @property
-    def memory_device(self) -> jax.Device | None:
-        """The device whose memory ``memory.memory_snapshot`` reports (None: compute on the host's CPU)."""
-        return self.engine.device if self.engine.xfer.on_gpu else None
-
-    @property
-    def sharded_checkpoints(self) -> bool:
-        """Every process writes its own shares of a checkpoint (``train.host_state=sharded``)."""
-        return self.engine.options.host_state_place.sharded
-
-    def step(self, batch: Any) -> StepResult:
-        """One optimizer step; ``StepResult(loss, grad_norm, tokens, skipped)``."""
-        b = as_batch(batch)
-        m = self.engine.options.micro_batches
-        if b.tokens.shape[0] % m:
-            raise UserError("batch", f"{b.tokens.shape[0]} sequences do not split into {m} micro-batches",
-                            "use a batch size divisible by micro_batches")
-        return self.engine.step(b)
 
     def params(self) -> Any:
         """The current fp32 weights (copies), in the model's own tree structure (NNX: like
@@ -306,15 +283,6 @@ class StreamedRun:
 
         export_hf(self.store, cfg.model, out, cfg.train.export_dtype, overwrite=True, sources=sources,
                   own_run=own_run, log=log)
-
-    def close(self) -> None:
-        self.engine.close()
-
-    def __enter__(self) -> "StreamedRun":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class Trainer:
