@@ -36,9 +36,9 @@ class Saver(Protocol):
 class TrainerProtocol(Protocol):
     """One training run's object: steps, weights, checkpoints, plan and export.
 
-    ``engine``: the streamed engine (None for the in-memory reference); ``store``: the host store of the
-    trained weights (None where there is none to export); ``sharded_checkpoints``: every process writes
-    its own shares (``train.host_state=sharded``), else process 0 writes."""
+    ``engine``: the streamed engine (None for the in-memory reference); ``store``: the host store it streams
+    (the trained weights, or a run of adapters' frozen base; None for the reference); ``sharded_checkpoints``:
+    every process writes its own shares (``train.host_state=sharded``), else process 0 writes."""
 
     engine: Any
     store: Any
