@@ -171,7 +171,7 @@ class FrozenEnds:
         losses, dhs = [], []
         for h, mb in zip(hs, mbs):
             loss, dh = self.k.head_loss(head, emb, h, mb.labels, mb.mask, inv) if self.k.objective is None \
-                else self.k.objective.lora_loss(self.k, head, emb, h, mb, inv)
+                else self.k.objective.frozen_ends_loss(self.k, head, emb, h, mb, inv)
             losses.append(loss)
             dhs.append(dh)
         return losses, dhs, []
@@ -193,7 +193,7 @@ class FrozenEnds:
 
     def seq_logps(self, head: jax.Array, emb: jax.Array, hs: list, mbs: list) -> list:
         """As ``io.ResidentIO.seq_logps``, over the frozen ends."""
-        return [self.k.objective.lora_logps(self.k, head, emb, h, mb) for h, mb in zip(hs, mbs)]
+        return [self.k.objective.frozen_ends_logps(self.k, head, emb, h, mb) for h, mb in zip(hs, mbs)]
 
     def close(self) -> None:
         """Nothing to end."""
