@@ -39,6 +39,10 @@ reject truncated files); a checkpoint that fails is reported, moved aside to ``s
 the previous one is used. The crc32 is taken from the live buffer while the group is held, so it
 also proves that the bytes written are the bytes of update ``K``.
 
+**A few files.** A run whose trained state is small (adapters over a frozen base) gives the saver ``files``: its
+files are written in-line into ``step_N.tmp``, the manifest lists the crc32 of each, and the commit and retention
+are the same (``checkpoint_read.read_checked`` checks them).
+
 ``megatrain-jax export`` (``megatrain_jax.hf.commands``) reads a committed checkpoint's master
 weights with ``read_checkpoint_meta`` and ``load_group_array``.
 """
@@ -60,6 +64,7 @@ import numpy as np
 
 import megatrain_jax.checkpoint_shards as shards
 from megatrain_jax.atomic import io_problem
+from megatrain_jax.checkpoint_files import file_crc, manifest_files
 from megatrain_jax.errors import UserError
 from megatrain_jax.orbax_io import checkpointer, restore_array  # noqa: F401 - the orbax glue (export uses it)
 
@@ -95,8 +100,8 @@ class CheckpointInfo:
 def read_meta(path: str) -> tuple[dict, bytes]:
     """``(manifest, state.json's bytes)`` of a checkpoint whose metadata is whole; ``CorruptCheckpoint``
     when not: a missing or unreadable manifest.json or state.json, a state.json that fails the manifest's
-    checksum, a group or shard directory the manifest names that is missing. A LoRA adapter checkpoint
-    (``engine/lora_run.py``: its manifest lists ``files``) needs every file listed."""
+    checksum, a group or shard directory the manifest names that is missing. A checkpoint of files (its
+    manifest lists ``files``: ``CheckpointSaver(files=)``) needs every file listed."""
     try:
         with open(os.path.join(path, MANIFEST), "rb") as f:
             manifest = json.loads(f.read())
@@ -109,7 +114,7 @@ def read_meta(path: str) -> tuple[dict, bytes]:
         raise CorruptCheckpoint(why) from None
     if not isinstance(manifest, dict):
         raise CorruptCheckpoint(f"{MANIFEST} is not a JSON object")
-    if "files" in manifest and "format" not in manifest:  # a LoRA adapter checkpoint
+    if "files" in manifest and "format" not in manifest:  # a checkpoint of files (adapters)
         files = manifest["files"] if isinstance(manifest["files"], dict) else {}
         missing = [rel for rel in files if not os.path.isfile(os.path.join(path, rel))]
         if missing:
@@ -203,7 +208,7 @@ def crc32(a: np.ndarray) -> int:
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a directory (its renames durable); best effort. Public: the LoRA adapter saver uses it."""
+    """fsync a directory (its renames durable); best effort."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -217,8 +222,7 @@ def fsync_dir(path: str) -> None:
 
 
 def write_json(path: str, obj: Any) -> bytes:
-    """``obj`` as JSON at ``path``, fsynced; returns the bytes written. Public: the LoRA adapter saver
-    (engine/lora_run.py) writes its state and manifest with it."""
+    """``obj`` as JSON at ``path``, fsynced; returns the bytes written."""
     data = json.dumps(obj, indent=1, default=_json_default).encode()
     with open(path, "wb") as f:
         f.write(data)
@@ -236,8 +240,7 @@ def _json_default(o: Any) -> Any:
 
 
 def remove_dir(path: str) -> None:
-    """Rename first, so that a kill during the removal never leaves a half-deleted ``step_N``.
-    Public: the LoRA adapter saver (engine/lora_run.py) commits the same way."""
+    """Rename first, so that a kill during the removal never leaves a half-deleted ``step_N``."""
     doomed = f"{path}.deleting-{os.getpid()}"
     try:
         os.replace(path, doomed)
@@ -319,10 +322,12 @@ class _Job:
 
 
 class CheckpointSaver:
-    """Background, group-by-group checkpoints of a ``StreamedTrainer``'s host store (see module doc)."""
+    """Background, group-by-group checkpoints of a ``StreamedTrainer``'s host store (see module doc); with
+    ``files`` (``kind``: state.json's, ``write(directory)``: the run's files), in-line checkpoints of those."""
 
-    def __init__(self, trainer, root: str, *, keep_last: int = 2, keep_every: int = 0, log: Log = print):
-        self.trainer, self.root, self.log = trainer, os.path.abspath(root), log
+    def __init__(self, trainer, root: str, *, keep_last: int = 2, keep_every: int = 0, log: Log = print,
+                 files: Any = None):
+        self.trainer, self.root, self.log, self.files = trainer, os.path.abspath(root), log, files
         self.keep_last, self.keep_every = keep_last, keep_every
         self._job: _Job | None = None  # the save in flight (or finished but not yet waited for)
         self._active: _Job | None = None  # the save whose groups are still held
@@ -331,12 +336,13 @@ class CheckpointSaver:
         self.kill_in_save: int | None = None  # fault injection (train.TrainHooks): SIGKILL mid-save of this step
         self.sigint_in_save: int | None = None  # fault injection: SIGINT to the main thread mid-save of this step
         self._ckptr_ready = threading.Thread(target=self._make_checkpointer, name="ckpt-init", daemon=True)
-        self._ckptr_ready.start()  # importing orbax takes a second: not while groups are held
+        if files is None:
+            self._ckptr_ready.start()  # importing orbax takes a second: not while groups are held
         self.history: list[SaveStats] = []
         self.last_path: str | None = None
         # a sharded store (train.host_state=sharded) over several processes: each saves its own values
-        self.shard = shards.shard_of_process()
-        self.sharded = getattr(trainer.store, "owned", None) is not None and self.shard[1] > 1
+        self.shard = shards.shard_of_process() if files is None else (0, 1)
+        self.sharded = files is None and getattr(trainer.store, "owned", None) is not None and self.shard[1] > 1
         self._shard_saved: int | None = None  # process p > 0: the step whose shard it wrote last (never written again)
         os.makedirs(root, exist_ok=True)
         for path in leftovers(root) if self.shard[0] == 0 else ():  # (process 0's to clean up)
@@ -395,6 +401,12 @@ class CheckpointSaver:
         tmp = final + ".tmp"
         shutil.rmtree(self._own_dir(tmp), ignore_errors=True)  # (sharded: only this process's shard)
         tr = self.trainer
+        if self.files is not None:
+            self._job = _Job(step, tr.count, final, tmp, meta, {}, [])
+            self._write_files(self._job)
+            if wait:
+                self.wait()
+            return final
         order = [g.name for g in tr.store]  # the order the forward fetches the groups
         # update K of each group, maybe still running (or, for device-side updates, not yet started)
         pending = tr.pending_updates() if hasattr(tr, "pending_updates") else {}
@@ -414,7 +426,8 @@ class CheckpointSaver:
             return None
         t0 = time.perf_counter()
         job.done.wait()  # a signal may interrupt it: the job stays in flight, for abandon() to give up
-        job.thread.join()
+        if job.thread is not None:  # (a save of files ran in-line)
+            job.thread.join()
         self._job = None
         job.stats.call_s += time.perf_counter() - t0
         if job.error is not None:
@@ -471,6 +484,31 @@ class CheckpointSaver:
             if getattr(self.trainer, "before_update", None) == self._before_update:
                 self.trainer.before_update = None
             self._crc_pool.shutdown()
+
+    def _write_files(self, job: _Job) -> None:
+        """``files``' checkpoint, in-line: its files, state.json, then the manifest of their crc32; committed as a
+        group save is (a failure is reported by ``wait``)."""
+        t0 = time.perf_counter()
+        try:
+            os.makedirs(job.tmp)
+            self.files.write(job.tmp)
+            if self.kill_in_save == job.step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            write_json(os.path.join(job.tmp, STATE), {"step": job.step, "count": job.count, "kind": self.files.kind,
+                                                      **job.meta})
+            names = manifest_files(job.tmp, MANIFEST)
+            crcs = {f: file_crc(os.path.join(job.tmp, f)) for f in names}
+            write_json(os.path.join(job.tmp, MANIFEST), {"files": crcs})
+            os.replace(job.tmp, job.final)
+            fsync_dir(self.root)
+            prune(self.root, self.keep_last, self.keep_every)
+            job.stats.nbytes = sum(os.path.getsize(os.path.join(job.final, f)) for f in names)
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            job.error = e
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        finally:
+            job.stats.call_s = job.stats.write_s = time.perf_counter() - t0
+            job.done.set()
 
     # -- the writer thread
     def _write(self, job: _Job) -> None:
@@ -554,13 +592,3 @@ class CheckpointSaver:
             self._active = None
             job.done.set()
 
-
-def rng_state(cfg: Any) -> dict:
-    """The run's random state a checkpoint records (train.py's loop writes it; resume reads its numpy part)."""
-    import jax
-
-    np_state = np.random.get_state()
-    return {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed,
-            "jax_key_data": np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed))).tolist(),
-            "numpy_global": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "note": "the loop is deterministic: batches from (data_seed, step), init from train_seed"}

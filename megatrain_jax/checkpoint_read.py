@@ -13,8 +13,9 @@ import os
 import numpy as np
 
 import megatrain_jax.checkpoint_shards as shards
-from megatrain_jax.checkpoint import (BLOCK_ALIGN, STATE, CorruptCheckpoint, Log, crc32, leftovers,
+from megatrain_jax.checkpoint import (BLOCK_ALIGN, MANIFEST, STATE, CorruptCheckpoint, Log, crc32, leftovers,
                                       list_checkpoints, read_meta, set_aside, set_aside_incomplete, store_layouts)
+from megatrain_jax.checkpoint_files import file_crc
 from megatrain_jax.errors import UserError
 from megatrain_jax.orbax_io import checkpointer, restore_array
 
@@ -205,3 +206,19 @@ def load_checkpoint_arrays(path: str) -> tuple[dict[str, dict[str, np.ndarray]],
         entry, arrays = group_arrays(ckptr, path, manifest, parts, name, align=BLOCK_ALIGN)
         out[name] = {info.get("name", key): arrays[key] for key, info in entry["arrays"].items()}
     return out, state
+
+
+def read_checked(path: str) -> dict:
+    """A checkpoint of files' ``state.json``, once every file its manifest lists is there with its crc32
+    (``checkpoint.CorruptCheckpoint`` otherwise)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{MANIFEST} unreadable ({e})") from None
+    for rel, crc in manifest.get("files", {}).items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full) or file_crc(full) != crc:
+            raise CorruptCheckpoint(f"{rel} is missing or fails its checksum")
+    with open(os.path.join(path, STATE)) as f:
+        return json.load(f)

@@ -154,11 +154,6 @@ def main(argv: list[str] | None = None) -> int:
 
             return generate_main(argv[1:])
         if argv and argv[0] == "export":  # a training checkpoint -> Hugging Face (or mt) directory
-            from megatrain_jax.hf.merge import lora_export_main  # LoRA runs: --merge-lora
-
-            rc = lora_export_main(argv[1:])
-            if rc is not None:
-                return rc
             from megatrain_jax.hf import export_main
 
             return export_main(argv[1:])

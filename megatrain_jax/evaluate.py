@@ -331,58 +331,16 @@ class ForwardPass:
     pass sees the weights after the last step, as a checkpoint of that step holds them."""
 
     def __init__(self, engine: Any):
-        from megatrain_jax.engine.io import ResidentIO
-
         self.engine = eng = engine
-        io_kind = type(eng.io).__name__
-        self._streamed_head = hasattr(getattr(eng.io, "head", None), "forward_stats")  # stream_io: vocab chunks
-        if not (isinstance(eng.io, ResidentIO) or io_kind == "FrozenEnds" or self._streamed_head):
-            raise UserError("train.stream_io", f"evaluation does not run with this embedding and head ({io_kind})",
-                            "set train.stream_io=false for a run that evaluates")
-        self._head = _stream_nll if self._streamed_head else self._head_fn(eng, io_kind == "FrozenEnds")
-        self._forward = self._no_dropout(eng) if io_kind == "FrozenEnds" else None
+        self._streamed_head = eng.io.streams_head  # stream_io: the head's vocabulary chunks
+        self._head = _stream_nll if self._streamed_head else self._head_fn(eng)
+        self._forward = eng.forward_without_dropout()
 
     @staticmethod
-    def _no_dropout(eng: Any):
-        """A LoRA run with adapter dropout: its blocks again without it (evaluation sees the whole adapters), as
-        ``forward(i, w, h, aux, m)``; None where the blocks have no dropout (their own forward serves)."""
-        from megatrain_jax.engine.lora import LoraModel
-
-        cfg = getattr(getattr(eng.kernels, "model", None), "cfg", None)
-        if cfg is None or cfg.lora is None or not cfg.lora.dropout:
-            return None
-        model = LoraModel(replace(cfg, lora=replace(cfg.lora, dropout=0.0)))
-        dt, k = eng.dtype, eng.kernels
-        fns = {}
-        for kind in range(model.num_kinds):
-            group, apply = eng.store[f"block_{model.kinds.index(kind)}"], model.apply(kind)
-
-            def fwd(w, adapters, h, aux, key, apply=apply, group=group):
-                return apply(group.dequantise((w,), dt), jax.tree_util.tree_map(lambda a: a.astype(dt), adapters), h,
-                             aux, key)
-            fns[kind] = jax.jit(fwd)
-        return lambda i, w, h, aux, m: fns[model.kinds[i]](w, k.adapters.trees[i], h, aux, k.rng(i, m))
-
-    @staticmethod
-    def _head_fn(eng: Any, lora: bool):
+    def _head_fn(eng: Any):
         chunk = int(eng.options.loss_chunk)
-        dt = eng.dtype
-        if lora:
-            m, ge, gh = eng.kernels.model, eng.store["embed"], eng.store["head"]
-            head_fn, tied, cap = m.head_fn, m.tied, m.softcap
-
-            def trees(wh, we):
-                return gh.dequantise((wh,), dt), (ge.dequantise((we,), dt) if tied else None)
-            key = None  # (the LoRA store's groups: per run)
-        else:
-            parts = eng.parts
-            lay_h, lay_e = eng.store["head"].layout, eng.store["embed"].layout
-            head_fn, tied, cap = parts.head_fn, parts.tied, parts.logit_softcap
-
-            def trees(wh, we):
-                return lay_h.unflatten(wh.astype(dt)), (lay_e.unflatten(we.astype(dt)) if tied else None)
-            key = (head_fn, tied, cap, lay_h.signature(), lay_e.signature(), jnp.dtype(dt), chunk) \
-                if getattr(head_fn, "__hash__", None) is not None else None
+        trees, head_fn, cap, key = eng.io.head_of(eng.dtype)
+        key = None if key is None else key + (chunk,)
 
         def head(wh, we, h, labels, mask):
             hw, ew = trees(wh, we)

@@ -269,7 +269,7 @@ class Objective:
 
     # ---- the head: LoRA's frozen ends (plain jit, global arrays)
 
-    def _lora_fns(self, k) -> tuple:
+    def _frozen_ends_fns(self, k) -> tuple:
         fns = getattr(k, "_preference_fns", None)
         if fns is not None and fns[0] == self.key:
             return fns[1]
@@ -293,13 +293,13 @@ class Objective:
         k._preference_fns = (self.key, fns)
         return fns
 
-    def lora_loss(self, k, head, emb, h, mb, inv):
-        loss, dh, seq = self._lora_fns(k)[0](head, emb, h, mb.labels, mb.mask, inv, mb.ref)
+    def frozen_ends_loss(self, k, head, emb, h, mb, inv):
+        loss, dh, seq = self._frozen_ends_fns(k)[0](head, emb, h, mb.labels, mb.mask, inv, mb.ref)
         k.preference_logps.append(seq)
         return loss, dh
 
-    def lora_logps(self, k, head, emb, h, mb):
-        return self._lora_fns(k)[1](head, emb, h, mb.labels, mb.mask)
+    def frozen_ends_logps(self, k, head, emb, h, mb):
+        return self._frozen_ends_fns(k)[1](head, emb, h, mb.labels, mb.mask)
 
     # ---- the head: streamed in vocabulary chunks (io_head.HeadStream, between its two passes)
 

@@ -135,16 +135,10 @@ def forward_logps(engine: Any, batch: Any, fp: Any = None) -> np.ndarray:
     from megatrain_jax.evaluate import ForwardPass
 
     k, io = engine.kernels, engine.io
-    obj = k.objective
     b = engine.preference_batch(Batch(batch.tokens, batch.labels, batch.loss_mask))
     k.begin(engine.count)
     mbs, emb, head, hs = (fp or ForwardPass(engine)).sweep(b)
-    if hasattr(io, "head") and hasattr(io.head, "seq_logps"):  # stream_io: the head's chunks, pass 1 only
-        out = io.head.seq_logps(head, hs, mbs)
-    elif hasattr(k, "model"):  # LoRA's frozen ends
-        out = [obj.lora_logps(k, head, emb, h, mb) for h, mb in zip(hs, mbs)]
-    else:
-        out = [obj.resident_logps(k, head, emb, h, mb) for h, mb in zip(hs, mbs)]
+    out = io.seq_logps(head, emb, hs, mbs)  # (stream_io: the head's chunks, pass 1 only)
     engine.pace.reset()
     return engine.host_logps(out)
 

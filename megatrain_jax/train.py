@@ -216,6 +216,17 @@ def _background_failure(e: BaseException, out_dir: str, step: int) -> UserError:
 # ------------------------------------------------------------------------------------ the outputs
 
 
+def rng_state(cfg: Any) -> dict:
+    """The run's random state a checkpoint records (the loop writes it; resume reads its numpy part)."""
+    import jax
+
+    np_state = np.random.get_state()
+    return {"train_seed": cfg.train.seed, "data_seed": cfg.data.seed,
+            "jax_key_data": np.asarray(jax.random.key_data(jax.random.key(cfg.train.seed))).tolist(),
+            "numpy_global": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "note": "the loop is deterministic: batches from (data_seed, step), init from train_seed"}
+
+
 def _open_outputs(cfg: Config, start: RunStart, resume: bool, main: bool, log: Log) -> tuple[MetricsWriter, str]:
     """``out_dir/config.yaml`` and the metrics (cut back to the resumed step, or a fresh file)."""
     t = cfg.train
@@ -253,7 +264,7 @@ class _Loop:
         if self.bad_streak >= t.max_bad_steps:
             self.bad_streak = 0  # that run stopped on it; the user has had a chance to change something
         self.last_good = int(loop.get("last_good_step", start.start_step))
-        self.rng = ck.rng_state(cfg)
+        self.rng = rng_state(cfg)
         # process 0 writes the checkpoints; with a sharded host state every process writes its own shares
         self.saver = self.trainer.saver(start.root, keep_last=t.keep_last, keep_every=t.keep_every, log=log) \
             if main or self.trainer.sharded_checkpoints else None  # None too where the trainer writes none (reference)

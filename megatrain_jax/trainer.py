@@ -31,9 +31,10 @@ from megatrain_jax.config import Config, OptimConfig
 from megatrain_jax.distributed import run_devices
 from megatrain_jax.engine import Batch, StepResult, StreamedTrainer
 from megatrain_jax.engine.step import as_batch  # noqa: F401 (its public home was here)
+from megatrain_jax.engine_run import EngineRun
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim import HostOptimizer, OptaxHostOptimizer, build_host_optimizer
-from megatrain_jax.plan.lora import LORA, variant
+from megatrain_jax.plan.lora import FULL, variant
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import StreamedModel
 from megatrain_jax.trainer_protocol import Saver, TrainerProtocol
@@ -82,11 +83,11 @@ class PlanView:
         return self.plan.verdict()
 
 
-class StreamedRun:
+class StreamedRun(EngineRun):
     """Full training through the streamed engine: every weight trained (``Trainer``'s run without
-    adapters; see ``Trainer`` for the arguments)."""
+    adapters, ``lora`` None; see ``Trainer`` for the arguments)."""
 
-    def __init__(self, model: Any, optimizer: Any = None, *, options: EngineOptions | None = None,
+    def __init__(self, model: Any, optimizer: Any = None, *, lora: None = None, options: EngineOptions | None = None,
                  store: Any = None, params: Any = None, steps: int | None = None, micro_batches: int | None = None,
                  clip_norm: float | None | str = "auto", compute_dtype: str | None = None,
                  loss_chunk: int | None = None, seed: int | None = None, skip_nonfinite: bool | None = None,
@@ -175,11 +176,6 @@ class StreamedRun:
 
     # ---------------------------------------------------------------------------------- training
 
-    @property
-    def step_count(self) -> int:
-        """Optimizer updates applied so far."""
-        return self.engine.count
-
     def lr_at(self, count: int) -> float | None:
         """The learning rate of update ``count`` (1-based), or None when the optimizer does not
         expose its schedule (an optax transformation)."""
@@ -190,27 +186,6 @@ class StreamedRun:
     def store(self) -> Any:
         """The ``HostStore``: fp32 weights and optimizer state per group (live, not copies)."""
         return self.engine.store
-
-    @property
-    def memory_device(self) -> jax.Device | None:
-        """The device whose memory ``memory.memory_snapshot`` reports (None: compute on the host's CPU)."""
-        return self.engine.device if self.engine.xfer.on_gpu else None
-
-    @property
-    def sharded_checkpoints(self) -> bool:
-        """Every process writes its own shares of a checkpoint (``train.host_state=sharded``)."""
-        from megatrain_jax.placements import HOST_STATE_SHARDED
-
-        return self.engine.options.host_state == HOST_STATE_SHARDED
-
-    def step(self, batch: Any) -> StepResult:
-        """One optimizer step; ``StepResult(loss, grad_norm, tokens, skipped)``."""
-        b = as_batch(batch)
-        m = self.engine.options.micro_batches
-        if b.tokens.shape[0] % m:
-            raise UserError("batch", f"{b.tokens.shape[0]} sequences do not split into {m} micro-batches",
-                            "use a batch size divisible by micro_batches")
-        return self.engine.step(b)
 
     def params(self) -> Any:
         """The current fp32 weights (copies), in the model's own tree structure (NNX: like
@@ -309,15 +284,6 @@ class StreamedRun:
         export_hf(self.store, cfg.model, out, cfg.train.export_dtype, overwrite=True, sources=sources,
                   own_run=own_run, log=log)
 
-    def close(self) -> None:
-        self.engine.close()
-
-    def __enter__(self) -> "StreamedRun":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 class Trainer:
     """Streamed training of a Flax model (see the module docstring); answers ``TrainerProtocol``.
@@ -331,21 +297,16 @@ class Trainer:
     layer, micro_batch)``) and ``skip_nonfinite`` set its fields. ``steps``: the run's length, for
     schedules that decay over it. ``store``: an already-filled ``HostStore`` for the model.
     ``lora``: a ``LoraConfig`` (or dict): the trained subset is the LoRA adapters on the model's
-    targeted ``nnx.Linear`` modules, over a frozen (possibly int8) base (``engine/lora_stream.py``).
+    targeted ``nnx.Linear`` modules, over a frozen (possibly int8) base (``lora_trainer.py``).
 
     From a ``Config`` (what ``megatrain-jax train`` does): ``from_config`` or ``resume``. The work is
-    done by ``run``: a ``StreamedRun`` (every weight trained) or a run of adapters
-    (``engine/lora_stream.LoraStreamTrainer`` over a user's model, ``engine/lora_run.LoraTrainer`` for a
-    config's ``model.lora``); this class is the one public face of all of them.
+    done by ``run`` (``run_class``): a ``StreamedRun`` (every weight trained) or a ``lora_trainer.LoraRun``
+    (the adapters trained over a frozen base: a user's model's, or a config's ``model.lora``); this class
+    is the one public face of both.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, lora: Any = None, **kwargs: Any):
-        if variant(lora) == LORA:
-            from megatrain_jax.engine.lora_stream import LoraStreamTrainer
-
-            self.run: TrainerProtocol = LoraStreamTrainer(model, optimizer, lora=lora, **kwargs)
-        else:
-            self.run = StreamedRun(model, optimizer, **kwargs)
+        self.run: TrainerProtocol = run_class(lora)(model, optimizer, lora=lora, **kwargs)
 
     @classmethod
     def of_run(cls, run: TrainerProtocol) -> "Trainer":
@@ -362,24 +323,15 @@ class Trainer:
         options are the memory plan's (``plan.options``; planned, and refused if it does not fit,
         when not given), on the run's devices (``train.devices``), exactly as ``megatrain-jax
         train`` runs it. With ``model.lora`` the adapters are trained over a frozen base
-        (``engine/lora_run.LoraTrainer``)."""
-        if variant(cfg.model.lora) == LORA:
-            from megatrain_jax.engine.lora_run import LoraTrainer
-
-            return cls.of_run(LoraTrainer.from_config(cfg, plan))
-        return cls.of_run(StreamedRun.from_config(cfg, plan, model=model))
+        (``lora_trainer.LoraRun``)."""
+        return cls.of_run(run_class(cfg.model.lora).from_config(cfg, plan, model=model))
 
     @classmethod
     def resume(cls, cfg: Config, root: str, plan=None, log=print) -> tuple["Trainer", str, dict]:
         """``cfg``'s run continued from the newest usable checkpoint in ``root``: the host store is
         allocated empty and restored group by group (never initialised first), the step count (hence
         the LR schedule) restored. Returns the trainer, the checkpoint's path and its state.json."""
-        if variant(cfg.model.lora) == LORA:
-            from megatrain_jax.engine.lora_run import LoraTrainer
-
-            run, path, state = LoraTrainer.resume(cfg, root, plan, log)
-        else:
-            run, path, state = StreamedRun.resume(cfg, root, plan, log)
+        run, path, state = run_class(cfg.model.lora).resume(cfg, root, plan, log)
         return cls.of_run(run), path, state
 
     # ------------------------------------------------------------------------ what the run holds
@@ -485,6 +437,17 @@ class Trainer:
         self.close()
 
 
+def run_class(lora: Any) -> type:
+    """The run that trains ``lora``'s variant (``plan.lora.variant``, the one place it is chosen): every weight
+    (``StreamedRun``), or the adapters over a frozen base (``lora_trainer.LoraRun``). Each is built from a model
+    (the constructor) or a config (``from_config``, ``resume``) and answers ``TrainerProtocol``."""
+    if variant(lora) == FULL:
+        return StreamedRun
+    from megatrain_jax.lora_trainer import LoraRun
+
+    return LoraRun
+
+
 def with_plan_tile(cfg: Config, plan) -> Config:
     """``cfg`` with the blocks' sequence tile the plan decided (``model.seq_tile=auto`` resolved), so the
     model built from it runs the working set the plan counted."""
@@ -500,9 +463,7 @@ def _owned(options) -> tuple | None:
     its devices' shares; None for a replicated store."""
     from megatrain_jax.engine.shards import process_bounds
     from megatrain_jax.optim.device_adamw import BLOCK
-    from megatrain_jax.placements import HOST_STATE_SHARDED
-
-    if options.host_state != HOST_STATE_SHARDED:
+    if not options.host_state_place.sharded:
         return None
     devices = run_devices(options.devices)
     return (lambda n: process_bounds(n, devices, BLOCK)), BLOCK

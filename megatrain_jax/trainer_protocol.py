@@ -1,10 +1,10 @@
 """What a trainer answers: the contract ``train.py`` drives and every trainer implements.
 
 ``trainer.Trainer`` (the streamed engine; with ``lora=`` or ``model.lora`` it trains adapters over a frozen
-base), the config run of adapters (``engine/lora_run.LoraTrainer``) and the in-memory reference
+base), its runs (``trainer.StreamedRun``, ``lora_trainer.LoraRun``) and the in-memory reference
 (``reference.ReferenceTrainer``) all answer ``TrainerProtocol``, so the training loop, the evaluation
 and the export call them without asking which one they hold. A checkpoint writer answers ``Saver``
-(``checkpoint.CheckpointSaver``: background, per group; ``engine/lora_run.LoraSaver``: adapters, in-line).
+(``checkpoint.CheckpointSaver``: background, per group; with ``files``: a run's adapters, in-line).
 """
 from __future__ import annotations
 
@@ -36,9 +36,9 @@ class Saver(Protocol):
 class TrainerProtocol(Protocol):
     """One training run's object: steps, weights, checkpoints, plan and export.
 
-    ``engine``: the streamed engine (None for the in-memory reference); ``store``: the host store of the
-    trained weights (None where there is none to export); ``sharded_checkpoints``: every process writes
-    its own shares (``train.host_state=sharded``), else process 0 writes."""
+    ``engine``: the streamed engine (None for the in-memory reference); ``store``: the host store it streams
+    (the trained weights, or a run of adapters' frozen base; None for the reference); ``sharded_checkpoints``:
+    every process writes its own shares (``train.host_state=sharded``), else process 0 writes."""
 
     engine: Any
     store: Any

@@ -299,3 +299,12 @@ def test_no_function_over_120_lines():
     extra = {k: v for k, v in long.items() if k not in LONG_FUNCTIONS_ALLOWED}
     assert not extra, (f"functions over {MAX_FUNCTION_LINES} lines (split them into named helpers):\n"
                        + "\n".join(f"  {f}: {name} ({n} lines)" for (f, name), n in sorted(extra.items())))
+
+
+def test_the_engine_imports_nothing_of_the_hugging_face_layer():
+    """Reading a base model and writing PEFT files are the trainer's edges (lora_run.py), not the engine's."""
+    graph, mods = import_graph(), modules()
+    found = [f"{a} -> {b}  ({mods[a].relative_to(PKG.parent)}:{graph[a][b]})" for a in sorted(graph)
+             if a.startswith("megatrain_jax.engine") for b in graph[a]
+             if b == "megatrain_jax.hf" or b.startswith("megatrain_jax.hf.")]
+    assert not found, "the engine imports the Hugging Face layer:\n" + "\n".join(found)

@@ -166,6 +166,35 @@ def test_streamed_equals_reference(name, base_dtype, dropout, micro, compute):
     eng.close()
 
 
+def test_forward_only_passes_see_the_whole_adapters():
+    """Evaluation (``evaluate.ForwardPass``) and the reference log-probabilities (``reference_logps.forward_logps``)
+    of a LoRA run: through the frozen ends' head and, with adapter dropout, the blocks without it; each equals the
+    in-memory LoRA model's per-token cross-entropy."""
+    from megatrain_jax.evaluate import ForwardPass
+    from megatrain_jax.objectives import Objective
+    from megatrain_jax.reference_logps import forward_logps
+
+    cfg = tiny("llama", dropout=0.3, base_dtype="int8")
+    store = FrozenStore.from_trees(streamed_parts(Decoder(dataclasses.replace(cfg, lora=None), 0)).host_trees(), "int8")
+    plain = LoraModel(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, dropout=0.0)))
+    ad = nonzero_b(plain.init_adapters(0))
+    eng = LoraEngine(LoraModel(cfg), store, optax.sgd(0.0), adapters=ad, compute_dtype="float32", micro_batches=2,
+                     loss_chunk=16)
+    rs = np.random.default_rng(1)
+    toks = rs.integers(0, 64, (4, 17))
+    mask = (rs.random((4, 16)) < 0.7).astype(np.float32)
+    b = Batch(toks[:, :-1], toks[:, 1:], mask)
+    got = ForwardPass(eng).run(b)
+    for r in range(4):
+        one = reference_lora_loss(plain, store, "float32")(ad, jnp.asarray(b.tokens[r:r + 1]),
+                                                            jnp.asarray(b.labels[r:r + 1]), jnp.asarray(mask[r:r + 1]),
+                                                            0, 0)
+        np.testing.assert_allclose(got.nll[r], float(one) * mask[r].sum(), rtol=1e-4, atol=1e-5)
+    eng.kernels.objective = Objective("dpo", 0.1, 0.0, 0.0, 0.0)
+    np.testing.assert_allclose(forward_logps(eng, b), got.logprobs, rtol=1e-4, atol=1e-5)
+    eng.close()
+
+
 def test_nonfinite_step_is_skipped():
     cfg = tiny("llama")
     store = FrozenStore.from_trees(streamed_parts(Decoder(dataclasses.replace(cfg, lora=None), 0)).host_trees(),
@@ -277,6 +306,31 @@ def test_train_resume_exact_and_export(tmp_path):
     assert cli_main(["export", f"{tmp_path}/b", f"{tmp_path}/m", "--merge-lora", "--dtype", "float32"]) == 0
     merged = load_file(f"{tmp_path}/m/model.safetensors")
     assert "model.layers.1.mlp.down_proj.weight" in merged and not any("lora" in k for k in merged)
+
+
+def test_a_config_run_is_the_one_lora_run(tmp_path):
+    """``Trainer.from_config`` with model.lora runs ``LoraRun`` (as ``Trainer(model, lora=)`` does): saved by the one
+    saver (the PEFT pair and the optimizer state) and restored in place, exactly."""
+    from megatrain_jax import checkpoint as ck
+    from megatrain_jax.lora_trainer import LoraRun
+    from megatrain_jax.trainer import Trainer
+
+    cfg = load_config(str(ROOT / "configs" / "lora-tiny.yaml"),
+                      ["optim.schedule.warmup_steps=1", "train.batch_size=4", "data.seq_len=32", "model.num_layers=2",
+                       "train.steps=3"])
+    tr = Trainer.from_config(cfg)
+    saver = tr.saver(str(tmp_path / "s"))
+    assert isinstance(tr.run, LoraRun) and isinstance(saver, ck.CheckpointSaver)
+    saver.close()
+    rng = np.random.default_rng(0)
+    tr.step(rng.integers(0, cfg.model.vocab_size, (4, 33), dtype=np.int32))
+    path = tr.save(str(tmp_path / "ck"))
+    assert os.path.isfile(os.path.join(path, "adapter", "adapter_config.json"))
+    saved = tr.adapters()
+    tr.step(rng.integers(0, cfg.model.vocab_size, (4, 33), dtype=np.int32))
+    assert tr.restore(str(tmp_path / "ck"))["count"] == 1 and tr.step_count == 1
+    jax.tree.map(np.testing.assert_array_equal, tr.adapters(), saved)
+    tr.close()
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])

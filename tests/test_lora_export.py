@@ -16,7 +16,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from megatrain_jax.cli import main as cli_main
-from megatrain_jax.engine.lora_run import LoraSaver, write_peft_adapters
+from megatrain_jax import checkpoint as ck
+from megatrain_jax.lora_run import AdapterFiles, PeftAdapters
 from megatrain_jax.hf.peft import save_peft
 from megatrain_jax.models.common import Decoder
 from megatrain_jax.models.lora import lora_decoder, split_lora
@@ -26,15 +27,13 @@ from tests.torch_reference import ROOT
 
 
 def _lora_run(tmp_path, cfg, seed=0):
-    """A LoRA checkpoint as ``megatrain-jax train`` writes it (``LoraSaver``), of adapters with B != 0;
+    """A LoRA checkpoint as ``megatrain-jax train`` writes it (``AdapterFiles``), of adapters with B != 0;
     returns (run dir, the adapters as one tree per layer)."""
     _, ad, _, _ = split_lora(lora_decoder(cfg, seed))
     layers = [jax.tree_util.tree_map(np.asarray, nonzero_b(ad)["layers"][i]) for i in range(cfg.num_layers)]
     engine = SimpleNamespace(adapters_host=lambda: layers, opt_state={"mu": np.zeros(3, np.float32)}, count=3)
-    trainer = SimpleNamespace(engine=engine, cfg=SimpleNamespace(model=cfg),
-                              write_adapters=lambda d: write_peft_adapters(d, layers, cfg))
     run = tmp_path / "run"
-    saver = LoraSaver(trainer, str(run / "checkpoints"))
+    saver = ck.CheckpointSaver(engine, str(run / "checkpoints"), files=AdapterFiles(engine, PeftAdapters(cfg)))
     saver.save(3, {"config": {"model": dataclasses.asdict(cfg), "train": {"seed": seed}}}, wait=True)
     return run, layers
 

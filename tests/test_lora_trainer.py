@@ -13,7 +13,8 @@ from flax import nnx
 
 from megatrain_jax import checkpoint as ck
 from megatrain_jax.config.schema import LoraConfig
-from megatrain_jax.engine.lora_stream import LoraStreamTrainer, merge_adapters, split_adapters
+from megatrain_jax.lora_trainer import LoraRun
+from megatrain_jax.models.lora import merge_adapters, split_adapters
 from megatrain_jax.errors import UserError
 from megatrain_jax.models.lora import LoraLinear, LoraParam, add_named_adapters, target_names
 from megatrain_jax.trainer import Trainer
@@ -79,7 +80,7 @@ def test_trainer_lora_equals_in_memory(dropout, micro, base_dtype="float32"):
     tr = Trainer(model, tx, lora=lora, clip_norm=clip, compute_dtype="float32", micro_batches=micro, loss_chunk=16,
                  seed=0, **_kwargs(model))
     assert tr.parts.blocks.takes_rng == (dropout > 0)
-    assert isinstance(tr, Trainer) and isinstance(tr.run, LoraStreamTrainer)
+    assert isinstance(tr, Trainer) and isinstance(tr.run, LoraRun)
     got = [tr.step(b) for b in batches]
     losses, norms, ad = _reference(model, lora, 0, tx, clip, batches)
     for r, loss, norm in zip(got, losses, norms):
@@ -190,7 +191,7 @@ def test_trainer_lora_on_a_linen_module_equals_merged_kernels_in_memory():
     tx, clip = optax.adamw(3e-3, b1=0.9, b2=0.95, weight_decay=0.01), 0.02
     tr = Trainer(module, tx, params=params, lora=lora, clip_norm=clip, compute_dtype="float32", micro_batches=2,
                  loss_chunk=16, seed=0)
-    assert isinstance(tr, Trainer) and isinstance(tr.run, LoraStreamTrainer)
+    assert isinstance(tr, Trainer) and isinstance(tr.run, LoraRun)
     ad = {f"encoderdecoderblock_{i}": a for i, a in enumerate(tr.adapters())}
     assert sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(ad["encoderdecoderblock_0"])) \
         == sorted(f"['{m}']['{t}']['{leaf}']" for m, t in [("MlpBlock_0", "Dense_0")] +

@@ -171,8 +171,7 @@ def test_every_trainer_answers_the_protocol():
     """``Trainer``, its runs (full training, adapters over a user's model or a config's) and the in-memory
     reference answer ``TrainerProtocol``, which ``train.py`` drives without asking which one it holds."""
     from megatrain_jax import checkpoint as ck
-    from megatrain_jax.engine.lora_run import LoraSaver, LoraTrainer
-    from megatrain_jax.engine.lora_stream import LoraStreamTrainer
+    from megatrain_jax.lora_trainer import LoraRun
     from megatrain_jax.reference import ReferenceTrainer
     from megatrain_jax.trainer import StreamedRun
     from megatrain_jax.trainer_protocol import Saver, TrainerProtocol
@@ -181,7 +180,6 @@ def test_every_trainer_answers_the_protocol():
         return [n for n in vars(proto) if not n.startswith("_")]
 
     assert {"step", "params", "save", "restore", "plan", "export"} <= set(members(TrainerProtocol))
-    for cls in (Trainer, StreamedRun, LoraStreamTrainer, LoraTrainer, ReferenceTrainer):
+    for cls in (Trainer, StreamedRun, LoraRun, ReferenceTrainer):
         assert [n for n in members(TrainerProtocol) if not hasattr(cls, n)] == [], cls.__name__
-    assert [n for n in members(Saver) if not hasattr(LoraSaver, n)] == []
     assert [n for n in members(Saver) if not hasattr(ck.CheckpointSaver, n)] == []

@@ -21,8 +21,6 @@ import optax
 
 from megatrain_jax.engine.kernels import F32
 
-UPDATE_ADAPTERS = "adapters"  # the LoRA variant's update path (its key in ``updaters.UPDATERS``)
-
 
 def own(tree: Any, sharding: Any) -> Any:
     """A copy of ``tree`` placed by ``sharding`` that the engine may donate (never the caller's arrays)."""

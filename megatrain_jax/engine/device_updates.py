@@ -16,8 +16,7 @@ from megatrain_jax.engine.shards import Shards
 from megatrain_jax.engine.updates_base import HEAD, Updates
 from megatrain_jax.errors import UserError
 from megatrain_jax.optim.device_adamw import BLOCK
-from megatrain_jax.placements import (HOST_BF16, HOST_FP32, HOST_STATE_SHARDED, RESWEEP, STREAM_COPY_DEVICE,
-                                      UPDATE_DEVICE, UPDATE_HOST)
+from megatrain_jax.placements import HOST_STATE_SHARDED, STREAM_COPY_DEVICE, UPDATE_DEVICE, UPDATE_HOST
 from megatrain_jax.bounds import WRITEBACKS_IN_FLIGHT
 
 
@@ -75,7 +74,7 @@ class DeviceUpdates(Updates):
         self.hold_shards = Shards(self.k.mesh, BLOCK, self.xfer.device_sharding.memory_kind, None) \
             if self.k.num_devices > 1 and self.shards is None else None
         self.split_held_loads = 0  # updates that gathered a gradient held split (the tests read it)
-        sharded = self.o.host_state == HOST_STATE_SHARDED
+        sharded = self.o.host_state_place.sharded
         if self.k.num_devices > 1 and jax.process_count() > 1 and not sharded:
             raise UserError("train.update_on", f"{UPDATE_DEVICE} with several processes needs train.host_state="
                             f"{HOST_STATE_SHARDED} (with a replica in each, each process's GPUs would update only "
@@ -93,7 +92,7 @@ class DeviceUpdates(Updates):
             self._held[name] = self.hold_shards.shard(held, self.hold_shards.padded(self.store[name].size))
 
     def _shards(self) -> Shards:
-        if self.placement in (HOST_FP32, HOST_BF16):
+        if self.placement.pageable:
             raise UserError("train.grad_hold", f"{self.placement.name} keeps whole gradients in pageable host "
                             f"memory, and with several GPUs updating on the device each holds only its share",
                             "set train.grad_hold to gpu_bf16, pinned_bf16 or resweep (or auto)")
@@ -114,7 +113,7 @@ class DeviceUpdates(Updates):
             self.xfer.register(f"{g.name}/{k}", a, span=span)
 
     def gradient(self, name: str, grad: jax.Array) -> None:
-        if self.placement is RESWEEP and not self.resweep:
+        if self.placement.is_resweep and not self.resweep:
             return self.send(name, grad)  # no norm to wait for: updated now, nothing held
         self.hold(name, grad)
 

@@ -69,9 +69,10 @@ class ResidentIO:
 
     second_loss_reads_outputs = True  # a resweep's second sweep runs the loss again, from the last block's outputs
     embed_grad_on_host = False  # the embedding's gradient is made on the device (a resweep's second sweep makes it again)
+    streams_head = False  # a forward-only pass applies the head whole (``head_of``)
 
     def __init__(self, io: IOParts):
-        self.k, self.weights, self.store = io.kernels, io.weights, io.store
+        self.k, self.weights, self.store, self.parts = io.kernels, io.weights, io.store, io.parts
         self.deliver = io.deliver  # reduce, squared norm, hand to the updater
         self._g_emb = None
 
@@ -111,6 +112,24 @@ class ResidentIO:
     def resident(self, emb: jax.Array, head: jax.Array) -> dict:
         return {"embed": emb, "head": head}
 
+    def head_of(self, dt: Any) -> tuple:
+        """What a forward-only pass applies (``evaluate.ForwardPass``): ``trees(wh, we)`` (the head's weights and
+        the tied embedding's, in ``dt``), the head function, its logit softcap, and a key naming them for a cache
+        of compiled heads (None: not hashable)."""
+        parts = self.parts
+        lay_h, lay_e = self.store["head"].layout, self.store["embed"].layout
+        head_fn, tied, cap = parts.head_fn, parts.tied, parts.logit_softcap
+
+        def trees(wh, we):
+            return lay_h.unflatten(wh.astype(dt)), (lay_e.unflatten(we.astype(dt)) if tied else None)
+        key = (head_fn, tied, cap, lay_h.signature(), lay_e.signature(), jnp.dtype(dt)) \
+            if getattr(head_fn, "__hash__", None) is not None else None
+        return trees, head_fn, cap, key
+
+    def seq_logps(self, head: jax.Array, emb: jax.Array, hs: list, mbs: list) -> list:
+        """Each row's summed log-probability of its labels under the preference objective's head, forward only."""
+        return [self.k.objective.resident_logps(self.k, head, emb, h, mb) for h, mb in zip(hs, mbs)]
+
     def close(self) -> None:
         """Nothing to end (``StreamIO`` ends its background threads)."""
 
@@ -120,6 +139,7 @@ class StreamIO:
 
     second_loss_reads_outputs = False  # a resweep's second sweep starts from the first's top cotangents
     embed_grad_on_host = True  # the first sweep's embedding gradient waits in host memory (its update starts at the norm)
+    streams_head = True  # a forward-only pass streams the head's chunks past the tokens (``HeadStream.forward_stats``)
 
     def __init__(self, io: IOParts):
         parts, o = io.parts, io.options
@@ -178,6 +198,10 @@ class StreamIO:
 
     def resident(self, emb: Any, head: jax.Array) -> dict:
         return {}
+
+    def seq_logps(self, head: jax.Array, emb: Any, hs: list, mbs: list) -> list:
+        """Each row's summed log-probability (the head's chunks, pass 1 only)."""
+        return self.head.seq_logps(head, hs, mbs)
 
     def close(self) -> None:
         self.head.close()

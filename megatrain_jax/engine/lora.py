@@ -25,6 +25,7 @@ yardstick the tests hold the engine to.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -33,12 +34,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from megatrain_jax.config import ModelConfig
-from megatrain_jax.engine.adapters import UPDATE_ADAPTERS, AdapterUpdates, Adapters
+from megatrain_jax.engine.adapters import AdapterUpdates, Adapters
 from megatrain_jax.engine.kernels import F32
 from megatrain_jax.engine.lora_base import FrozenStore
 from megatrain_jax.engine.lora_kernels import AdapterKernels, FrozenEnds
 from megatrain_jax.engine.step import StreamedTrainer
-from megatrain_jax.engine.updaters import UPDATERS
 from megatrain_jax.models.lora import abstract_lora_block, merge_block, plain_config, split_lora
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import Layout, block_rng
@@ -78,6 +78,12 @@ class LoraModel:
     @property
     def num_kinds(self) -> int:
         return len(self.graphs)
+
+    def without_dropout(self) -> "LoraModel | None":
+        """The same model without adapter dropout (an evaluation sees the whole adapters); None where it has none."""
+        if not self.cfg.lora.dropout:
+            return None
+        return LoraModel(replace(self.cfg, lora=replace(self.cfg.lora, dropout=0.0)))
 
     def apply(self, kind: int):
         """``f(base, adapters, h, aux, key) -> h`` of one layer kind (base and adapters as pure dicts)."""
@@ -140,7 +146,7 @@ class LoraEngine(StreamedTrainer):
                               self.options.rng_seed)
 
     def _make_updates(self, groups: Any, tracer: Any) -> AdapterUpdates:
-        return UPDATERS[UPDATE_ADAPTERS](self.store, self.opt, self.xfer, self.kernels, self.options, groups, tracer)
+        return AdapterUpdates(self.store, self.opt, self.xfer, self.kernels, self.options, groups, tracer)
 
     def _register(self, g: Any) -> None:
         """A frozen group: its one buffer registered for transfer (no optimizer state, no gradient)."""
@@ -163,6 +169,23 @@ class LoraEngine(StreamedTrainer):
     def set_state(self, adapters: list[Any], opt_state: Any | None, count: int) -> None:
         self.kernels.adapters.set(adapters, opt_state)
         self.count = int(count)
+
+    def forward_without_dropout(self):
+        """The blocks again without adapter dropout, as ``forward(i, w, h, aux, m)`` (``evaluate.ForwardPass``);
+        None where the blocks have no dropout (their own forward serves)."""
+        model = self.model.without_dropout()
+        if model is None:
+            return None
+        dt, k = self.dtype, self.kernels
+        fns = {}
+        for kind in range(model.num_kinds):
+            group, apply = self.store[f"block_{model.kinds.index(kind)}"], model.apply(kind)
+
+            def fwd(w, adapters, h, aux, key, apply=apply, group=group):
+                return apply(group.dequantise((w,), dt), jax.tree_util.tree_map(lambda a: a.astype(dt), adapters), h,
+                             aux, key)
+            fns[kind] = jax.jit(fwd)
+        return lambda i, w, h, aux, m: fns[model.kinds[i]](w, k.adapters.trees[i], h, aux, k.rng(i, m))
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes resident on the device for the whole run: adapters, optimizer state, embedding + head."""

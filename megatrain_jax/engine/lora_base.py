@@ -217,28 +217,3 @@ class FrozenStore:
     def num_params(self) -> int:
         return sum(g.layout.size for g in self)
 
-
-def frozen_store_from_hf(model_cfg, dtype: str, log=print):
-    """A Hugging Face checkpoint (``model.from_hf``) read group by group into a frozen store: one
-    group's fp32 at a time, never the whole model. Returns ``(layouts, store)``."""
-    from megatrain_jax.hf.config import read_hf_config, resolve_hf_model_config
-    from megatrain_jax.hf.importer import OpenFiles, load_item, plan_import, index_checkpoint
-    from megatrain_jax.hf.names import model_layouts
-
-    read_hf_config(model_cfg.from_hf)
-    resolve_hf_model_config(model_cfg)
-    tensors = index_checkpoint(model_cfg.from_hf)
-    _, layouts = model_layouts(model_cfg)
-    plan = plan_import(layouts, tensors, model_cfg, model_cfg.from_hf)
-    store = FrozenStore(layouts, dtype)
-    files = OpenFiles()
-    try:
-        for name, g in store.groups.items():
-            master = np.zeros(g.layout.size, np.float32)
-            for item in (i for i in plan if i.group == name):
-                load_item(files.get(item.info.path), item, master)
-            g.load_flat(master)
-    finally:
-        files.close()
-    log(f"hf import: {store.num_params() / 1e6:.1f}M frozen parameters ({dtype}) from {model_cfg.from_hf}")
-    return layouts, store

@@ -97,7 +97,7 @@ class AdapterKernels:
         return self._aux(positions, segment_ids)
 
     def aux_total(self) -> None:
-        """No auxiliary loss (``lora_stream`` refuses a stack that adds one)."""
+        """No auxiliary loss (``lora_stream.StreamLoraModel`` refuses a stack that adds one)."""
         return None
 
 
@@ -146,6 +146,7 @@ class FrozenEnds:
 
     second_loss_reads_outputs = True
     embed_grad_on_host = False
+    streams_head = False
 
     def __init__(self, io: Any):  # io: io.IOParts
         self.k = io.kernels
@@ -170,7 +171,7 @@ class FrozenEnds:
         losses, dhs = [], []
         for h, mb in zip(hs, mbs):
             loss, dh = self.k.head_loss(head, emb, h, mb.labels, mb.mask, inv) if self.k.objective is None \
-                else self.k.objective.lora_loss(self.k, head, emb, h, mb, inv)
+                else self.k.objective.frozen_ends_loss(self.k, head, emb, h, mb, inv)
             losses.append(loss)
             dhs.append(dh)
         return losses, dhs, []
@@ -181,6 +182,18 @@ class FrozenEnds:
 
     def resident(self, emb: jax.Array, head: jax.Array) -> dict:
         return {}
+
+    def head_of(self, dt: Any) -> tuple:
+        """As ``io.ResidentIO.head_of``: the frozen groups dequantised (their buffers are the run's: no cache key)."""
+        m, ge, gh = self.k.model, self.k.store["embed"], self.k.store["head"]
+
+        def trees(wh, we):
+            return gh.dequantise((wh,), dt), (ge.dequantise((we,), dt) if m.tied else None)
+        return trees, m.head_fn, m.softcap, None
+
+    def seq_logps(self, head: jax.Array, emb: jax.Array, hs: list, mbs: list) -> list:
+        """As ``io.ResidentIO.seq_logps``, over the frozen ends."""
+        return [self.k.objective.frozen_ends_logps(self.k, head, emb, h, mb) for h, mb in zip(hs, mbs)]
 
     def close(self) -> None:
         """Nothing to end."""

@@ -5,7 +5,7 @@ params (``stream()``'s Linen parts). So the adapters are two more leaves beside 
 (``lora_a`` (in, r), ``lora_b`` (r, out), in, out the kernel's contracted and output axes flattened),
 and the block runs under ``nn.intercept_methods``: a targeted ``nn.Dense`` / ``nn.DenseGeneral`` returns
 its own output plus ``scale * (x A) B``. Targets are the modules' names within a block (``Dense_0``,
-``query``, ``out``...). ``LoraStreamTrainer`` then streams these parts as it does an NNX model's.
+``query``, ``out``...). ``lora_trainer.LoraRun`` then streams these parts as it does an NNX model's.
 
 Adapter dropout is not offered for Linen (a one-line error); A is drawn as for NNX (peft's bound, from
 ``fold_in(adapter_key(seed, layer), j)`` for the j-th target in sorted path order), B is zero.

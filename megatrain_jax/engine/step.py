@@ -48,7 +48,6 @@ from megatrain_jax.errors import UserError
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.device_adamw import BLOCK
 from megatrain_jax.optim.host import HostOptimizer, global_norm_scale
-from megatrain_jax.placements import ACT_PINNED_HOST, FETCH_SPLIT, HOST_STATE_SHARDED
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.templates import StreamedModel
 from megatrain_jax.transfer import Transfers
@@ -116,7 +115,7 @@ class StreamedTrainer:
             raise TypeError("pass options or its fields, not both")
         options = options if options is not None else EngineOptions(**fields)
         devices = list(devices) if devices else [device or jax.local_devices()[0]]
-        if options.devices != "all" and int(options.devices) != len(devices):
+        if options.device_count not in (None, len(devices)):
             options = options.with_(devices=len(devices))  # the combination rules see the real count
         self.options, self.parts, self.opt, self._tracer = options, parts, host_opt, tracer
         self.local_devices = [d for d in devices if d.process_index == jax.process_index()]
@@ -135,13 +134,13 @@ class StreamedTrainer:
         self.updates = self._make_updates(groups, tracer)
         if parts.frozen and hasattr(self.updates, "freeze"):  # (adapters: the base is never updated anyway)
             self.updates.freeze(parts.frozen)
-        if options.host_state == HOST_STATE_SHARDED and self.store.owned is None:
+        if options.host_state_place.sharded and self.store.owned is None:
             self.store.own(lambda n: process_bounds(n, devices, BLOCK), BLOCK)  # (a store filled whole: given back)
         for g in self.store:
             self._register(g)
         self.weights = WeightStream(self.store, self.xfer, self.updates, groups, tracer, shards=self._fetch_shards())
         self.pace = Pace(options.blocks_queued)  # the dispatching thread stays this many blocks ahead of the device
-        self.boundaries = Boundaries(self.xfer, options.activations == ACT_PINNED_HOST
+        self.boundaries = Boundaries(self.xfer, options.activation_place.parked
                                      and self.xfer.host_sharding is not None, options.boundary_every,
                                      keep_from=self.num_layers - self.kernels.keep_residuals,
                                      gpu_from=self.num_layers - int(options.activations_gpu_blocks))
@@ -178,7 +177,7 @@ class StreamedTrainer:
 
     def _fetch_shards(self) -> Shards | None:
         """``train.fetch=split`` with several GPUs: each fetches its share of a block (``shards.py``)."""
-        if self.options.fetch != FETCH_SPLIT or self.num_devices < 2:
+        if not self.options.fetch_place.split or self.num_devices < 2:
             return None
         if getattr(self.updates, "shards", None) is not None:  # (a split device-side update's: the same shares)
             return self.updates.shards
@@ -188,6 +187,10 @@ class StreamedTrainer:
     def _make_io(self, io: IOParts) -> Any:
         """The embedding and head: resident, or streamed (``io.py``)."""
         return make_io(io)
+
+    def forward_without_dropout(self) -> Callable | None:
+        """The blocks' forward for a forward-only pass, where it differs from their own (``again``); None here."""
+        return None
 
     # ------------------------------------------------------------------------------ the step
 

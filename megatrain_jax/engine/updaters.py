@@ -25,14 +25,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from megatrain_jax.engine.adapters import UPDATE_ADAPTERS, AdapterUpdates
 from megatrain_jax.engine.device_updates import DeviceUpdate, DeviceUpdates  # noqa: F401 (the device path)
 from megatrain_jax.engine.holds import HELD_ON_HOST, HostArray
 from megatrain_jax.engine.kernels import F32, Kernels, local_shard
 from megatrain_jax.engine.updates_base import EMBED, HEAD, Groups, Updates  # noqa: F401 (the paths' common part)
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.host import HostOptimizer
-from megatrain_jax.placements import UPDATE_DEVICE, UPDATE_HOST
+from megatrain_jax.placements import DEVICE_UPDATE, HOST_UPDATE
 from megatrain_jax.bounds import HOLD_COPIES_IN_FLIGHT
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.transfer import Transfers
@@ -311,10 +310,10 @@ class HostUpdates(Updates):
 
 
 def make_updates(store: HostStore, opt: HostOptimizer, xfer: Transfers, kernels: Kernels, options: EngineOptions,
-                 groups: Groups, tracer: Any) -> _Updates:
+                 groups: Groups, tracer: Any) -> Updates:
     """The update path the options ask for."""
-    return UPDATERS[options.update_on](store, opt, xfer, kernels, options, groups, tracer)
+    return UPDATERS[options.update_place](store, opt, xfer, kernels, options, groups, tracer)
 
 
-UPDATERS = {UPDATE_HOST: HostUpdates, UPDATE_DEVICE: DeviceUpdates,  # each update placement's engine part
-            UPDATE_ADAPTERS: AdapterUpdates}  # (the LoRA variant's: engine/lora.py picks it; no config names it)
+UPDATERS = {HOST_UPDATE: HostUpdates, DEVICE_UPDATE: DeviceUpdates}  # each update placement's engine part (the
+#                                                                       LoRA variant's, AdapterUpdates: engine/lora.py)

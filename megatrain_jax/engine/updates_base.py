@@ -15,7 +15,6 @@ from megatrain_jax.engine.kernels import Kernels
 from megatrain_jax.hoststore import HostStore
 from megatrain_jax.optim.fused_adamw import f32_to_bf16_bits
 from megatrain_jax.optim.host import HostOptimizer
-from megatrain_jax.placements import RESWEEP, UPDATE_DEVICE
 from megatrain_jax.plan.options import EngineOptions
 from megatrain_jax.transfer import Transfers
 
@@ -42,7 +41,7 @@ class Updates:
         self.store, self.opt, self.xfer, self.k, self.o, self.groups = store, opt, xfer, kernels, options, groups
         self.tracer = tracer
         # updates wait for the whole gradient when it must be clipped or checked for NaN first
-        self.deferred = options.clip_norm is not None or options.skip_nonfinite or options.update_on == UPDATE_DEVICE
+        self.deferred = options.clip_norm is not None or options.skip_nonfinite or options.update_place.on_device
         self.count = 0  # optimizer steps taken
         self.pending: dict[str, Future] = {}  # per group: the host buffers are rewritten when this completes
         self.wait_s = 0.0  # time the dispatching thread spent waiting for updates
@@ -55,7 +54,7 @@ class Updates:
         self.slabs = threading.Semaphore(options.grad_slabs)
         self.placement = options.grad_hold_placement  # where deferred gradients wait (the name resolved once)
         # no hold: a second backward sweep once the norm is known (``send``); only where it is needed
-        self.resweep = self.placement is RESWEEP and (options.clip_norm is not None or options.skip_nonfinite)
+        self.resweep = self.placement.is_resweep and (options.clip_norm is not None or options.skip_nonfinite)
         # a resweep's first ``grad_hold_gpu_groups`` groups (embedding, block 0, ...: the backward's last) wait on
         # the GPU in bf16, and its second sweep stops above them (never the head: it is the second sweep's first)
         self.resweep_held = min(int(options.grad_hold_gpu_groups), len(groups.order) - 1) if self.resweep else 0

@@ -242,19 +242,21 @@ class _ExportParser(argparse.ArgumentParser):
 
 def export_main(argv: Iterable[str]) -> int:
     """``megatrain-jax export CHECKPOINT_DIR OUT [--format hf|mt] [--dtype ...] [--overwrite]``."""
+    from megatrain_jax.hf.merge import lora_export  # a run of adapters: --merge-lora (merge.py), or refused
+
     args = export_parser().parse_args(list(argv))
+    rc = lora_export(args)
+    if rc is not None:
+        return rc
     if not args.max_shard_gb > 0:
         raise UserError("--max-shard-gb", "must be positive", "give e.g. 5")
-    if args.merge_lora:  # hf/merge.py writes it (cli.main asks merge.lora_export_main first)
-        raise UserError("--merge-lora", "a merged LoRA export runs through the command line",
-                        "run `megatrain-jax export RUN OUT --merge-lora`")
     export_checkpoint(args.checkpoint, args.out, args.dtype, args.format, architecture=args.architecture,
                       overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1e9))
     return 0
 
 
 def export_parser() -> argparse.ArgumentParser:
-    """``export``'s arguments (also read by ``merge.lora_export_main``)."""
+    """``export``'s arguments."""
     p = _ExportParser(prog="megatrain-jax export",
                       description="Export a training checkpoint's weights: a Hugging Face directory (default) "
                                   "or the per-group mt format.")

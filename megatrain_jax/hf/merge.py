@@ -9,58 +9,25 @@ not the bf16/int8 copy the GPU streamed (a merged int8 base would carry its roun
 One group at a time (``exporter.one_group_at_a_time``): host memory peaks at one block, never the model.
 The output directory follows ``atomic.check_output``'s rules, as every export does.
 
-A LoRA checkpoint (``engine/lora_run.LoraSaver`` writes it) is read here too: ``read_checked`` checks its
-manifest (the crc32 of each file, ``file_crc`` / ``manifest_files``) before its state is trusted.
+A LoRA checkpoint (``checkpoint.CheckpointSaver`` writes its files) is read here too, once
+``checkpoint_read.read_checked`` has checked its manifest (the crc32 of each file).
 """
 from __future__ import annotations
 
 import json
 import os
 import time
-import zlib
 from typing import Any, Callable
 
 import numpy as np
 
 from megatrain_jax import checkpoint as ck
 from megatrain_jax.atomic import check_output
+from megatrain_jax.checkpoint_read import read_checked
 from megatrain_jax.config import ModelConfig
 from megatrain_jax.errors import UserError
 
 ADAPTER = "adapter"  # a LoRA checkpoint's PEFT directory (step_N/adapter)
-
-
-def file_crc(path: str) -> int:
-    """The crc32 of a file (a LoRA checkpoint's manifest lists one per file)."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def manifest_files(root: str) -> list[str]:
-    """The files of a checkpoint directory that its manifest covers (all but the manifest), relative, sorted."""
-    out = []
-    for base, _, names in os.walk(root):
-        out += [os.path.relpath(os.path.join(base, n), root) for n in names if n != ck.MANIFEST]
-    return sorted(out)
-
-
-def read_checked(path: str) -> dict:
-    """A LoRA checkpoint's ``state.json``, once every file its manifest lists is there with its crc32
-    (``checkpoint.CorruptCheckpoint`` otherwise)."""
-    try:
-        with open(os.path.join(path, ck.MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ck.CorruptCheckpoint(f"{ck.MANIFEST} unreadable ({e})") from None
-    for rel, crc in manifest.get("files", {}).items():
-        full = os.path.join(path, rel)
-        if not os.path.isfile(full) or file_crc(full) != crc:
-            raise ck.CorruptCheckpoint(f"{rel} is missing or fails its checksum")
-    with open(os.path.join(path, ck.STATE)) as f:
-        return json.load(f)
 
 
 def is_lora_checkpoint(path: str) -> bool:
@@ -101,7 +68,7 @@ def merged_model_config(state: dict, path: str) -> ModelConfig:
     if cfg.lora is None:
         raise UserError("CHECKPOINT", f"{path}: its config has no model.lora", "export it without --merge-lora")
     if cfg.from_hf:
-        from megatrain_jax.hf import resolve_hf_model_config
+        from megatrain_jax.hf.config import resolve_hf_model_config
 
         if not os.path.isdir(cfg.from_hf):
             raise UserError("CHECKPOINT", f"{path}: its base {cfg.from_hf} (model.from_hf) is not a directory",
@@ -196,12 +163,9 @@ def export_merged(checkpoint: str, out: str, dtype: str = "bfloat16", *, archite
     return out
 
 
-def lora_export_main(argv: list[str]) -> int | None:
-    """``megatrain-jax export`` where it concerns LoRA (``cli.main`` asks here first, then ``export_main``): ``--merge-lora``
-    exports; a LoRA run without it is refused in one line; None: not a LoRA export (``hf.export_main``)."""
-    from megatrain_jax.hf.commands import export_parser
-
-    args = export_parser().parse_args(list(argv))
+def lora_export(args: Any) -> int | None:
+    """``megatrain-jax export`` where it concerns LoRA (``commands.export_main`` asks here first, with its parsed
+    arguments): ``--merge-lora`` exports; a LoRA run without it is refused in one line; None: not a LoRA export."""
     if not args.merge_lora:
         if find_lora_checkpoint(args.checkpoint, lambda _: None) is not None:
             raise UserError("CHECKPOINT", f"{args.checkpoint} is a LoRA run: a frozen base and an adapter (PEFT "

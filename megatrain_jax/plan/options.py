@@ -150,6 +150,11 @@ class EngineOptions:
     def host_state_place(self) -> HostState:
         return HOST_STATES[self.host_state]
 
+    @property
+    def device_count(self) -> int | None:
+        """Devices per process as a number, None for ``all`` (the run's devices decide)."""
+        return None if self.devices == "all" else int(self.devices)
+
     def with_(self, **changes: Any) -> "EngineOptions":
         return replace(self, **changes)
 

@@ -64,7 +64,7 @@ def _uses_rng(block) -> bool:
 
 def find_blocks(model, blocks: str | None) -> tuple[str, list]:
     """The attribute holding the list of blocks (found when the model has exactly one) and its modules.
-    Public: the LoRA streamer (engine/lora_stream.py) finds the blocks the same way."""
+    Public: the LoRA streamer (lora_trainer.py) finds the blocks the same way."""
     lists = _list_attrs(model)
     if blocks is None:
         if len(lists) != 1:
