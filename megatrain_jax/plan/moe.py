@@ -55,12 +55,6 @@ def grouped_rate_share(rows_per_expert: float) -> float:
     return float(np.interp(np.log2(max(rows_per_expert, 1.0)), np.log2(xs), ys))
 
 
-def forward_block_params(m, block: int, tokens_mb: int) -> float:
-    """A block's parameters as its forward's compute counts them: ``block`` for a dense model; on the grouped
-    path the k routed experts at the grouped rate (``step_matmul_params`` per layer)."""
-    return step_matmul_params(m, tokens_mb) / m.num_layers if routed(m) else float(block)
-
-
 def step_matmul_params(m, tokens_mb: int) -> int:
     """The non-embedding parameters whose matmuls a token's step runs, weighted by their rate: every
     expert in the dense formulation; on the grouped path the k routed experts at the grouped rate for
