@@ -2,7 +2,7 @@
 a config's ``model.lora``. The adapters are what is trained (resident on the device, updated by optax); the base is
 frozen (bf16, int8 or fp32 in host memory) and streamed by the one engine (``engine/lora.LoraEngine``, whose step
 is ``engine/step.StreamedTrainer.step``). What differs between a user's model and a config's is where the base
-comes from and how the adapters are written (``lora_run.py``: ``TreeAdapters``, ``PeftAdapters``).
+comes from and how the adapters are written (``lora_io.py``: ``TreeAdapters``, ``PeftAdapters``).
 
     tr = Trainer(model, optax.adamw(1e-3), lora=LoraConfig(rank=8, alpha=16, targets=["qkv", "out"]),
                  clip_norm=1.0)
@@ -55,7 +55,7 @@ from megatrain_jax.engine.lora_base import FrozenStore
 from megatrain_jax.engine.lora_stream import StreamLoraModel
 from megatrain_jax.engine_run import EngineRun
 from megatrain_jax.errors import UserError
-from megatrain_jax.lora_run import AdapterFiles, PeftAdapters, TreeAdapters, config_engine, load_opt_state, \
+from megatrain_jax.lora_io import AdapterFiles, PeftAdapters, TreeAdapters, config_engine, load_opt_state, \
     newest_checkpoint
 from megatrain_jax.models.common import Decoder
 from megatrain_jax.models.lora import LoraLinear, merge_adapters
@@ -290,7 +290,7 @@ class LoraRun(EngineRun):
     def saver(self, directory: str, *, keep_last: int = 2, keep_every: int = 0, log=lambda _: None
               ) -> ck.CheckpointSaver:
         """Checkpoints into ``directory`` between steps (``save(step, meta)``), as ``Trainer.saver``: the one saver,
-        its files the adapters (``lora_run.AdapterFiles``). A directory with checkpoints of another kind of run is
+        its files the adapters (``lora_io.AdapterFiles``). A directory with checkpoints of another kind of run is
         refused: retention would delete them."""
         for c in ck.list_checkpoints(directory):
             if not self.files.holds(c.path):

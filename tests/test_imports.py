@@ -302,7 +302,7 @@ def test_no_function_over_120_lines():
 
 
 def test_the_engine_imports_nothing_of_the_hugging_face_layer():
-    """Reading a base model and writing PEFT files are the trainer's edges (lora_run.py), not the engine's."""
+    """Reading a base model and writing PEFT files are the trainer's edges (lora_io.py), not the engine's."""
     graph, mods = import_graph(), modules()
     found = [f"{a} -> {b}  ({mods[a].relative_to(PKG.parent)}:{graph[a][b]})" for a in sorted(graph)
              if a.startswith("megatrain_jax.engine") for b in graph[a]

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from megatrain_jax.cli import main as cli_main
 from megatrain_jax import checkpoint as ck
-from megatrain_jax.lora_run import AdapterFiles, PeftAdapters
+from megatrain_jax.lora_io import AdapterFiles, PeftAdapters
 from megatrain_jax.hf.peft import save_peft
 from megatrain_jax.models.common import Decoder
 from megatrain_jax.models.lora import lora_decoder, split_lora

@@ -1,4 +1,4 @@
-"""A run of adapters at the trainer's edges (``lora_trainer.LoraRun`` is the run): its frozen base built from a
+"""The edges of a run of adapters (``lora_trainer.LoraRun`` is the run): its frozen base built from a
 config (initialised part by part, or read from Hugging Face: ``model.from_hf``), and its adapters written and read,
 the PEFT pair for a config's model (``PeftAdapters``) or an npz of the adapter tree for a user's model
 (``TreeAdapters``). The engine (``engine/lora.py``) knows neither Hugging Face nor PEFT.
