@@ -22,7 +22,7 @@ from megatrain_jax.config import Config
 from megatrain_jax.distributed import check_shared_dir
 from megatrain_jax.errors import UserError
 from megatrain_jax.evaluate import EvalRuns, eval_inputs, eval_split
-from megatrain_jax.placements import HOST_STATE_SHARDED
+from megatrain_jax.placements import HOST_STATES
 from megatrain_jax.plan import plan_or_refuse
 from megatrain_jax.preference_eval import preference_split
 from megatrain_jax.reference_logps import preference_start
@@ -88,7 +88,7 @@ def start_run(cfg: Config, resume: bool, log: Log, main: bool, extra_inputs=()) 
             raise UserError("train.out_dir", f"{t.out_dir} already holds checkpoints (newest: step {existing[-1].step})",
                             f"pass --resume to continue that run, or choose another train.out_dir (or delete {root})")
         check_out_dir(t.out_dir, "train.out_dir")  # before the plan: not reported as 0.0 GB of free disk
-    if t.host_state == HOST_STATE_SHARDED:  # every process must see the directory its checkpoint shards go to
+    if HOST_STATES[t.host_state].sharded:  # every process must see the directory its checkpoint shards go to
         check_shared_dir(t.out_dir)
     if resume and t.engine == "reference":
         raise UserError("--resume", "checkpoints are written by the streamed engine only",
