@@ -82,12 +82,13 @@ VARIANTS = {  # name: (moe impl, the Hopper kernels' gate/up fusion; None where 
     "fused": ("auto", True),
     "apart": ("auto", False),
     "sorted": ("sorted", None),
+    "ragged": ("ragged", None),
 }
 
 
 def bench_layer(tokens, variants, reps, shapes, kernel_rows=None):
     """The layer per shape and variant (``VARIANTS``): the Hopper kernels with gate and up fused into one
-    matmul or apart, and the portable grouped form (``sorted``)."""
+    matmul or apart, the portable grouped form (``sorted``) and XLA's ragged dot (``ragged``)."""
     from megatrain_jax.models import grouped_kernels as gk
 
     rows = []

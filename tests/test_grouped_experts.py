@@ -54,9 +54,10 @@ def test_grouped_equals_dense_in_value_and_every_gradient(case, fused, monkeypat
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, w, ws, b)
 
-    grouped, dense = run("sorted"), run("dense")
-    for a, d in zip(jax.tree_util.tree_leaves(grouped), jax.tree_util.tree_leaves(dense)):
-        np.testing.assert_allclose(a, d, rtol=2e-4, atol=2e-4)
+    dense = run("dense")
+    for impl in ("sorted", "ragged"):
+        for a, d in zip(jax.tree_util.tree_leaves(run(impl)), jax.tree_util.tree_leaves(dense)):
+            np.testing.assert_allclose(a, d, rtol=2e-4, atol=2e-4, err_msg=impl)
 
 
 def test_layout_puts_every_pair_once_in_a_tile_of_its_own_expert():

@@ -23,8 +23,9 @@ by ``jax.vjp`` inside the backward; optional per-expert biases ``(bg, bu, bd)`` 
 The grouped matmul itself is a backend (``GroupedMatmul``): ``xla`` (portable: each tile's expert
 weights gathered, then one batched matmul; the CPU path) and, on NVIDIA GPUs, a Pallas kernel
 (``models/grouped_kernels.py``). ``impl``: ``auto`` picks the fastest measured for the device,
-``sorted`` is the grouped path with the portable backend, ``dense`` computes every expert on every
-token (the reference the tests compare with).
+``sorted`` is the grouped path with the portable backend, ``dense`` computes every expert on every token
+(the reference the tests compare with); ``ragged`` (not a config choice: a benchmark candidate) runs XLA's own
+``ragged_dot`` (``RaggedDot``).
 """
 from __future__ import annotations
 
@@ -160,6 +161,38 @@ class GroupedMatmul:
 
 
 XLA = GroupedMatmul()
+
+
+class RaggedDot(GroupedMatmul):
+    """XLA's own grouped matmul, ``jax.lax.ragged_dot`` (and ``ragged_dot_general`` for the transposed and the
+    per-expert weight products), over the layout's padded groups: the compiler's lowering, where the portable
+    form gathers each tile's weights. A candidate at few wide experts, where the Hopper kernels trail one plain
+    matmul's rate (``experiments/bench_moe.py layer --variants ragged``); not a config choice, as XLA's CPU
+    lowering computes every group for every row (33x the portable form's FLOPs in the tests' never-densifies
+    shape, by XLA's cost analysis)."""
+
+    name = "ragged"
+
+    def gmm(self, a, w, lay, transpose_w=False):
+        sizes = lay.tiles_per_expert * lay.tile
+        if transpose_w:  # w (E, N, K): contract a's K with w's last dimension
+            dims = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+                                                     rhs_group_dimensions=[0])
+            out = jax.lax.ragged_dot_general(a, w.astype(a.dtype), sizes, dims, preferred_element_type=jnp.float32)
+        else:
+            out = jax.lax.ragged_dot(a, w.astype(a.dtype), sizes, preferred_element_type=jnp.float32)
+        return out.astype(a.dtype)
+
+    def tgmm(self, a, b, lay, experts):
+        """Per expert a_g^T b_g over its rows (the ragged dimension contracted): (E, K, N) in fp32."""
+        dims = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+                                                 rhs_group_dimensions=[])
+        return jax.lax.ragged_dot_general(a, b.astype(a.dtype), lay.tiles_per_expert * lay.tile, dims,
+                                          preferred_element_type=jnp.float32)
+
+
+RAGGED = RaggedDot()
+RAGGED_TILE = 8  # XLA's ragged dot takes groups of any size: the layout pads each only to 8 rows
 
 
 def row_sum_by_expert(a: jax.Array, lay: DispatchLayout, experts: int) -> jax.Array:
@@ -310,6 +343,8 @@ _grouped_entry.defvjp(_entry_fwd, _entry_bwd)
 def backend_for(impl: str, hidden: int, width: int, experts: int, pairs: int):
     """(grouped matmul, tile rows) for ``impl`` at this shape: the Hopper kernels where ``auto`` runs on
     a GPU whose shapes they take (models/grouped_kernels.py), else the portable XLA form (``xla_tile``)."""
+    if impl == "ragged":
+        return RAGGED, RAGGED_TILE
     if impl == "auto" and jax.default_backend() == "gpu":
         chosen = grouped_kernels.mosaic_backend(hidden, width, experts, pairs)
         if chosen is not None:
