@@ -2,7 +2,7 @@
 expert computation at the five shapes of the MoE issue, 16,384 tokens, bf16.
 
     python experiments/bench_moe.py layer [--tokens 16384] [--variants fused,apart,sorted] [--out FILE]
-    python experiments/bench_moe.py kernels [--tokens 16384]   # each grouped matmul alone, tile sweep
+    python experiments/bench_moe.py kernels [--tokens 16384] [--sweep warp]  # each grouped matmul alone, tiles
     python experiments/bench_moe.py tune [--shapes a,b]        # the sweep, then the layer at the best tiles
     python experiments/bench_moe.py cpu                        # a small shape, fp32 (runs anywhere)
 
@@ -68,7 +68,7 @@ def best_tiles(kernel_rows, name):
     def best(prefixes):
         total: dict = {}
         for r in kernel_rows:
-            if r["shape"] == name and r.get("tiles") and any(r["case"].startswith(p) for p in prefixes):
+            if r["shape"] == name and r.get("tiles") and r.get("kernel") == "MatmulTiles" and any(r["case"].startswith(p) for p in prefixes):
                 key = tuple(r["tiles"].values())
                 total.setdefault(key, []).append(r.get("ms", float("inf")))
         n = max((len(v) for v in total.values()), default=0)
@@ -78,11 +78,14 @@ def best_tiles(kernel_rows, name):
     return best(("fwd", "dx")), best(("dw",))
 
 
-VARIANTS = {  # name: (moe impl, the Hopper kernels' gate/up fusion; None where the kernels do not run)
-    "fused": ("auto", True),
-    "apart": ("auto", False),
-    "sorted": ("sorted", None),
-    "ragged": ("ragged", None),
+VARIANTS = {  # name: (moe impl, the Hopper kernels' gate/up fusion (None where they do not run), the projections'
+    # kernel: "default" as shipped, "warp" the warp-specialized one (models/hopper_grouped_matmul.py), "mgpu" JAX's)
+    "fused": ("auto", True, "default"),
+    "apart": ("auto", False, "default"),
+    "warp": ("auto", False, "warp"),
+    "mgpu": ("auto", False, "mgpu"),
+    "sorted": ("sorted", None, None),
+    "ragged": ("ragged", None, None),
 }
 
 
@@ -98,9 +101,11 @@ def bench_layer(tokens, variants, reps, shapes, kernel_rows=None):
         if kernel_rows:
             fwd, wgrad = best_tiles(kernel_rows, name)
         for variant in variants:
-            impl, fused = VARIANTS[variant]
+            impl, fused, proj = VARIANTS[variant]
             row = {"shape": name, "variant": variant, "tokens": tokens, "H": h, "E": e, "k": k, "F": f, "impl": impl}
-            gk.OVERRIDE = None if fused is None else gk.MosaicGroupedMatmul(fwd=fwd, wgrad=wgrad, fuse_gate_up=fused)
+            warp = {"default": gk.MosaicGroupedMatmul().warp, "warp": gk.WARP_TILES, "mgpu": None}.get(proj)
+            gk.OVERRIDE = None if fused is None else gk.MosaicGroupedMatmul(fwd=fwd, wgrad=wgrad, fuse_gate_up=fused,
+                                                                            warp=warp)
             if kernel_rows:
                 row["tiles"] = {"fwd": fwd and fwd.__dict__, "wgrad": wgrad and wgrad.__dict__}
             try:
@@ -129,11 +134,15 @@ def sweep_tiles(h, f):
     return fwd, wg
 
 
-def bench_kernels(tokens, reps, shapes):
+def bench_kernels(tokens, reps, shapes, sweep="full"):
     """Each grouped matmul of the layer alone at a few tile sizes, and one plain matmul of the same
     routed size (the ceiling)."""
-    from megatrain_jax.models.grouped_kernels import MatmulTiles, MosaicGroupedMatmul
+    from megatrain_jax.models.grouped_kernels import MosaicGroupedMatmul
+    from megatrain_jax.models.hopper_grouped_matmul import WarpTiles
 
+    warp_tiles = [WarpTiles(128, 128, 64, 4, False, 4), WarpTiles(128, 128, 64, 4, False, 8),
+                  WarpTiles(128, 128, 64, 4, False, 16), WarpTiles(128, 128, 64, 5, False, 8),
+                  WarpTiles(64, 256, 64, 4, True, 8), WarpTiles(128, 128, 64, 4, False, 8, skip_unused=False)]
     rows = []
     for name in shapes:
         h, e, k, f = SHAPES[name]
@@ -150,14 +159,30 @@ def bench_kernels(tokens, reps, shapes):
             "dw (R,H)^T(R,F)": (lambda mm: (lambda a, b: mm.tgmm(a, b, lay, e)), (xs, hs)),
         }
         fwd_tiles, wg_tiles = sweep_tiles(h, f)
+        if sweep == "warp":  # the warp-specialized kernel's tiles against the shipped ones only
+            from megatrain_jax.models.grouped_kernels import FWD_TILES, WGRAD_TILES
+            wg_default = next(x for x in WGRAD_TILES if h % x.block_m == 0 and f % x.block_n == 0)
+            fwd_tiles, wg_tiles = [FWD_TILES], [wg_default]
         for case, (make, args) in cases.items():
-            for tiles in (wg_tiles if case.startswith("dw") else fwd_tiles):
+            tries = wg_tiles if case.startswith("dw") else fwd_tiles + warp_tiles
+            ref = None if case.startswith("dw") else jax.jit(make(ge.XLA))(*args)
+            for tiles in tries:
                 if case.startswith("dw") and (h % tiles.block_m or f % tiles.block_n):
                     continue
-                mm = MosaicGroupedMatmul(wgrad=tiles) if case.startswith("dw") else MosaicGroupedMatmul(fwd=tiles)
-                row = {"shape": name, "case": case, "tiles": None if tiles is None else tiles.__dict__}
+                if isinstance(tiles, WarpTiles):
+                    mm = MosaicGroupedMatmul(warp=tiles)
+                else:
+                    mm = MosaicGroupedMatmul(wgrad=tiles) if case.startswith("dw") else MosaicGroupedMatmul(fwd=tiles)
+                row = {"shape": name, "case": case, "kernel": type(tiles).__name__,
+                       "tiles": None if tiles is None else tiles.__dict__}
                 try:
-                    sec = timed(jax.jit(make(mm)), args, reps)
+                    fn = jax.jit(make(mm))
+                    if ref is not None:  # the rows the layer reads, against the portable form
+                        real = (jnp.arange(lay.rows) // 128 < lay.used_tiles)[:, None]
+                        diff = jnp.where(real, fn(*args).astype(jnp.float32) - ref.astype(jnp.float32), 0)
+                        row["max_abs_err"] = float(jnp.max(jnp.abs(diff)))
+                        row["ref_max"] = float(jnp.max(jnp.abs(ref.astype(jnp.float32))))
+                    sec = timed(fn, args, reps)
                     row.update(ms=round(sec * 1e3, 3), tflops=round(work / sec / 1e12, 1))
                 except Exception as err:  # noqa: BLE001
                     row["error"] = (str(err).splitlines() or [repr(err)])[0][:200]
@@ -180,6 +205,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", choices=["full", "warp"], default="full",
+                    help="kernels: every tile size, or the warp-specialized kernel's against the shipped tiles")
     a = ap.parse_args()
     shapes = a.shapes.split(",")
     head = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
@@ -198,7 +225,7 @@ def main() -> None:
         kern = bench_kernels(a.tokens, a.reps, shapes)
         rows = kern + bench_layer(a.tokens, a.variants.split(","), a.reps, shapes, kernel_rows=kern)
     else:
-        rows = bench_kernels(a.tokens, a.reps, shapes)
+        rows = bench_kernels(a.tokens, a.reps, shapes, a.sweep)
     if a.out:
         with open(a.out, "w") as fh:
             json.dump({**head, "rows": rows}, fh, indent=1)

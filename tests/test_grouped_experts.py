@@ -103,14 +103,17 @@ def test_grouped_path_never_densifies():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [True, False], ids=["gate_up_fused", "gate_up_apart"])
-@pytest.mark.parametrize("hf", [(128, 192), (192, 128)], ids=["h128_f192", "h192_f128"])
-def test_hopper_kernels_equal_dense(hf, fused, monkeypatch):
-    """On a Hopper GPU, ``auto`` runs JAX's Mosaic GPU grouped matmuls (``models/grouped_kernels.py``): the
-    same values and gradients as the dense reference, in bf16 tolerance, gate and up fused or apart."""
+@pytest.mark.parametrize("hf,warp", [((128, 192), False), ((192, 128), False), ((256, 512), True)],
+                         ids=["h128_f192", "h192_f128", "h256_f512_warp_specialized"])
+def test_hopper_kernels_equal_dense(hf, warp, fused, monkeypatch):
+    """On a Hopper GPU, ``auto`` runs Mosaic GPU grouped matmuls (``models/grouped_kernels.py``; at the last
+    shape the projections take the warp-specialized kernel, ``models/hopper_grouped_matmul.py``): the same values
+    and gradients as the dense reference, in bf16 tolerance, gate and up fused or apart."""
     from megatrain_jax.models import grouped_kernels
 
     h, f = hf
-    monkeypatch.setattr(grouped_kernels, "OVERRIDE", grouped_kernels.MosaicGroupedMatmul(fuse_gate_up=fused))
+    mm = grouped_kernels.MosaicGroupedMatmul(fuse_gate_up=fused, warp=grouped_kernels.WARP_TILES if warp else None)
+    monkeypatch.setattr(grouped_kernels, "OVERRIDE", mm)
     if grouped_experts.backend_for("auto", h, f, 8, 256 * 2)[0] is grouped_experts.XLA:
         pytest.skip("not a Hopper GPU")
     x, w, idx, ws, _ = _inputs(256, h, f, 8, 2, empty=1)
@@ -125,3 +128,23 @@ def test_hopper_kernels_equal_dense(hf, fused, monkeypatch):
     for a, d in zip(jax.tree_util.tree_leaves(run("auto")), jax.tree_util.tree_leaves(run("dense"))):
         a, d = np.asarray(a, np.float32), np.asarray(d, np.float32)
         assert np.max(np.abs(a - d)) <= 0.03 * np.max(np.abs(d)) + 1e-3
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["w", "w_transposed"])
+@pytest.mark.parametrize("split_m", [False, True], ids=["warpgroups_split_n", "warpgroups_split_m"])
+def test_warp_specialized_kernel_traces(transpose, split_m):
+    """The warp-specialized grouped matmul (``models/hopper_grouped_matmul.py``) builds its kernel for both weight
+    layouts and both warpgroup splits (it runs only on a Hopper GPU: ``test_hopper_kernels_equal_dense``), and
+    refuses a shape its tiles do not divide."""
+    from megatrain_jax.models import hopper_grouped_matmul as hg
+
+    tiles = hg.WarpTiles(tile_m=64 if split_m else 128, tile_n=256 if split_m else 128, split_m=split_m)
+    m, k, n, e = 1024, 256, 512, 4
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((e, n, k) if transpose else (e, k, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((m // 128,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    traced = jax.jit(lambda a, w, te, u: hg.grouped_matmul(a, w, te, u, tiles, transpose_rhs=transpose)).trace(*args)
+    assert traced.out_info.shape == (m, n)
+    with pytest.raises(ValueError, match="does not suit"):
+        hg.grouped_matmul(jnp.zeros((1024, 256), jnp.bfloat16), jnp.zeros((4, 256, 320), jnp.bfloat16),
+                          jnp.zeros((8,), jnp.int32), jnp.int32(8), tiles)

@@ -13,6 +13,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from megatrain_jax.models import hopper_grouped_matmul
+from megatrain_jax.models.hopper_grouped_matmul import WarpTiles
+
 
 @dataclasses.dataclass(frozen=True)
 class MatmulTiles:
@@ -37,6 +40,9 @@ class MosaicGroupedMatmul:
     # --variants fused,apart, one H100, 16,384 tokens: Qwen3-30B-A3B 27.3 ms against 13.0 apart, gpt-oss-120b 39.2
     # against 34.2, Mixtral-8x7B 69.3 against 65.5, OLMoE 12.65 against 12.59)
     fuse_gate_up: bool = False
+    # the projections and input gradients on the warp-specialized kernel (models/hopper_grouped_matmul.py) where
+    # the shape suits its tiles; None: JAX's ragged_dot_mgpu
+    warp: WarpTiles | None = None
     name: str = "mosaic"
 
     def _sizes(self, lay) -> jax.Array:
@@ -45,6 +51,10 @@ class MosaicGroupedMatmul:
     def gmm(self, a, w, lay, transpose_w=False):
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
+        n = w.shape[1] if transpose_w else w.shape[2]
+        if self.warp is not None and self.warp.block_m == lay.tile and self.warp.takes(a.shape[0], a.shape[1], n):
+            return hopper_grouped_matmul.grouped_matmul(a, w, lay.tile_expert, lay.used_tiles, self.warp,
+                                                        transpose_rhs=transpose_w)
         t = self.fwd or FWD_TILES
         return ragged_dot_mgpu.ragged_dot(a, w.astype(a.dtype), group_sizes=self._sizes(lay), block_m=t.block_m,
                                           block_n=t.block_n, block_k=t.block_k,
@@ -69,6 +79,9 @@ FWD_TILES = MatmulTiles(128, 128, 64, 4, 4)
 # The weight gradients: 128 x 128 x 64 (446 TFLOP/s at OLMoE's shape, 539 at Mixtral's). Dimensions that 128 does
 # not divide (gpt-oss: 2880) take 64 x 192 tiles, as the 64 x 64 ones ran at 18 TFLOP/s there: with them the whole
 # gpt-oss-120b layer runs in 34.2 ms (286 active TFLOP/s, bench_moe.py layer), against 88.4 before.
+# The warp-specialized kernel's tiles (models/hopper_grouped_matmul.py): blocks of 128 x 256, one 128 x 128
+# accumulator per consumer warpgroup
+WARP_TILES = WarpTiles(128, 128, 64, 4, False, 8)
 WGRAD_TILES = (MatmulTiles(128, 128, 64, 4, 1), MatmulTiles(64, 192, 64, 4, 1), MatmulTiles(64, 64, 64, 4, 1))
 
 
