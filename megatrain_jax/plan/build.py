@@ -15,7 +15,6 @@ from typing import Any, Callable
 from megatrain_jax.config import Config
 from megatrain_jax.errors import UserError
 import megatrain_jax.plan.decisions as choose
-import megatrain_jax.plan.moe as plan_moe
 import megatrain_jax.plan.refusal as refusal
 import megatrain_jax.plan.search as search
 import megatrain_jax.plan.sharding as sharding
@@ -27,7 +26,7 @@ from megatrain_jax.optim.costs import auto_update_on
 from megatrain_jax.placements import (DEVICE_CAST, DEVICE_UPDATE, FULL_FETCH, HOST_UPDATE, SPLIT_FETCH, STREAM_COPIES,
                                       UPDATE_PLACES, Fetch, StreamCopy, UpdatePlace, asked)
 from megatrain_jax.plan.rows import PlacementCosts, disk_rows, xla_pool
-from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN, MICRO_TOKENS,
+from megatrain_jax.plan.sizes import (BFC_TABLE_BYTES_PER_POOL_BYTE, GB, GRAD_SLABS_FEWEST, HOST_MARGIN,
                                       MOMENT_BYTES, RUNTIME_HOST_BYTES, XLA_FRACTION, Row, Shapes, pinned_in_rows,
                                       early_params, pinned_limit, usable)
 from megatrain_jax.plan.step_model import optax_update_cost, reference_pass_note, step_basis, step_rates
@@ -327,8 +326,7 @@ def _search_placement(cfg: Config, costs: PlacementCosts, lim: _Limits,
                       device_cast: bool) -> tuple[search.Result, dict[str, Any] | None]:
     """The step's placement, searched (search.py) over every auto decision, and the attention path's summary."""
     train, shapes = cfg.train, costs.shapes
-    most = plan_moe.MICRO_TOKENS_MOST if plan_moe.routed(cfg.model) else MICRO_TOKENS
-    micro_candidates = choose.micro_batch_candidates(train.micro_batches, shapes.batch, shapes.seq, lim.n_dev, most)
+    micro_candidates = choose.micro_batch_candidates(train.micro_batches, shapes.batch, shapes.seq, lim.n_dev)
     cpu_only = not lim.on_gpu and lim.gpu_budget is None
     attn_info, attn_extra = _attention(cfg, shapes, micro_candidates[0], lim.on_gpu, lim.machine.target,
                                        costs.memo) if costs.attention else (None, None)

@@ -24,10 +24,6 @@ ROUTED_BYTES = 16.0  # bytes per routed row and unit of (H + F), bf16 compute (m
 GROUPED_TILE = 128  # rows per tile of the grouped layout on the GPU (models/grouped_kernels.py)
 # (rows per expert in a micro-batch, the layer's rate as a share of a dense block's): module docstring
 GROUPED_RATE_POINTS = ((512, 0.48), (1024, 0.475), (2048, 0.655), (4096, 0.88))
-# ``micro_batches: auto`` tries micro-batches of up to this many tokens for a routed model (a dense one: MICRO_TOKENS,
-# 16,384): the grouped rate rises with the rows each expert gets up to the last measured point, 4096 rows, which
-# Qwen3-30B-A3B's 128 experts of top-8 reach at 65,536 tokens
-MICRO_TOKENS_MOST = 65536
 
 
 def is_moe(m) -> bool:

@@ -97,9 +97,7 @@ def predicted_step(cfg: Config, shapes: Shapes, rates: dict[str, float], *, n_de
     # runs on every GPU alike
     shares = n_dev if (device_update and optim.kernel == "fused") else 1
     tokens = train.batch_size * cfg.data.seq_len
-    if non_emb is None or (p is not None and plan_moe.routed(model)):  # (MoE: the grouped rate of its micro-batch)
-        tokens_mb = shapes.tokens // p.micro_batches if p else min(tokens, MICRO_TOKENS)
-        non_emb = plan_moe.step_matmul_params(model, tokens_mb)
+    non_emb = plan_moe.step_matmul_params(model, min(tokens, MICRO_TOKENS)) if non_emb is None else non_emb  # (MoE)
     attn = 12.0 * model.num_layers * model.num_heads * model.dim_per_head * cfg.data.seq_len if attention else 0.0
     fwd_blocks = tokens * (2 * non_emb + attn / 6.0)
     # a resweep runs the recompute (1 forward) and backward (2 forwards) once more: ~+75%, over the blocks above
