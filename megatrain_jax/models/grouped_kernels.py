@@ -1,10 +1,11 @@
-"""Grouped matmuls on NVIDIA Hopper GPUs: the Pallas Mosaic GPU kernels that ship with JAX
-(``jax.experimental.pallas.ops.gpu``: ``ragged_dot_mgpu`` for the projections and their input
-gradients, ``transposed_ragged_dot_mgpu`` for the weight gradients), run over the tile-padded
+"""Grouped matmuls on NVIDIA Hopper GPUs: our warp-specialized kernel (``models/hopper_grouped_matmul.py``) for
+the projections and their input gradients where the shape suits its tiles, else the Pallas Mosaic GPU kernels that
+ship with JAX (``jax.experimental.pallas.ops.gpu``: ``ragged_dot_mgpu``), and ``transposed_ragged_dot_mgpu`` for
+the weight gradients, run over the tile-padded
 layout of ``grouped_experts.DispatchLayout``: every group is a whole number of tiles, so no tile
 straddles two experts and the kernels' edge masks never cut a row.
 
-``grouped_experts.backend_for`` asks ``mosaic_backend`` on a GPU; the kernels are imported only there.
+``grouped_experts.backend_for`` asks ``mosaic_backend`` on a GPU; JAX's kernels are imported only there.
 """
 from __future__ import annotations
 
@@ -28,10 +29,19 @@ class MatmulTiles:
     grid_block_n: int = 1
 
 
+# The warp-specialized kernel's tiles (models/hopper_grouped_matmul.py): blocks of 128 x 256, one 128 x 128
+# accumulator per consumer warpgroup. With it the layer (experiments/bench_moe.py layer --variants mgpu,warp, one
+# H100, 16,384 tokens, same call) ran OLMoE in 10.48 ms against 12.65 on ragged_dot_mgpu, Qwen3-30B-A3B 9.25 against
+# 13.09, Mixtral-8x7B 63.94 against 65.23; gpt-oss-120b (2880 = 11.25 blocks of 256) stays on ragged_dot_mgpu.
+WARP_TILES = WarpTiles(128, 128, 64, 4, False, 8)
+WARP_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit inputs; other compute dtypes take ragged_dot_mgpu
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicGroupedMatmul:
-    """``grouped_experts.GroupedMatmul``'s two methods on JAX's Hopper ragged-dot kernels. ``fwd``: the projections and the input
-    gradients (``gmm``); ``wgrad``: the weight gradients (``tgmm``). Group sizes handed to the
+    """``grouped_experts.GroupedMatmul``'s two methods on Hopper kernels. ``gmm`` (the projections and the input
+    gradients): ``warp``'s kernel where it takes the shape, else ``ragged_dot_mgpu`` at ``fwd``'s tiles; ``tgmm``
+    (the weight gradients): ``transposed_ragged_dot_mgpu`` at ``wgrad``'s tiles. Group sizes handed to the
     kernels are the padded ones (whole tiles)."""
 
     fwd: MatmulTiles | None = None
@@ -41,8 +51,8 @@ class MosaicGroupedMatmul:
     # against 34.2, Mixtral-8x7B 69.3 against 65.5, OLMoE 12.65 against 12.59)
     fuse_gate_up: bool = False
     # the projections and input gradients on the warp-specialized kernel (models/hopper_grouped_matmul.py) where
-    # the shape suits its tiles; None: JAX's ragged_dot_mgpu
-    warp: WarpTiles | None = None
+    # the shape and dtype suit it; None: JAX's ragged_dot_mgpu for every shape
+    warp: WarpTiles | None = WARP_TILES
     name: str = "mosaic"
 
     def _sizes(self, lay) -> jax.Array:
@@ -52,7 +62,8 @@ class MosaicGroupedMatmul:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
         n = w.shape[1] if transpose_w else w.shape[2]
-        if self.warp is not None and self.warp.block_m == lay.tile and self.warp.takes(a.shape[0], a.shape[1], n):
+        if (self.warp is not None and a.dtype in WARP_DTYPES and self.warp.block_m == lay.tile
+                and self.warp.takes(a.shape[0], a.shape[1], n)):
             return hopper_grouped_matmul.grouped_matmul(a, w, lay.tile_expert, lay.used_tiles, self.warp,
                                                         transpose_rhs=transpose_w)
         t = self.fwd or FWD_TILES
@@ -79,9 +90,6 @@ FWD_TILES = MatmulTiles(128, 128, 64, 4, 4)
 # The weight gradients: 128 x 128 x 64 (446 TFLOP/s at OLMoE's shape, 539 at Mixtral's). Dimensions that 128 does
 # not divide (gpt-oss: 2880) take 64 x 192 tiles, as the 64 x 64 ones ran at 18 TFLOP/s there: with them the whole
 # gpt-oss-120b layer runs in 34.2 ms (286 active TFLOP/s, bench_moe.py layer), against 88.4 before.
-# The warp-specialized kernel's tiles (models/hopper_grouped_matmul.py): blocks of 128 x 256, one 128 x 128
-# accumulator per consumer warpgroup
-WARP_TILES = WarpTiles(128, 128, 64, 4, False, 8)
 WGRAD_TILES = (MatmulTiles(128, 128, 64, 4, 1), MatmulTiles(64, 192, 64, 4, 1), MatmulTiles(64, 64, 64, 4, 1))
 
 

@@ -13,8 +13,8 @@ routed parameters at 1 / share of their weight. The share grows with the rows ea
 micro-batch (wider tiles, fewer part-filled ones). Measured (experiments/bench_moe.py layer, one H100,
 16,384 tokens, the whole layer forward + backward: routing, gathers, activation and the grouped matmuls),
 as a share of the 600 TFLOP/s the plan counts for a dense block: 512 rows per expert (gpt-oss-120b)
-286 TFLOP/s, 0.48; 1,024 (Qwen3-30B-A3B) 285, 0.475; 2,048 (OLMoE) 393, 0.655; 4,096 (Mixtral-8x7B) 529,
-0.88. Between them the share is interpolated in log2(rows); beyond them it stays at the nearest.
+284 TFLOP/s, 0.473; 1,024 (Qwen3-30B-A3B) 401, 0.668; 2,048 (OLMoE) 472, 0.787; 4,096 (Mixtral-8x7B) 542,
+0.903. Between them the share is interpolated in log2(rows); beyond them it stays at the nearest.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import numpy as np
 ROUTED_BYTES = 16.0  # bytes per routed row and unit of (H + F), bf16 compute (module docstring)
 GROUPED_TILE = 128  # rows per tile of the grouped layout on the GPU (models/grouped_kernels.py)
 # (rows per expert in a micro-batch, the layer's rate as a share of a dense block's): module docstring
-GROUPED_RATE_POINTS = ((512, 0.48), (1024, 0.475), (2048, 0.655), (4096, 0.88))
+GROUPED_RATE_POINTS = ((512, 0.473), (1024, 0.668), (2048, 0.787), (4096, 0.903))
 
 
 def is_moe(m) -> bool:
