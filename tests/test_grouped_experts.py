@@ -148,3 +148,27 @@ def test_warp_specialized_kernel_traces(transpose, split_m):
     with pytest.raises(ValueError, match="does not suit"):
         hg.grouped_matmul(jnp.zeros((1024, 256), jnp.bfloat16), jnp.zeros((4, 256, 320), jnp.bfloat16),
                           jnp.zeros((8,), jnp.int32), jnp.int32(8), tiles)
+
+
+@pytest.mark.parametrize("dtype,hf,expect", [
+    (jnp.bfloat16, (256, 512), "warp"),  # whole blocks of 256, a 16-bit dtype: the warp-specialized kernel
+    (jnp.bfloat16, (2880, 2880), "mgpu"),  # gpt-oss-120b's 2880 is 11.25 blocks: JAX's ragged_dot_mgpu
+    (jnp.float32, (256, 512), "mgpu"),  # fp32 compute: not wgmma's 16-bit inputs
+], ids=["bf16_whole_blocks", "bf16_2880", "fp32"])
+def test_hopper_projection_kernel_choice(dtype, hf, expect, monkeypatch):
+    """Which kernel ``MosaicGroupedMatmul.gmm`` hands a projection to (the kernels themselves run only on a Hopper
+    GPU: ``test_hopper_kernels_equal_dense``)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    from megatrain_jax.models import grouped_kernels, hopper_grouped_matmul
+
+    called = []
+    monkeypatch.setattr(hopper_grouped_matmul, "grouped_matmul", lambda a, w, *_, **__: called.append("warp") or a)
+    monkeypatch.setattr(ragged_dot_mgpu, "ragged_dot", lambda a, w, **_: called.append("mgpu") or a)
+    h, f = hf
+    _, _, idx, _, _ = _inputs(64, 8, 8, 4, 2)
+    lay = dispatch_layout(idx, 4, 128)
+    mm = grouped_kernels.MosaicGroupedMatmul()
+    mm.gmm(jnp.zeros((lay.rows, h), dtype), jnp.zeros((4, h, f), dtype), lay)
+    mm.gmm(jnp.zeros((lay.rows, h), dtype), jnp.zeros((4, f, h), dtype), lay, transpose_w=True)
+    assert called == [expect, expect]
