@@ -55,10 +55,9 @@ class WarpTiles:
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_expert: jax.Array, used_tiles: jax.Array,
-                   tiles: WarpTiles, transpose_rhs: bool = False, interpret: bool = False) -> jax.Array:
+                   tiles: WarpTiles, transpose_rhs: bool = False) -> jax.Array:
     """lhs (M, K); rhs (E, K, N), or (E, N, K) with ``transpose_rhs``; tile_expert (M / block_m,) int32;
-    used_tiles () int32. Returns (M, N) in lhs's dtype, fp32 accumulation. ``interpret``: Pallas's interpreter
-    (the CPU tests)."""
+    used_tiles () int32. Returns (M, N) in lhs's dtype, fp32 accumulation."""
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if not tiles.takes(m, k, n):
@@ -149,6 +148,6 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, tile_expert: jax.Array, used_
     sms = getattr(backend.get_default_device(), "core_count", 132)  # 132 on an H100 SXM
     call = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((m, n), dtype), grid=(sms,), grid_names=("sm",),
-        num_threads=3, thread_name="wg", interpret=interpret,
+        num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return call(tile_expert.astype(jnp.int32), jnp.reshape(used_tiles, (1,)).astype(jnp.int32), lhs, rhs)
