@@ -82,8 +82,13 @@ COST_ORDER = ["test_lora", "test_seq_tiling", "test_engine", "test_stream_io", "
               "test_cli_properties", "test_lora_export", "test_compact_adamw", "test_attention", "test_chat",
               "test_plan", "test_templates", "test_working_set", "test_muon", "test_device_adamw", "test_cli",
               "test_plan_fixes", "test_checkpoint", "test_finetune_hf", "test_optim"]
+# (the next five: the slowest of the quick subset, 5-10 s a case, which kept `scripts/test.sh --quick` over 2 minutes)
 SLOW_TESTS = {"test_happy_path_trains_and_logs", "test_relative_out_dir_saves_resumes_and_exports",
-              "test_module_entry_point_gives_one_line_errors", "test_console_script_help"}
+              "test_module_entry_point_gives_one_line_errors", "test_console_script_help",
+              "test_commands_interleaved_with_damage_lose_nothing_silently",
+              "test_b_a_single_change_that_fits_is_found_or_named", "test_a_every_fix_a_refusal_names_fits",
+              "test_streamed_engine_equals_whole_model_gradient",
+              "test_a_hung_step_ends_the_run_with_one_line_and_keeps_the_checkpoint"}
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
