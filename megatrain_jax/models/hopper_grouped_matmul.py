@@ -1,5 +1,5 @@
 """A warp-specialized grouped matmul for NVIDIA Hopper GPUs, over the tile-padded layout of
-``grouped_experts.DispatchLayout``: row tile ``i`` (``cta_tile_m`` rows) is multiplied by expert
+``grouped_experts.DispatchLayout``: row tile ``i`` (``WarpTiles.block_m`` rows) is multiplied by expert
 ``tile_expert[i]``'s weights.
 
 Why our own: JAX's ``ragged_dot_mgpu`` runs one warpgroup per block, which holds it near 600 TFLOP/s at
