@@ -1,14 +1,14 @@
 """One MoE SwiGLU layer, forward + backward (router, top-k, experts, weighted combine), this engine's
 expert computation at the five shapes of the MoE issue, 16,384 tokens, bf16.
 
-    python experiments/bench_moe.py layer [--tokens 16384] [--variants fused,apart,sorted] [--out FILE]
+    python experiments/bench_moe.py layer [--tokens 16384] [--variants apart,mgpu,fused,sorted] [--out FILE]
     python experiments/bench_moe.py kernels [--tokens 16384] [--sweep warp]  # each grouped matmul alone, tiles
     python experiments/bench_moe.py tune [--shapes a,b]        # the sweep, then the layer at the best tiles
     python experiments/bench_moe.py cpu                        # a small shape, fp32 (runs anywhere)
 
 The transformers side of the comparison is ``experiments/bench_moe_torch.py`` (run in the same call,
 with the GPU image's torch). Active TFLOPS count only the routed work: 3 matmuls x 2 x T x k x H x F,
-x3 for forward + backward. Results: ``experiments/results/moe_layer_<device>_<date>.json``.
+x3 for forward + backward. Results: ``experiments/results/bench_moe_<device>_<date>/``.
 """
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["layer", "kernels", "tune", "cpu"])
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--variants", default="fused", help="layer variants, comma-separated: " + ",".join(VARIANTS))
+    ap.add_argument("--variants", default="apart", help="layer variants, comma-separated: " + ",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out", default=None)

@@ -1,9 +1,8 @@
 """Grouped matmuls on NVIDIA Hopper GPUs: our warp-specialized kernel (``models/hopper_grouped_matmul.py``) for
 the projections and their input gradients where the shape suits its tiles, else the Pallas Mosaic GPU kernels that
 ship with JAX (``jax.experimental.pallas.ops.gpu``: ``ragged_dot_mgpu``), and ``transposed_ragged_dot_mgpu`` for
-the weight gradients, run over the tile-padded
-layout of ``grouped_experts.DispatchLayout``: every group is a whole number of tiles, so no tile
-straddles two experts and the kernels' edge masks never cut a row.
+the weight gradients, run over the tile-padded layout of ``grouped_experts.DispatchLayout``: every group is a whole
+number of tiles, so no tile straddles two experts and the kernels' edge masks never cut a row.
 
 ``grouped_experts.backend_for`` asks ``mosaic_backend`` on a GPU; JAX's kernels are imported only there.
 """
